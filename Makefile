@@ -1,0 +1,42 @@
+# vagent: the two README commands are `make run` and `make test`.
+# Both create (or update) .venv, install vagent with what the job needs, then run the job.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+# PyTorch is installed first and pinned so that pip never swaps it for a different build when the
+# rest of the dependencies resolve. Override on a machine that needs another build, e.g.
+#   make run TORCH_SPEC="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+EXTRAS ?= dev
+ARGS ?=
+
+.PHONY: run test lint venv clean
+
+# Re-install only when the packaging changed (stamp holds the extras it was built for).
+$(BIN)/.installed-$(EXTRAS): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	rm -f $(BIN)/.installed-*
+	touch $@
+
+venv: $(BIN)/.installed-$(EXTRAS)
+
+## The main job on the built-in default: tiny local Qwen2.5-VL, a generated image, one multi-turn rollout.
+run: venv
+	$(BIN)/vagent quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
+
+## Lint, then the default test suite (no slow or GPU tests). pytest's "no tests collected" (exit 5) is a failure.
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; fi; exit $$rc
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

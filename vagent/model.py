@@ -1,0 +1,303 @@
+"""Load a Qwen-VL policy from any HF checkpoint directory, and the model-side operations vagent needs.
+
+``load_policy`` accepts a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint dir (real or built by
+``vagent.tiny_model``) and returns a ``Policy``: the model, its processor, the family and that
+family's box convention. ``Policy.generate`` samples with stop strings and returns the exact
+token ids; ``token_logprobs`` scores multimodal batches for the trainers.
+
+Two transformers 5.x pitfalls handled here, both silent if missed:
+* without ``mm_token_type_ids`` the Qwen-VL forward falls back to 1-D positions instead of
+  multimodal RoPE, so ``token_logprobs`` derives it from the input ids when the caller has none;
+* ``generate`` caches ``rope_deltas`` on the model object, so every scoring forward resets it
+  before running, or a training step after a rollout would reuse another batch's deltas.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vagent.geometry import Convention
+
+__all__ = [
+    "FAMILIES",
+    "Generation",
+    "Policy",
+    "PolicyLoadError",
+    "load_policy",
+    "mm_token_type_ids",
+    "resolve_attn_implementation",
+    "resolve_dtype",
+    "token_logprobs",
+]
+
+# model_type in config.json -> the coordinate convention its boxes use (see vagent.geometry).
+FAMILIES: dict[str, Convention] = {
+    "qwen2_vl": "norm1000",
+    "qwen2_5_vl": "absolute",
+    "qwen3_vl": "norm1000",
+    "qwen3_vl_moe": "norm1000",
+}
+
+
+class PolicyLoadError(RuntimeError):
+    """The checkpoint dir cannot be loaded; the message says what to fix."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None``/``"auto"`` -> bf16 on CUDA (fp16 if the GPU lacks bf16), fp32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
+    return table[dtype]
+
+
+def resolve_attn_implementation(requested: str | None, device: torch.device) -> str:
+    """Pick the attention kernel: flash_attention_2 on CUDA when flash-attn is installed, else sdpa.
+
+    Raises:
+        PolicyLoadError: flash_attention_2 was asked for but cannot run here.
+    """
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if requested in (None, "auto"):
+        return "flash_attention_2" if device.type == "cuda" and has_flash else "sdpa"
+    if requested == "flash_attention_2":
+        if device.type != "cuda":
+            raise PolicyLoadError("attn_implementation=flash_attention_2 needs a CUDA device; use sdpa on CPU.")
+        if not has_flash:
+            raise PolicyLoadError(
+                "attn_implementation=flash_attention_2 needs flash-attn; install the gpu extra: pip install 'vagent[gpu]'"
+            )
+    if requested not in ("sdpa", "eager", "flash_attention_2"):
+        raise PolicyLoadError(f"attn_implementation must be auto, sdpa, eager or flash_attention_2; got {requested!r}")
+    return requested
+
+
+@dataclass
+class Generation:
+    """One row's sampled continuation.
+
+    Attributes:
+        token_ids: Sampled ids, up to and including the stop (EOS or the last token of a stop string).
+        logprobs: The policy's log-prob of each sampled id at temperature 1 (what a trainer recomputes). (n,)
+        text: ``token_ids`` decoded, special tokens kept.
+        stop: ``"eos"``, ``"stop_string"`` or ``"length"``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    stop: str
+
+
+@dataclass
+class Policy:
+    """A loaded Qwen-VL model with its processor. Composition only: the HF objects are public fields."""
+
+    model: Any
+    processor: Any
+    family: str
+    path: Path
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def coord_convention(self) -> Convention:
+        """How this family writes boxes: ``"absolute"`` (resized-image pixels) or ``"norm1000"``."""
+        return FAMILIES[self.family]
+
+    @property
+    def pixel_budget(self) -> tuple[int, int]:
+        """``(min_pixels, max_pixels)`` of the image processor: the frame the model sees."""
+        size = self.processor.image_processor.size
+        return int(size["shortest_edge"]), int(size["longest_edge"])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        return [int(e) for e in eos if e is not None]
+
+    def prepare(self, messages: list[dict[str, Any]], images: list[Any] | None = None, **kwargs: Any) -> Any:
+        """Render chat ``messages`` with the checkpoint's template and process text + images into tensors."""
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        batch = self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
+        return batch.to(self.device)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: Any,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_strings: list[str] | None = None,
+    ) -> list[Generation]:
+        """Sample a continuation for each row of a processed batch (left-padded for batch > 1).
+
+        Args:
+            inputs: Output of the processor (``input_ids``, ``attention_mask``, ``pixel_values``, ...).
+            max_new_tokens: Per-row budget.
+            temperature: 0 means greedy.
+            top_p: Nucleus mass when sampling.
+            stop_strings: Extra stops (e.g. ``</tool_call>``) besides EOS.
+        """
+        reset_rope_deltas(self.model)
+        sampling = {"do_sample": False} if temperature <= 0 else {"do_sample": True, "temperature": temperature}
+        if temperature > 0 and top_p < 1.0:
+            sampling["top_p"] = top_p
+        # A random or confused policy must not emit vision placeholders: the next forward would then
+        # hold more image tokens than images and fail.
+        config = self.model.config
+        placeholders = [config.image_token_id, config.video_token_id, config.vision_start_token_id]
+        placeholders.append(config.vision_end_token_id)
+        out = self.model.generate(
+            **inputs,
+            suppress_tokens=placeholders,
+            max_new_tokens=max_new_tokens,
+            stop_strings=stop_strings or None,
+            tokenizer=self.tokenizer if stop_strings else None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=self.tokenizer.pad_token_id,
+            top_k=None,
+            **sampling,
+        )
+        reset_rope_deltas(self.model)
+        prompt_len = inputs["input_ids"].shape[1]
+        new = out.sequences[:, prompt_len:]  # (B, n)
+        logits = torch.stack(out.logits, dim=1).float()  # (B, n, V), raw (unwarped) scores
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, n)
+        return [
+            self._trim(new[i].tolist(), logprobs[i].tolist(), stop_strings or [], max_new_tokens)
+            for i in range(new.shape[0])
+        ]
+
+    def _trim(self, ids: list[int], logprobs: list[float], stop_strings: list[str], budget: int) -> Generation:
+        """Cut a row at its own stop: finished rows are padded while others keep generating."""
+        eos = set(self.eos_token_ids)
+        for i, tok in enumerate(ids):
+            if tok in eos:
+                return Generation(ids[: i + 1], logprobs[: i + 1], self.tokenizer.decode(ids[: i + 1]), "eos")
+            if stop_strings and self.tokenizer.decode([tok]).endswith(">"):
+                text = self.tokenizer.decode(ids[: i + 1])
+                if any(text.endswith(s) for s in stop_strings):
+                    return Generation(ids[: i + 1], logprobs[: i + 1], text, "stop_string")
+        return Generation(ids, logprobs, self.tokenizer.decode(ids), "length" if len(ids) >= budget else "eos")
+
+
+def reset_rope_deltas(model: torch.nn.Module) -> None:
+    """Forget the ``rope_deltas`` that ``generate`` caches on Qwen-VL models (see the module docstring)."""
+    for module in model.modules():
+        if hasattr(module, "rope_deltas"):
+            module.rope_deltas = None
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """1 at image placeholder tokens, 2 at video placeholders, 0 elsewhere. (B, T) -> (B, T)"""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types[input_ids == image_token_id] = 1
+    types[input_ids == video_token_id] = 2
+    return types
+
+
+def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int = 1024) -> torch.Tensor:
+    """Log-prob of every token given the tokens before it, for a multimodal batch.
+
+    Args:
+        model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/peft).
+        batch: ``input_ids`` (B, T), ``attention_mask`` (B, T), and optionally ``pixel_values``,
+            ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``,
+            ``mm_token_type_ids``. Images must appear in ``pixel_values`` in the order their
+            placeholders appear in the flattened batch.
+        chunk_size: Positions per log-softmax chunk; bounds the fp32 copy of the logits.
+
+    Returns:
+        (B, T) float32; position t holds log p(x_t | x_<t); position 0 holds 0.
+    """
+    config = getattr(model, "config", None) or model.module.config
+    inputs = {k: v for k, v in batch.items() if v is not None and k not in ("labels", "loss_mask", "logprobs")}
+    input_ids = inputs["input_ids"]
+    if "mm_token_type_ids" not in inputs and ("pixel_values" in inputs or "pixel_values_videos" in inputs):
+        inputs["mm_token_type_ids"] = mm_token_type_ids(input_ids, config.image_token_id, config.video_token_id)
+    reset_rope_deltas(model)
+    logits = model(**inputs, use_cache=False).logits  # (B, T, V)
+    reset_rope_deltas(model)
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
+    targets = input_ids[:, 1:]
+    for start in range(0, targets.shape[1], chunk_size):
+        end = min(start + chunk_size, targets.shape[1])
+        lp = torch.log_softmax(logits[:, start:end].float(), dim=-1)  # predicts tokens start+1 .. end
+        out[:, start + 1 : end + 1] = lp.gather(-1, targets[:, start:end].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def load_policy(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> Policy:
+    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir with its processor.
+
+    Args:
+        path: HF checkpoint directory (``config.json``, weights, tokenizer and processor files).
+        device: ``"cuda"``, ``"cpu"``, ...; None picks CUDA when available.
+        dtype: ``"auto"``/None (bf16 on CUDA, fp32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
+        attn_implementation: None/``"auto"`` (flash_attention_2 on CUDA with flash-attn, else sdpa),
+            ``"sdpa"``, ``"eager"`` or ``"flash_attention_2"``.
+
+    Raises:
+        PolicyLoadError: missing dir, not a checkpoint, unsupported family, or a load failure, with the reason.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = Path(path)
+    if not path.is_dir():
+        raise PolicyLoadError(f"checkpoint dir not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise PolicyLoadError(f"{path} is not an HF checkpoint dir (no config.json)")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, OSError) as e:
+        raise PolicyLoadError(f"{config_file} is not valid JSON: {e}") from None
+    if model_type not in FAMILIES:
+        raise PolicyLoadError(
+            f"{path} holds a '{model_type}' model; vagent supports {', '.join(sorted(FAMILIES))} checkpoints"
+        )
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    torch_dtype = resolve_dtype(dtype, device)
+    attn = resolve_attn_implementation(attn_implementation, device)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn)
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise PolicyLoadError(f"could not load {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    model.to(device).eval()
+    return Policy(model=model, processor=processor, family=model_type, path=path)

@@ -1,0 +1,278 @@
+"""Build random-weight Qwen2.5-VL / Qwen2-VL checkpoints locally, as real HF checkpoint directories.
+
+Nothing can be downloaded here, so tests, benchmarks and the default job use checkpoints built on
+the spot: a config scaled down from the real architecture, random weights, a byte-level BPE
+tokenizer trained on a generated corpus (with Qwen's pre-tokenizer regex, so tokenization behaves
+like the real one), the family's special tokens at the end of the vocabulary, the Qwen2.5-VL chat
+template, and the image/video processor configs. The directory loads with plain
+``AutoModelForImageTextToText`` / ``AutoProcessor`` and with ``vagent.model.load_policy``.
+
+The weights are random, so the model writes nonsense; it exercises every code path at real shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CHAT_TEMPLATE", "PRESETS", "SPECIAL_TOKENS", "TinyPreset", "build_tiny_checkpoint", "train_tokenizer"]
+
+# Qwen2.5-VL's special tokens, in the real vocabulary's order. <tool_call> and </tool_call> are added
+# (non-special) tokens in the real tokenizer too, so they survive skip_special_tokens decoding.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+ADDED_TOKENS = ["<tool_call>", "</tool_call>"]
+
+# Same pre-tokenizer split as Qwen2's tokenizer (letters, single digits, punctuation runs, spaces).
+_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+# The Qwen2.5-VL chat template, extended to render `tool` turns the way Qwen2.5 does function
+# results (a user turn wrapped in <tool_response>), with images and videos allowed inside.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}{{ '\\n</tool_response>' }}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """Scaled-down sizes; head_dim = hidden // heads must be even and >= 8 for multimodal RoPE."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vision_hidden: int
+    vision_depth: int
+    vision_heads: int
+
+
+PRESETS: dict[str, TinyPreset] = {
+    "nano": TinyPreset(32, 1, 2, 1, 64, 32, 1, 2),
+    "tiny": TinyPreset(64, 2, 4, 2, 128, 32, 2, 2),
+    "small": TinyPreset(256, 4, 8, 2, 688, 128, 4, 4),
+}
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Split head_dim/2 rotary frequencies over (time, height, width) like Qwen2.5-VL's [16, 24, 24] for 128."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """A generated training corpus that covers what the agent writes: prose, numbers, JSON tool calls, tags."""
+    rng = random.Random(seed)
+    words = (
+        "the a an of in on at to is are what which where how many color colour digit letter number object image "
+        "picture video frame second left right top bottom small large red green blue yellow black white crop zoom "
+        "rotate flip look closer region box answer question think tool call see read text sign shape count person "
+        "car tree sky between above below first then finally because so need detail cannot clearly visible"
+    ).split()
+    tools = ["crop", "zoom_in", "rotate", "flip", "enhance", "sample_frames", "crop_clip", "code", "search"]
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+        if kind < 0.4:
+            lines.append(sentence.capitalize() + rng.choice([".", "?", "!"]))
+        elif kind < 0.7:
+            box = [rng.randint(0, 999) for _ in range(4)]
+            call = {"name": rng.choice(tools), "arguments": {"bbox": box}}
+            lines.append(f"<think>{sentence}</think>\n<tool_call>\n{json.dumps(call)}\n</tool_call>")
+        else:
+            lines.append(f"<think>{sentence}</think>\n<answer>{rng.choice([*words, str(rng.randint(0, 99))])}</answer>")
+    return lines
+
+
+def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
+    """Train a byte-level BPE on the generated corpus and wrap it as a transformers tokenizer.
+
+    Every byte is in the base alphabet, so any text encodes (no unknown tokens). Special tokens
+    take the ids right after the BPE vocabulary, in Qwen's order.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_corpus(seed), trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_tiny_checkpoint(
+    out_dir: str | Path,
+    *,
+    family: str = "qwen2_5_vl",
+    size: str = "tiny",
+    vocab_size: int = 2048,
+    seed: int = 0,
+    min_pixels: int = 28 * 28 * 4,
+    max_pixels: int = 28 * 28 * 256,
+) -> Path:
+    """Write a random-weight checkpoint dir (config, safetensors, tokenizer, processor, chat template).
+
+    Args:
+        out_dir: Target directory; written through a temp dir and renamed, so it is never half-written.
+        family: ``"qwen2_5_vl"`` or ``"qwen2_vl"``.
+        size: A key of ``PRESETS``.
+        vocab_size: BPE vocabulary size before special tokens.
+        seed: Seeds weights and tokenizer corpus: the same arguments give the same checkpoint.
+        min_pixels: Processor's minimum image size in pixels.
+        max_pixels: Processor's maximum image size in pixels (kept small so CPU runs are quick).
+
+    Returns:
+        The checkpoint directory.
+    """
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    if family not in ("qwen2_5_vl", "qwen2_vl"):
+        raise ValueError(f"family must be 'qwen2_5_vl' or 'qwen2_vl', got {family!r}")
+    if size not in PRESETS:
+        raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
+    p = PRESETS[size]
+    tokenizer = train_tokenizer(vocab_size, seed)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = p.hidden // p.heads
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=p.hidden,
+        intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": _mrope_section(head_dim)},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    token_ids = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    if family == "qwen2_5_vl":
+        vision_config = dict(
+            depth=p.vision_depth,
+            hidden_size=p.vision_hidden,
+            intermediate_size=2 * p.vision_hidden,
+            num_heads=p.vision_heads,
+            out_hidden_size=p.hidden,
+            fullatt_block_indexes=[p.vision_depth - 1],  # last block full attention, the rest windowed
+            window_size=112,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        model_cls, processor_cls = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    else:
+        vision_config = dict(
+            depth=p.vision_depth,
+            embed_dim=p.vision_hidden,
+            hidden_size=p.hidden,
+            num_heads=p.vision_heads,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+        config = Qwen2VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        model_cls, processor_cls = Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.do_sample = False
+    processor = processor_cls(
+        image_processor=Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels, max_frames=32),
+        chat_template=CHAT_TEMPLATE,
+    )
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "vagent_tiny.json").write_text(
+            json.dumps({"family": family, "size": size, "vocab_size": vocab_size, "seed": seed}, indent=2)
+        )
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

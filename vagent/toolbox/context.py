@@ -1,0 +1,32 @@
+"""What a tool call can see: the episode's images in original resolution and the frame the model saw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from vagent.geometry import Convention
+
+__all__ = ["ToolContext"]
+
+
+@dataclass
+class ToolContext:
+    """Per-episode state handed to every tool call.
+
+    Attributes:
+        images: Original, full-resolution images of the episode (prompt images first, then tool outputs).
+        model_sizes: ``(width, height)`` of each image as the model saw it (after smart resize), aligned with ``images``.
+        convention: How the policy writes boxes (``"absolute"`` or ``"norm1000"``), from ``Policy.coord_convention``.
+        min_pixels: Smallest image the processor accepts; tools never return smaller images.
+        max_pixels: Largest image the model sees; tools resize outputs within it.
+        videos: Paths of the episode's videos.
+    """
+
+    images: list[Image.Image] = field(default_factory=list)
+    model_sizes: list[tuple[int, int]] = field(default_factory=list)
+    convention: Convention = "absolute"
+    min_pixels: int = 28 * 28 * 4
+    max_pixels: int = 28 * 28 * 256
+    videos: list[str] = field(default_factory=list)

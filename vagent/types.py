@@ -1,0 +1,218 @@
+"""The data types every stage shares: messages, tool calls, observations and trajectories.
+
+A trajectory is both what people read (``messages``: text, tool calls, the images tools returned)
+and what the trainers consume (``token_ids`` with a ``loss_mask`` saying which tokens the policy
+sampled). Both views are kept side by side so nothing is ever re-tokenized from decoded text.
+
+Images live in memory as ``PIL.Image`` objects while a rollout runs; ``to_dict`` writes them out
+as files through a caller-supplied ``save_image`` function so a JSONL line stays small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from PIL import Image
+
+__all__ = [
+    "ContentPart",
+    "Message",
+    "Observation",
+    "Role",
+    "StopReason",
+    "ToolCall",
+    "Trajectory",
+]
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+# Why a trajectory ended; recorded per row so eval and training can report the mix.
+StopReason = Literal["answered", "no_action", "max_turns", "max_tokens", "max_images", "failed"]
+
+
+@dataclass
+class ContentPart:
+    """One piece of a message: text, an image or a video.
+
+    Attributes:
+        type: ``"text"``, ``"image"`` or ``"video"``.
+        text: The text for a text part.
+        image: Decoded pixels for an image part (inputs after loading, tool outputs).
+        path: Where the image or video lives on disk, if anywhere.
+        timestamps: For frames sampled from a video, the time in seconds of each frame.
+    """
+
+    type: Literal["text", "image", "video"]
+    text: str | None = None
+    image: Image.Image | None = None
+    path: str | None = None
+    timestamps: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in ("text", "image", "video"):
+            raise ValueError(f"ContentPart.type must be 'text', 'image' or 'video', got {self.type!r}")
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text ContentPart needs text")
+        if self.type == "image" and self.image is None and self.path is None:
+            raise ValueError("an image ContentPart needs an image or a path")
+        if self.type == "video" and self.path is None:
+            raise ValueError("a video ContentPart needs a path")
+
+
+@dataclass
+class ToolCall:
+    """A parsed tool call: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+    ``raw`` keeps the exact text the model wrote so viewers and error messages can quote it.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    raw: str = ""
+
+
+@dataclass
+class Observation:
+    """What a tool returns to the model.
+
+    Attributes:
+        text: Human/model-readable result, or the error message when ``error`` is set.
+        images: Images the tool produced (crops, frames, plots), in order.
+        error: Error kind (e.g. ``"bad_arguments"``, ``"timeout"``) when the call failed; None on success.
+        timestamps: For video frames, the time in seconds of each returned image.
+        metadata: Structured extras for metrics and rewards (e.g. the crop box in original pixels).
+    """
+
+    text: str
+    images: list[Image.Image] = field(default_factory=list)
+    error: str | None = None
+    timestamps: list[float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Message:
+    """One chat turn. ``tool_calls`` are filled for assistant turns that called tools."""
+
+    role: Role
+    content: list[ContentPart]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @classmethod
+    def text(cls, role: Role, text: str) -> Message:
+        return cls(role=role, content=[ContentPart(type="text", text=text)])
+
+    @property
+    def plain_text(self) -> str:
+        """The text parts joined, images left out."""
+        return "".join(part.text or "" for part in self.content if part.type == "text")
+
+    @property
+    def images(self) -> list[Image.Image | str]:
+        return [part.image if part.image is not None else part.path for part in self.content if part.type == "image"]
+
+
+@dataclass
+class Trajectory:
+    """One sampled episode for one task.
+
+    Attributes:
+        task_id: The canonical row's ``id``.
+        messages: The conversation as people read it (system, user, assistant, tool, ...).
+        token_ids: Every token of the episode, prompt included. (T,)
+        loss_mask: Aligned with ``token_ids``; 1 = sampled by the policy, 0 = forced (prompt, tool output). (T,)
+        logprobs: Aligned with ``token_ids``; the sampler's log-prob for sampled tokens, 0.0 elsewhere. (T,)
+        answer: Text inside the final ``<answer>`` tag, or None.
+        stop_reason: Why the episode ended.
+        metrics: Counters (turns, tool calls, tool errors by kind, ...).
+        reward: Filled in by the trainer or eval, never by the rollout.
+    """
+
+    task_id: str
+    messages: list[Message]
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    answer: str | None = None
+    stop_reason: StopReason = "failed"
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or (self.logprobs and len(self.logprobs) != n):
+            raise ValueError(
+                f"token_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) must align"
+            )
+
+    @property
+    def images(self) -> list[Image.Image | str]:
+        """Every image in conversation order: the prompt's, then each tool output's."""
+        return [img for message in self.messages for img in message.images]
+
+    def to_dict(self, save_image: Callable[[Image.Image], str] | None = None) -> dict[str, Any]:
+        """A JSON-ready dict. In-memory images are written with ``save_image`` (returns a path) or dropped."""
+
+        def part_dict(part: ContentPart) -> dict[str, Any]:
+            out: dict[str, Any] = {"type": part.type}
+            if part.text is not None:
+                out["text"] = part.text
+            path = part.path
+            if part.image is not None and path is None and save_image is not None:
+                path = save_image(part.image)
+            if path is not None:
+                out["path"] = path
+            if part.timestamps is not None:
+                out["timestamps"] = part.timestamps
+            return out
+
+        return {
+            "task_id": self.task_id,
+            "messages": [
+                {
+                    "role": m.role,
+                    "content": [part_dict(p) for p in m.content],
+                    "tool_calls": [{"name": c.name, "arguments": c.arguments, "raw": c.raw} for c in m.tool_calls],
+                }
+                for m in self.messages
+            ],
+            "token_ids": self.token_ids,
+            "loss_mask": self.loss_mask,
+            "logprobs": self.logprobs,
+            "answer": self.answer,
+            "stop_reason": self.stop_reason,
+            "metrics": self.metrics,
+            "reward": self.reward,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        """Inverse of ``to_dict``; images come back as paths (loaded lazily by whoever needs pixels)."""
+        messages = [
+            Message(
+                role=m["role"],
+                content=[
+                    ContentPart(type=p["type"], text=p.get("text"), path=p.get("path"), timestamps=p.get("timestamps"))
+                    for p in m["content"]
+                ],
+                tool_calls=[ToolCall(c["name"], c["arguments"], c.get("raw", "")) for c in m.get("tool_calls", [])],
+            )
+            for m in data["messages"]
+        ]
+        return cls(
+            task_id=data["task_id"],
+            messages=messages,
+            token_ids=list(data.get("token_ids", [])),
+            loss_mask=list(data.get("loss_mask", [])),
+            logprobs=list(data.get("logprobs", [])),
+            answer=data.get("answer"),
+            stop_reason=data.get("stop_reason", "failed"),
+            metrics=dict(data.get("metrics", {})),
+            reward=data.get("reward"),
+        )
