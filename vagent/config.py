@@ -12,6 +12,7 @@ Only leaves (recipes, tools/, demo/) read config objects; library code takes pla
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -43,10 +44,9 @@ class ConfigError(ValueError):
 
 def option(default: Any, help: str) -> Any:
     """A dataclass field with a default and a help string (shown by ``vagent ... --help-config``)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    if dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: dataclasses.replace(default), metadata={"help": help})
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        # mutable defaults: each instance gets its own deep copy (nested lists included)
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 

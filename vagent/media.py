@@ -113,7 +113,7 @@ def smart_resize(
     with the aspect ratio kept as closely as possible.
 
     >>> smart_resize(750, 1000, min_pixels=3136, max_pixels=200704)
-    (392, 504)
+    (364, 504)
     """
     try:
         return _qwen_smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)

@@ -1,0 +1,94 @@
+from pathlib import Path
+
+import pytest
+
+from vagent.config import CONFIGS, ConfigError, QuickstartConfig, TinyModelConfig, load_config
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+YAMLS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name in CONFIGS)
+
+
+def test_every_yaml_in_configs_loads_and_starts_with_its_launch_command():
+    all_yamls = sorted(CONFIG_DIR.rglob("*.yaml"))
+    assert all_yamls, "configs/ holds no YAML"
+    assert YAMLS == all_yamls, "every configs/<stage>/ must be a key of vagent.config.CONFIGS"
+    for path in all_yamls:
+        load_config(CONFIGS[path.parent.name], path)
+        assert path.read_text().startswith("# Launch:"), f"{path} must start with its launch command"
+
+
+def test_every_field_has_a_help_string():
+    import dataclasses
+    import typing
+
+    seen = []
+
+    def walk(cls):
+        seen.append(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help string"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name])
+
+    for cls in CONFIGS.values():
+        walk(cls)
+    assert {c.__name__ for c in seen} >= {"ModelConfig", "RolloutConfig", "TinyModelConfig"}  # nested ones visited
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_is_an_error_naming_key_and_file(tmp_path):
+    path = _write(tmp_path, "seed: 1\nrollout:\n  max_turn: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(QuickstartConfig, path)
+    assert "rollout.max_turn" in str(e.value) and str(path) in str(e.value) and "max_turns" in str(e.value)
+
+
+def test_wrong_type_is_an_error_naming_key_expected_and_given(tmp_path):
+    path = _write(tmp_path, "seed: one\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml.*'seed' expects an integer, got str 'one'"):
+        load_config(QuickstartConfig, path)
+    with pytest.raises(ConfigError, match="'rollout.temperature' expects a number"):
+        load_config(QuickstartConfig, None, ["rollout.temperature=hot"])
+    with pytest.raises(ConfigError, match="'model.tiny.family' must be one of"):
+        load_config(QuickstartConfig, None, ["model.tiny.family=llama"])
+    with pytest.raises(ConfigError, match="expects true/false|expects an integer"):
+        load_config(QuickstartConfig, None, ["seed=true"])  # bools are not ints
+
+
+def test_overrides_nested_and_typed():
+    cfg = load_config(
+        QuickstartConfig, None, ["rollout.max_turns=7", "model.path=/x", "rollout.tools=[crop]", "seed=3"]
+    )
+    assert cfg.rollout.max_turns == 7 and cfg.model.path == "/x" and cfg.rollout.tools == ["crop"] and cfg.seed == 3
+    assert cfg.rollout.temperature == 1.0  # untouched defaults survive
+    cfg = load_config(QuickstartConfig, None, ["rollout.temperature=0"])
+    assert isinstance(cfg.rollout.temperature, float)
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(QuickstartConfig, None, ["seed"])
+    with pytest.raises(ConfigError, match="unknown key 'nope'"):
+        load_config(QuickstartConfig, None, ["nope=1"])
+
+
+def test_validation_and_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="max_turns must be positive"):
+        load_config(QuickstartConfig, None, ["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match="vocab_size"):
+        load_config(TinyModelConfig, None, ["vocab_size=10"])
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(QuickstartConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(QuickstartConfig, _write(tmp_path, "seed: [1,\n"))
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(QuickstartConfig, _write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_defaults_are_not_shared_between_instances():
+    a, b = load_config(QuickstartConfig), load_config(QuickstartConfig)
+    a.rollout.tools.append("zoom_in")
+    assert b.rollout.tools == ["crop"]

@@ -1,0 +1,70 @@
+"""Holds the import rules of ARCHITECTURE.md: imports point downward only."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vagent"
+
+LEVELS = {
+    "types": 0, "geometry": 0, "media": 0, "config": 0,
+    "chat": 1, "toolbox": 1, "rewards": 1, "algorithms": 1, "data": 1,
+    "model": 2, "tiny_model": 2, "rollout": 2, "training": 2,
+    "eval": 3,
+    "recipes": 9, "cli": 9,
+}  # fmt: skip
+# Same-level imports that the architecture allows (everything else at one level is a sibling import).
+ALLOWED_SAME_LEVEL = {("rollout", "model"), ("training", "model")}
+NO_TRANSFORMERS = {"rewards", "algorithms", "types", "geometry", "config", "chat"}
+
+
+def _top(module_path: Path) -> str:
+    rel = module_path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def _violations():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == PACKAGE:
+            continue
+        src = _top(path)
+        assert src in LEVELS, f"{path} belongs to no layer; add '{src}' to LEVELS (and ARCHITECTURE.md)"
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "transformers" and src in NO_TRANSFORMERS:
+                found.append(f"{path.relative_to(PACKAGE)} imports transformers")
+            if parts[0] != "vagent" or len(parts) < 2 or parts[1] == src:
+                continue
+            dst = parts[1]
+            if dst in ("recipes", "cli") and src != "cli":
+                found.append(f"{path.relative_to(PACKAGE)} imports the leaf {dst}")
+            elif LEVELS[dst] > LEVELS[src] or (LEVELS[dst] == LEVELS[src] and (src, dst) not in ALLOWED_SAME_LEVEL):
+                if LEVELS[src] != 9:
+                    found.append(
+                        f"{path.relative_to(PACKAGE)} (level {LEVELS[src]}) imports {name} (level {LEVELS[dst]})"
+                    )
+    return found
+
+
+def test_imports_point_downward():
+    assert _violations() == []
+
+
+def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
+    bad = PACKAGE / "geometry_layering_probe.py"
+    LEVELS["geometry_layering_probe"] = 0
+    try:
+        bad.write_text("from vagent.model import load_policy\nimport transformers\n")
+        found = _violations()
+    finally:
+        bad.unlink()
+        del LEVELS["geometry_layering_probe"]
+    assert any("imports vagent.model" in v for v in found)

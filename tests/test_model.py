@@ -1,0 +1,197 @@
+import json
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vagent.model import PolicyLoadError, load_policy, mm_token_type_ids, resolve_attn_implementation, token_logprobs
+from vagent.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
+
+IMAGE = Image.new("RGB", (320, 240), (30, 140, 200))
+
+
+def _messages(text="What color is this?"):
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+
+def test_tiny_checkpoint_loads_with_plain_transformers(tiny_qwen25):
+    files = {p.name for p in tiny_qwen25.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "processor_config.json",
+        "chat_template.jinja",
+    } <= files
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen25)
+    processor = AutoProcessor.from_pretrained(tiny_qwen25)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+    # special token ids in the config match the tokenizer's
+    tok = processor.tokenizer
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert model.config.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+    assert model.config.text_config.vocab_size == len(tok)
+
+
+def test_tokenizer_carries_the_family_tokens_and_round_trips_any_text(policy):
+    tok = policy.tokenizer
+    for token in [*SPECIAL_TOKENS, "<tool_call>", "</tool_call>"]:
+        ids = tok.encode(token, add_special_tokens=False)
+        assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == token
+    text = 'Zoom 3× into "région" — {"bbox": [1, 2, 3, 4]} 数字 🙂\n\tend'
+    assert tok.decode(tok.encode(text)) == text  # byte-level: nothing is unknown
+    assert tok.decode(tok.encode("<tool_call>x</tool_call>"), skip_special_tokens=True) == "<tool_call>x</tool_call>"
+
+
+def test_chat_template_renders_all_roles_with_images(policy):
+    messages = [
+        {"role": "system", "content": "SYS"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]},
+        {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "OBS"}]},
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "V"}]},
+    ]
+    text = policy.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nSYS<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Q<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>{}</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|><|vision_end|>OBS\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>V<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_load_policy_picks_sdpa_on_cpu_and_knows_the_convention(policy, tiny_qwen2):
+    assert policy.family == "qwen2_5_vl" and policy.coord_convention == "absolute"
+    assert policy.model.config._attn_implementation == "sdpa"
+    assert policy.dtype == torch.float32 and policy.device.type == "cpu"
+    assert policy.pixel_budget == (28 * 28 * 4, 28 * 28 * 256)
+    qwen2 = load_policy(tiny_qwen2, device="cpu")
+    assert qwen2.family == "qwen2_vl" and qwen2.coord_convention == "norm1000"
+    out = qwen2.generate(qwen2.prepare(_messages(), [IMAGE]), max_new_tokens=4)
+    assert 1 <= len(out[0].token_ids) <= 4
+
+
+def test_load_policy_errors_are_clear(tmp_path, tiny_qwen25):
+    with pytest.raises(PolicyLoadError, match="checkpoint dir not found"):
+        load_policy(tmp_path / "nope")
+    with pytest.raises(PolicyLoadError, match="no config.json"):
+        load_policy(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(PolicyLoadError, match="'llama' model; vagent supports"):
+        load_policy(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(PolicyLoadError, match="not valid JSON"):
+        load_policy(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_qwen25 / "config.json").read_text())  # config but no weights
+    with pytest.raises(PolicyLoadError, match="could not load"):
+        load_policy(broken)
+    with pytest.raises(PolicyLoadError, match="needs a CUDA device"):
+        load_policy(tiny_qwen25, device="cpu", attn_implementation="flash_attention_2")
+
+
+def test_attention_choice():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attn_implementation(None, cpu) == "sdpa"
+    assert resolve_attn_implementation("eager", cpu) == "eager"
+    with pytest.raises(PolicyLoadError, match="must be"):
+        resolve_attn_implementation("xformers", cpu)
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        assert resolve_attn_implementation(None, cuda) == "sdpa"
+        with pytest.raises(PolicyLoadError, match=r"pip install 'vagent\[gpu\]'"):
+            resolve_attn_implementation("flash_attention_2", cuda)
+
+
+def test_generate_respects_budget_and_stop_strings(policy):
+    inputs = policy.prepare(_messages(), [IMAGE])
+    greedy = policy.generate(inputs, max_new_tokens=12)[0]
+    assert len(greedy.token_ids) <= 12 and len(greedy.logprobs) == len(greedy.token_ids)
+    assert all(lp <= 0 for lp in greedy.logprobs)
+    assert policy.generate(inputs, max_new_tokens=12)[0].token_ids == greedy.token_ids  # greedy is deterministic
+    torch.manual_seed(0)
+    sampled = policy.generate(inputs, max_new_tokens=40, temperature=1.0, stop_strings=["</tool_call>"])[0]
+    placeholders = {policy.model.config.image_token_id, policy.model.config.video_token_id}
+    assert not placeholders & set(sampled.token_ids), "vision placeholders must never be sampled"
+
+
+def test_rows_are_cut_at_their_own_stop(policy):
+    """Finished rows of a batch are padded; each row is trimmed at its EOS or stop string."""
+    tok = policy.tokenizer
+    ids = tok.encode('x <tool_call>{"a": 1}</tool_call> junk after')
+    lps = [-1.0] * len(ids)
+    cut = policy._trim(ids, lps, ["</tool_call>", "</answer>"], budget=99)
+    assert cut.stop == "stop_string" and cut.text == 'x <tool_call>{"a": 1}</tool_call>'
+    assert len(cut.logprobs) == len(cut.token_ids) < len(ids)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.pad_token_id
+    ids = [*tok.encode("done"), eos, pad, pad]
+    cut = policy._trim(ids, [-1.0] * len(ids), [], budget=99)
+    assert cut.stop == "eos" and cut.token_ids[-1] == eos
+    cut = policy._trim(tok.encode("a b c"), [-1.0] * 3, [], budget=3)
+    assert cut.stop == "length"
+
+
+def test_token_logprobs_match_generation_and_use_multimodal_rope(policy):
+    inputs = policy.prepare(_messages(), [IMAGE])
+    gen = policy.generate(inputs, max_new_tokens=6)[0]
+    full = torch.cat([inputs["input_ids"], torch.tensor([gen.token_ids])], dim=1)
+    batch = {
+        "input_ids": full,
+        "attention_mask": torch.ones_like(full),
+        "pixel_values": inputs["pixel_values"],
+        "image_grid_thw": inputs["image_grid_thw"],
+    }
+    with torch.no_grad():
+        scores = token_logprobs(policy.model, batch)  # mm_token_type_ids derived inside
+    n = len(gen.token_ids)
+    assert scores.shape == full.shape and scores[0, 0] == 0
+    assert scores[0, -n:].tolist() == pytest.approx(gen.logprobs, abs=1e-4)
+    # Positions matter: forcing 1-D RoPE (what transformers silently does without mm_token_type_ids) changes scores.
+    model = policy.model
+    with torch.no_grad():
+        flat = model(**batch, position_ids=torch.arange(full.shape[1])[None].expand(3, 1, -1)).logits
+    flat_lp = torch.log_softmax(flat[0, :-1].float(), -1).gather(-1, full[0, 1:, None]).squeeze(-1)
+    assert not torch.allclose(flat_lp[-n:], scores[0, -n:], atol=1e-4)
+
+
+def test_token_logprobs_not_affected_by_stale_rope_deltas(policy):
+    other = Image.new("RGB", (600, 200), (250, 10, 10))  # different grid -> different rope_deltas
+    inputs = policy.prepare(_messages(), [IMAGE])
+    batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    with torch.no_grad():
+        fresh = token_logprobs(policy.model, batch)
+        policy.generate(policy.prepare(_messages("another"), [other]), max_new_tokens=3)
+        after = token_logprobs(policy.model, batch)
+    assert torch.equal(fresh, after)
+
+
+def test_mm_token_type_ids():
+    ids = torch.tensor([[5, 9, 9, 7, 8]])
+    assert mm_token_type_ids(ids, image_token_id=9, video_token_id=8).tolist() == [[0, 1, 1, 0, 2]]
+
+
+def test_tiny_checkpoint_is_deterministic_and_written_atomically(tmp_path):
+    a = build_tiny_checkpoint(tmp_path / "a", size="nano", seed=3)
+    b = build_tiny_checkpoint(tmp_path / "b", size="nano", seed=3)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no temp dirs left behind
+    with pytest.raises(ValueError, match="size must be one of"):
+        build_tiny_checkpoint(tmp_path / "c", size="huge")
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "auto"])
+def test_bf16_on_gpu(tiny_qwen25, attn):
+    policy = load_policy(tiny_qwen25, device="cuda", dtype="bfloat16", attn_implementation=attn)
+    assert policy.dtype == torch.bfloat16
+    out = policy.generate(policy.prepare(_messages(), [IMAGE]), max_new_tokens=8)[0]
+    assert 1 <= len(out.token_ids) <= 8
