@@ -57,7 +57,7 @@ def test_sampled_tokens_are_masked_one_and_tool_images_are_tokenized(policy):
     # image placeholders for both images: prompt image and the crop the tool returned
     image_pad = policy.model.config.image_token_id
     assert traj.token_ids.count(image_pad) > 0 and len(traj.images) == 2
-    assert traj.stop_reason in ("no_action", "max_turns", "answered")
+    assert traj.stop_reason in ("no_action", "max_tokens", "max_turns", "answered")
 
 
 def test_bad_tool_calls_become_observations_and_the_episode_goes_on(policy):
@@ -81,3 +81,12 @@ def test_run_groups_samples_by_task(policy):
     tasks = [Task(id=f"t{i}", question="Q?", images=[IMAGE], scripted_turns=["<answer>a</answer>"]) for i in range(2)]
     out = run(policy, tasks, n_samples=2, limits=RolloutLimits(max_turns=1))
     assert [t.task_id for t in out] == ["t0", "t0", "t1", "t1"]
+
+
+def test_turn_cut_by_its_token_budget_is_max_tokens(policy):
+    torch.manual_seed(0)
+    task = Task(id="t", question="Q?", images=[IMAGE])
+    traj = rollout(policy, task, RolloutLimits(max_turns=1, max_new_tokens=3, temperature=1.0))
+    # three random tokens cannot hold a closed tool call or answer; the turn is cut by the budget
+    assert traj.metrics["sampled_tokens"] == 3 and traj.stop_reason in ("max_tokens", "max_turns")
+    assert traj.stop_reason == "max_tokens" or traj.messages[-1].tool_calls

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     from vagent.model import PolicyLoadError
 
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown the trajectory print-out
     try:
         return args.func(args)
     except (ConfigError, PolicyLoadError, MediaError) as e:

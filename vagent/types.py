@@ -29,6 +29,7 @@ __all__ = [
 Role = Literal["system", "user", "assistant", "tool"]
 
 # Why a trajectory ended; recorded per row so eval and training can report the mix.
+# max_tokens covers both budgets: a turn cut at max_new_tokens without a call or answer, and the episode total.
 StopReason = Literal["answered", "no_action", "max_turns", "max_tokens", "max_images", "failed"]
 
 

@@ -169,7 +169,7 @@ def rollout(
             stop, answer = "answered", parsed.answer
             break
         if not parsed.tool_calls:
-            stop = "max_tokens" if cut and len(episode.ids) >= limits.max_total_tokens else "no_action"
+            stop = "max_tokens" if cut else "no_action"  # cut by a token budget vs. ended its turn with neither
             break
         if not _run_tools(parsed.tool_calls, task, context, episode, messages, metrics, limits, policy, on_turn):
             stop = "max_images"
