@@ -206,8 +206,13 @@ class ModelConfig:
         "auto", "Attention kernel; auto = flash_attention_2 on CUDA when flash-attn is installed, else sdpa."
     )
     device: str | None = option(None, "torch device; None = cuda if available, else cpu.")
-    min_pixels: int = option(28 * 28 * 4, "Smallest image the processor accepts, in pixels.")
-    max_pixels: int = option(28 * 28 * 256, "Largest image the model sees, in pixels (global view budget).")
+    min_pixels: int = option(
+        28 * 28 * 4, "Tiny checkpoint's processor: smallest image, in pixels (a real checkpoint keeps its own)."
+    )
+    max_pixels: int = option(
+        28 * 28 * 256,
+        "Tiny checkpoint's processor: largest image the model sees, in pixels (a real checkpoint keeps its own).",
+    )
     tiny: TinyModelConfig = option(TinyModelConfig(), "Tiny model to build when path is None.")
 
     def validate(self) -> None:

@@ -188,8 +188,11 @@ class Policy:
         reset_rope_deltas(self.model)
         prompt_len = inputs["input_ids"].shape[1]
         new = out.sequences[:, prompt_len:]  # (B, n)
-        logits = torch.stack(out.logits, dim=1).float()  # (B, n, V), raw (unwarped) scores
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, n)
+        # out.logits: n tensors of (B, V), raw (unwarped) scores; gathered step by step so no (B, n, V) fp32 copy exists
+        steps = [
+            torch.log_softmax(step.float(), dim=-1).gather(-1, new[:, i, None]) for i, step in enumerate(out.logits)
+        ]
+        logprobs = torch.cat(steps, dim=1)  # (B, n)
         return [
             self._trim(new[i].tolist(), logprobs[i].tolist(), stop_strings or [], max_new_tokens)
             for i in range(new.shape[0])

@@ -267,7 +267,17 @@ def build_tiny_checkpoint(
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
         (tmp / "vagent_tiny.json").write_text(
-            json.dumps({"family": family, "size": size, "vocab_size": vocab_size, "seed": seed}, indent=2)
+            json.dumps(
+                {
+                    "family": family,
+                    "size": size,
+                    "vocab_size": vocab_size,
+                    "seed": seed,
+                    "min_pixels": min_pixels,
+                    "max_pixels": max_pixels,
+                },
+                indent=2,
+            )
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)

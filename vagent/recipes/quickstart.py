@@ -53,11 +53,18 @@ def tiny_checkpoint(cfg: QuickstartConfig) -> Path:
         return Path(cfg.model.path)
     tiny = cfg.model.tiny
     out = Path(cfg.out_dir) / f"tiny-{tiny.family}-{tiny.size}"
-    recipe = {"family": tiny.family, "size": tiny.size, "vocab_size": tiny.vocab_size, "seed": tiny.seed}
+    recipe = {
+        "family": tiny.family,
+        "size": tiny.size,
+        "vocab_size": tiny.vocab_size,
+        "seed": tiny.seed,
+        "min_pixels": cfg.model.min_pixels,
+        "max_pixels": cfg.model.max_pixels,
+    }
     marker = out / "vagent_tiny.json"
     if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
         print(f"building a random tiny {tiny.family} checkpoint ({tiny.size}) in {out} ...", flush=True)
-        build_tiny_checkpoint(out, **recipe, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+        build_tiny_checkpoint(out, **recipe)
     return out
 
 
