@@ -195,3 +195,12 @@ def test_bf16_on_gpu(tiny_qwen25, attn):
     assert policy.dtype == torch.bfloat16
     out = policy.generate(policy.prepare(_messages(), [IMAGE]), max_new_tokens=8)[0]
     assert 1 <= len(out.token_ids) <= 8
+
+
+def test_qwen3_vl_checkpoint_loads_and_generates(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "q3", family="qwen3_vl", size="nano", min_pixels=32 * 32 * 4)
+    assert type(AutoModelForImageTextToText.from_pretrained(path)).__name__ == "Qwen3VLForConditionalGeneration"
+    policy = load_policy(path, device="cpu")
+    assert policy.family == "qwen3_vl" and policy.coord_convention == "norm1000" and policy.image_factor == 32
+    out = policy.generate(policy.prepare(_messages(), [IMAGE]), max_new_tokens=4)[0]
+    assert 1 <= len(out.token_ids) <= 4

@@ -90,3 +90,16 @@ def test_turn_cut_by_its_token_budget_is_max_tokens(policy):
     # three random tokens cannot hold a closed tool call or answer; the turn is cut by the budget
     assert traj.metrics["sampled_tokens"] == 3 and traj.stop_reason in ("max_tokens", "max_turns")
     assert traj.stop_reason == "max_tokens" or traj.messages[-1].tool_calls
+
+
+def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
+    from vagent.model import load_policy
+    from vagent.tiny_model import build_tiny_checkpoint
+
+    policy = load_policy(build_tiny_checkpoint(tmp_path / "q3", family="qwen3_vl", size="nano", min_pixels=32 * 32 * 4))
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [100, 100, 400, 400]}}</tool_call>'  # 0-1000 grid
+    traj = rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"]),
+                   RolloutLimits(max_turns=3))  # fmt: skip
+    assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
+    out = traj.messages[3].images[0]
+    assert out.width % 32 == 0 and out.height % 32 == 0

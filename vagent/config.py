@@ -186,7 +186,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 @dataclass
 class TinyModelConfig:
-    family: Literal["qwen2_5_vl", "qwen2_vl"] = option("qwen2_5_vl", "Model family of the random tiny checkpoint.")
+    family: Literal["qwen2_5_vl", "qwen2_vl", "qwen3_vl"] = option(
+        "qwen2_5_vl", "Model family of the random tiny checkpoint."
+    )
     size: Literal["nano", "tiny", "small"] = option("tiny", "Size preset (see vagent.tiny_model.PRESETS).")
     vocab_size: int = option(2048, "BPE vocabulary size of the tokenizer trained on the spot (before specials).")
     seed: int = option(0, "Seed for weights and tokenizer corpus.")

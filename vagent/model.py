@@ -134,6 +134,12 @@ class Policy:
         return int(size["shortest_edge"]), int(size["longest_edge"])
 
     @property
+    def image_factor(self) -> int:
+        """Side multiple of the images the model sees: patch size x merge size (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+        image_processor = self.processor.image_processor
+        return int(image_processor.patch_size * image_processor.merge_size)
+
+    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]

@@ -1,4 +1,4 @@
-"""Build random-weight Qwen2.5-VL / Qwen2-VL checkpoints locally, as real HF checkpoint directories.
+"""Build random-weight Qwen2.5-VL / Qwen2-VL / Qwen3-VL checkpoints locally, as real HF checkpoint directories.
 
 Nothing can be downloaded here, so tests, benchmarks and the default job use checkpoints built on
 the spot: a config scaled down from the real architecture, random weights, a byte-level BPE
@@ -17,7 +17,17 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "PRESETS", "SPECIAL_TOKENS", "TinyPreset", "build_tiny_checkpoint", "train_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FAMILIES",
+    "PRESETS",
+    "SPECIAL_TOKENS",
+    "TinyPreset",
+    "build_tiny_checkpoint",
+    "train_tokenizer",
+]
+
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 # Qwen2.5-VL's special tokens, in the real vocabulary's order. <tool_call> and </tool_call> are added
 # (non-special) tokens in the real tokenizer too, so they survive skip_special_tokens decoding.
@@ -167,7 +177,7 @@ def build_tiny_checkpoint(
 
     Args:
         out_dir: Target directory; written through a temp dir and renamed, so it is never half-written.
-        family: ``"qwen2_5_vl"`` or ``"qwen2_vl"``.
+        family: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"``.
         size: A key of ``PRESETS``.
         vocab_size: BPE vocabulary size before special tokens.
         seed: Seeds weights and tokenizer corpus: the same arguments give the same checkpoint.
@@ -190,10 +200,14 @@ def build_tiny_checkpoint(
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
         Qwen2VLVideoProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
     )
 
-    if family not in ("qwen2_5_vl", "qwen2_vl"):
-        raise ValueError(f"family must be 'qwen2_5_vl' or 'qwen2_vl', got {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
     if size not in PRESETS:
         raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
     p = PRESETS[size]
@@ -219,6 +233,7 @@ def build_tiny_checkpoint(
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
+    patch, video_processor_cls = 14, Qwen2VLVideoProcessor
     if family == "qwen2_5_vl":
         vision_config = dict(
             depth=p.vision_depth,
@@ -234,7 +249,7 @@ def build_tiny_checkpoint(
         )
         config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls, processor_cls = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
-    else:
+    elif family == "qwen2_vl":
         vision_config = dict(
             depth=p.vision_depth,
             embed_dim=p.vision_hidden,
@@ -247,6 +262,25 @@ def build_tiny_checkpoint(
         )
         config = Qwen2VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls, processor_cls = Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    else:  # Qwen3-VL: 16-pixel patches, learned position embeddings, deepstack features, interleaved mRoPE
+        patch = 16
+        text_config["head_dim"] = head_dim
+        text_config["rope_parameters"]["mrope_interleaved"] = True
+        vision_config = dict(
+            depth=p.vision_depth,
+            hidden_size=p.vision_hidden,
+            intermediate_size=2 * p.vision_hidden,
+            num_heads=p.vision_heads,
+            out_hidden_size=p.hidden,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+            patch_size=patch,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+        config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        model_cls, processor_cls = Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+        video_processor_cls = Qwen3VLVideoProcessor
 
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -254,9 +288,11 @@ def build_tiny_checkpoint(
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.do_sample = False
     processor = processor_cls(
-        image_processor=Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels),
+        image_processor=Qwen2VLImageProcessor(patch_size=patch, min_pixels=min_pixels, max_pixels=max_pixels),
         tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels, max_frames=32),
+        video_processor=video_processor_cls(
+            patch_size=patch, min_pixels=min_pixels, max_pixels=max_pixels, max_frames=32
+        ),
         chat_template=CHAT_TEMPLATE,
     )
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     image_path = out_dir / "task.png"
     image.save(image_path)
     min_pixels, max_pixels = policy.pixel_budget
-    seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels).size
+    seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor).size
     margin = 20  # original pixels around the tile, so the crop shows some context
     box = (tile[0] - margin, tile[1] - margin, tile[2] + margin, tile[3] + margin)
     model_box = [round(v) for v in original_to_model(box, policy.coord_convention, seen, image.size)]

@@ -103,13 +103,17 @@ def rollout(
     processor, tokenizer = policy.processor, policy.tokenizer
     min_pixels, max_pixels = policy.pixel_budget
     originals = [load_image(img) for img in task.images]
-    shown = [resize_to_budget(img, min_pixels=min_pixels, max_pixels=max_pixels) for img in originals]
+    shown = [
+        resize_to_budget(img, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+        for img in originals
+    ]
     context = ToolContext(
         images=list(originals),
         model_sizes=[img.size for img in shown],
         convention=policy.coord_convention,
         min_pixels=min_pixels,
         max_pixels=max_pixels,
+        image_factor=policy.image_factor,
     )
     system = system_prompt(tool_schemas(task.tools))
     user_content = [{"type": "image"} for _ in shown] + [{"type": "text", "text": task.question}]
@@ -209,7 +213,10 @@ def _run_tools(
             metrics[f"tool_error/{observation.error}"] += 1
         if len(context.images) + len(observation.images) > limits.max_images:
             return False
-        shown = [resize_to_budget(img, min_pixels=min_pixels, max_pixels=max_pixels) for img in observation.images]
+        shown = [
+            resize_to_budget(img, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+            for img in observation.images
+        ]
         context.images += observation.images
         context.model_sizes += [img.size for img in shown]
         segment = _template_suffix(policy.processor, [{"role": "tool", "content": observation_content(observation)}])

@@ -21,6 +21,7 @@ class ToolContext:
         convention: How the policy writes boxes (``"absolute"`` or ``"norm1000"``), from ``Policy.coord_convention``.
         min_pixels: Smallest image the processor accepts; tools never return smaller images.
         max_pixels: Largest image the model sees; tools resize outputs within it.
+        image_factor: Side multiple of model-facing images (patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL).
         videos: Paths of the episode's videos.
     """
 
@@ -29,4 +30,5 @@ class ToolContext:
     convention: Convention = "absolute"
     min_pixels: int = 28 * 28 * 4
     max_pixels: int = 28 * 28 * 256
+    image_factor: int = 28
     videos: list[str] = field(default_factory=list)

@@ -55,7 +55,9 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
         notes.append(f"grown to the minimum size of {int(side)}x{int(side)} original pixels")
     pixel_box = to_pixel_box(grown, image.width, image.height)
     region = image.crop(pixel_box)
-    out = resize_to_budget(region, min_pixels=context.min_pixels, max_pixels=context.max_pixels)
+    out = resize_to_budget(
+        region, min_pixels=context.min_pixels, max_pixels=context.max_pixels, factor=context.image_factor
+    )
     shown = [round(v) for v in original_to_model(pixel_box, context.convention, (model_w, model_h), image.size)]
     text = f"Cropped region {shown} of image {index} ({region.width}x{region.height} original pixels)."
     if notes:
