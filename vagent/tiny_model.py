@@ -234,18 +234,22 @@ def build_tiny_checkpoint(
         vision_end_token_id=ids["<|vision_end|>"],
     )
     patch, video_processor_cls = 14, Qwen2VLVideoProcessor
+    # Vision fields Qwen2.5-VL and Qwen3-VL share (Qwen2-VL names them differently).
+    vision_common = dict(
+        depth=p.vision_depth,
+        hidden_size=p.vision_hidden,
+        intermediate_size=2 * p.vision_hidden,
+        num_heads=p.vision_heads,
+        out_hidden_size=p.hidden,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     if family == "qwen2_5_vl":
         vision_config = dict(
-            depth=p.vision_depth,
-            hidden_size=p.vision_hidden,
-            intermediate_size=2 * p.vision_hidden,
-            num_heads=p.vision_heads,
-            out_hidden_size=p.hidden,
+            **vision_common,
             fullatt_block_indexes=[p.vision_depth - 1],  # last block full attention, the rest windowed
             window_size=112,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
+            patch_size=patch,
         )
         config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls, processor_cls = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
@@ -256,7 +260,7 @@ def build_tiny_checkpoint(
             hidden_size=p.hidden,
             num_heads=p.vision_heads,
             mlp_ratio=2,
-            patch_size=14,
+            patch_size=patch,
             spatial_merge_size=2,
             temporal_patch_size=2,
         )
@@ -267,16 +271,7 @@ def build_tiny_checkpoint(
         text_config["head_dim"] = head_dim
         text_config["rope_parameters"]["mrope_interleaved"] = True
         vision_config = dict(
-            depth=p.vision_depth,
-            hidden_size=p.vision_hidden,
-            intermediate_size=2 * p.vision_hidden,
-            num_heads=p.vision_heads,
-            out_hidden_size=p.hidden,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0],
-            patch_size=patch,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
+            **vision_common, num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=patch
         )
         config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls, processor_cls = Qwen3VLForConditionalGeneration, Qwen3VLProcessor
