@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vagent.tiny_model import PRESETS, TINY_FAMILIES  # cheap: transformers is imported only when building
+
 __all__ = ["main"]
 
 
@@ -62,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="Build a random-weight Qwen-VL checkpoint dir with a fresh tokenizer.")
     p.add_argument("--out", required=True, help="Checkpoint dir to write.")
     p.add_argument("--config", help="YAML with TinyModelConfig fields (configs/tiny/).")
-    p.add_argument("--family", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
-    p.add_argument("--size", choices=["nano", "tiny", "small"])
+    p.add_argument("--family", choices=TINY_FAMILIES)
+    p.add_argument("--size", choices=sorted(PRESETS))
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--min-pixels", type=int, default=28 * 28 * 4, help="Processor's minimum image size in pixels.")

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from vagent.geometry import Convention
+from vagent.media import resize_to_budget
 
 __all__ = [
     "FAMILIES",
@@ -138,6 +140,11 @@ class Policy:
         """Side multiple of the images the model sees: patch size x merge size (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
         image_processor = self.processor.image_processor
         return int(image_processor.patch_size * image_processor.merge_size)
+
+    def model_view(self, image: Image.Image) -> Image.Image:
+        """``image`` resized exactly as this policy's processor will: the frame its boxes refer to."""
+        min_pixels, max_pixels = self.pixel_budget
+        return resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=self.image_factor)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -19,15 +19,15 @@ from pathlib import Path
 
 __all__ = [
     "CHAT_TEMPLATE",
-    "FAMILIES",
     "PRESETS",
     "SPECIAL_TOKENS",
+    "TINY_FAMILIES",
     "TinyPreset",
     "build_tiny_checkpoint",
     "train_tokenizer",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+TINY_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 # Qwen2.5-VL's special tokens, in the real vocabulary's order. <tool_call> and </tool_call> are added
 # (non-special) tokens in the real tokenizer too, so they survive skip_special_tokens decoding.
@@ -206,8 +206,8 @@ def build_tiny_checkpoint(
         Qwen3VLVideoProcessor,
     )
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"family must be one of {list(TINY_FAMILIES)}, got {family!r}")
     if size not in PRESETS:
         raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
     p = PRESETS[size]

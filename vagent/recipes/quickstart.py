@@ -21,7 +21,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 from vagent.config import QuickstartConfig, config_to_dict, load_config
 from vagent.geometry import original_to_model
-from vagent.media import resize_to_budget
 from vagent.model import load_policy
 from vagent.rollout import RolloutLimits, Task, rollout
 from vagent.tiny_model import build_tiny_checkpoint
@@ -110,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     image, digit, tile = make_task_image(width, height, cfg.seed)
     image_path = out_dir / "task.png"
     image.save(image_path)
-    min_pixels, max_pixels = policy.pixel_budget
-    seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor).size
+    seen = policy.model_view(image).size
     margin = 20  # original pixels around the tile, so the crop shows some context
     box = (tile[0] - margin, tile[1] - margin, tile[2] + margin, tile[3] + margin)
     model_box = [round(v) for v in original_to_model(box, policy.coord_convention, seen, image.size)]

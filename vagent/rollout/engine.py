@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from vagent.chat import observation_content, parse_turn, system_prompt
-from vagent.media import load_image, resize_to_budget
+from vagent.media import load_image
 from vagent.model import Policy, mm_token_type_ids
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
 from vagent.types import ContentPart, Message, ToolCall, Trajectory
@@ -103,10 +103,7 @@ def rollout(
     processor, tokenizer = policy.processor, policy.tokenizer
     min_pixels, max_pixels = policy.pixel_budget
     originals = [load_image(img) for img in task.images]
-    shown = [
-        resize_to_budget(img, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
-        for img in originals
-    ]
+    shown = [policy.model_view(img) for img in originals]
     context = ToolContext(
         images=list(originals),
         model_sizes=[img.size for img in shown],
@@ -205,7 +202,6 @@ def _run_tools(
     on_turn: Callable[[Message], None] | None,
 ) -> bool:
     """Run the turn's calls and append one tool turn per call. False when the image budget is exhausted."""
-    min_pixels, max_pixels = policy.pixel_budget
     for call in calls:
         observation = call_tool(call, context, offered=task.tools)
         metrics["tool_calls"] += 1
@@ -213,10 +209,7 @@ def _run_tools(
             metrics[f"tool_error/{observation.error}"] += 1
         if len(context.images) + len(observation.images) > limits.max_images:
             return False
-        shown = [
-            resize_to_budget(img, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
-            for img in observation.images
-        ]
+        shown = [policy.model_view(img) for img in observation.images]
         context.images += observation.images
         context.model_sizes += [img.size for img in shown]
         segment = _template_suffix(policy.processor, [{"role": "tool", "content": observation_content(observation)}])
