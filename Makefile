@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev
 ARGS ?=
 
-.PHONY: run test lint venv clean
+.PHONY: run test lint venv bwrap clean
 
 # Re-install only when the packaging changed (stamp holds the extras it was built for).
 $(BIN)/.installed-$(EXTRAS): pyproject.toml
@@ -24,12 +24,21 @@ $(BIN)/.installed-$(EXTRAS): pyproject.toml
 
 venv: $(BIN)/.installed-$(EXTRAS)
 
+## The code tool's sandbox (bubblewrap). Installed with apt when run as root; otherwise say how.
+bwrap:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	  else \
+	    echo "error: the code tool needs bubblewrap; install it (e.g. sudo apt-get install bubblewrap)" >&2; exit 1; \
+	  fi; }
+
 ## The main job on the built-in default: tiny local Qwen2.5-VL, a generated image, one multi-turn rollout.
-run: venv
+run: venv bwrap
 	$(BIN)/vagent quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
 
 ## Lint, then the default test suite (no slow or GPU tests). pytest's "no tests collected" (exit 5) is a failure.
-test: venv
+test: venv bwrap
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(ARGS); rc=$$?; \

@@ -38,6 +38,34 @@ def test_policy_for_imperfect_output():
     assert parse_turn("just words").tool_calls == [] and parse_turn("just words").answer is None
 
 
+def test_more_imperfect_output():
+    stray = parse_turn('{"name": "crop", "arguments": {}}</tool_call>')
+    assert stray.tool_calls == [] and kinds(stray) == ["stray_tag"]
+    two = parse_turn("<answer>1</answer> or <answer>2</answer>")
+    assert two.answer == "1" and kinds(two) == ["multiple_answers"]
+    assert kinds(parse_turn("<answer> </answer>")) == ["empty_answer"]
+    # a call written inside <think> is reasoning about a call, not a call; its closing tag is not stray
+    musing = parse_turn('<think>maybe <tool_call>{"name": "crop", "arguments": {}}</tool_call></think>')
+    assert musing.actions == [] and not musing.errors and "maybe" in musing.think
+    # Python literals are read on the syntax tree: JSON-ish words inside strings survive intact
+    literal = parse_turn(
+        "<tool_call>{'name': 'search', 'arguments': {'query': 'true construe', 'x': None}}</tool_call>"
+    )
+    assert literal.tool_calls[0].arguments == {"query": "true construe", "x": None}
+    # only literals: a function call in the "JSON" is not evaluated
+    assert kinds(parse_turn("<tool_call>{'name': __import__('os').getcwd()}</tool_call>")) == ["bad_json"]
+    assert kinds(parse_turn("<tool_call>" + "[" * 100_000 + "</tool_call>")) == ["bad_json"]
+
+
+def test_actions_keep_failed_calls_in_order():
+    turn = parse_turn(
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>oops</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    )
+    assert [getattr(a, "name", None) or a.kind for a in turn.actions] == ["a", "bad_json", "b"]
+    assert [c.name for c in turn.tool_calls] == ["a", "b"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.text(alphabet=st.sampled_from(list("<>/{}[]\"':,tool_call answer think name arguments 0123 \n")), max_size=200)
@@ -53,3 +81,7 @@ def test_system_prompt_lists_tool_schemas_and_observation_content():
     assert system_prompt([]).endswith("<answer></answer>.")
     content = observation_content(Observation(text="done", images=[object(), object()]))
     assert content == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "done"}]
+    frames = observation_content(Observation(text="2 frames", images=[object(), object()], timestamps=[0.5, 1.25]))
+    assert [c.get("text") for c in frames] == ["t=0.50s", None, "t=1.25s", None, "2 frames"]
+    failed = observation_content(Observation(text="box outside the image.", error="bad_box"))
+    assert failed == [{"type": "text", "text": "Error: box outside the image."}]

@@ -19,7 +19,7 @@ def _run(*args, cwd=None):
 
 def test_only_working_subcommands_are_listed():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["generate", "make-tiny-model", "quickstart"]
+    assert sorted(sub.choices) == ["generate", "make-tiny-model", "quickstart", "tools"]
 
 
 def test_make_tiny_model_script_then_plain_transformers_then_vagent_generate(tmp_path):
@@ -59,3 +59,64 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert len(record["token_ids"]) == len(record["loss_mask"]) and sum(record["loss_mask"]) > 0
     crop = Image.open(record["messages"][3]["content"][0]["path"])
     assert crop.getpixel((crop.width // 2, crop.height // 2))[0] > 150  # the red tile is in the middle of the crop
+
+
+def test_tools_list_names_every_tool(capsys):
+    from vagent.toolbox import TOOLS
+
+    assert main(["tools", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name}(" in out for name in TOOLS) and "bbox: array" in out
+    assert main(["tools", "list", "--json"]) == 0
+    schemas = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [s["name"] for s in schemas] == list(TOOLS)
+
+
+def test_tools_call_prints_the_observation_and_writes_images(tmp_path, capsys):
+    image = tmp_path / "img.png"
+    Image.new("RGB", (1000, 750), (0, 128, 255)).save(image)
+    args = ["tools", "call", "crop", "--args", '{"bbox": [10, 10, 200, 200]}', "--image", str(image)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "cropped region" in captured.out and "boxes are in" in captured.err
+    assert Image.open(tmp_path / "out" / "crop_0.png").getpixel((5, 5)) == (0, 128, 255)
+    # a failing call is an observation (exit 0); a usage mistake exits 2
+    assert main(["tools", "call", "crop", "--args", '{"bbox": [1, 2]}', "--image", str(image)]) == 0
+    assert "error (bad_arguments)" in capsys.readouterr().out
+    assert main(["tools", "call", "crop", "--args", "{bbox: 1}", "--image", str(image)]) == 2
+    assert "--args is not valid JSON" in capsys.readouterr().err
+    assert main(["tools", "call", "crop", "--args", "{}", "--image", str(tmp_path / "missing.png")]) == 2
+
+
+def test_tools_call_video_prints_frame_times(tmp_path, capsys):
+    import cv2
+    import numpy as np
+
+    path = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 48))
+    for i in range(30):
+        writer.write(np.full((48, 64, 3), i * 8, dtype=np.uint8))
+    writer.release()
+    args = ["tools", "call", "sample_frames", "--args", '{"num_frames": 3}', "--video", str(path)]
+    assert main([*args, "--out", str(tmp_path / "frames")]) == 0
+    out = capsys.readouterr().out
+    assert "t = 0.50, 1.50, 2.50 s" in out and out.count("wrote ") == 3 and "t=1.500s" in out
+
+
+def test_tools_parse_reads_jsonl_and_reports_error_kinds(monkeypatch, capsys):
+    import io
+
+    lines = [
+        {"text": '<tool_call>{"name": "crop", "arguments": {"bbox": [1, 2, 3, 4],}}</tool_call>'},
+        {"text": '<tool_call>{"name": "teleport", "arguments": {}}</tool_call>'},
+        {"text": "<think>easy</think><answer>7</answer>"},
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(json.dumps(x) for x in lines) + "\n"))
+    assert main(["tools", "parse"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out[0]["tool_calls"] == [{"name": "crop", "arguments": {"bbox": [1, 2, 3, 4]}}]
+    assert out[0]["error_kinds"] == ["repaired_json"] and out[1]["error_kinds"] == ["unknown_tool"]
+    assert out[2]["answer"] == "7" and out[2]["think"] == "easy" and out[2]["error_kinds"] == []
+    monkeypatch.setattr("sys.stdin", io.StringIO('not json\n{"text": "<answer>1</answer>"}\n'))
+    assert main(["tools", "parse"]) == 2  # malformed input is a usage error, but every line still gets an answer
+    assert len(capsys.readouterr().out.splitlines()) == 2

@@ -63,11 +63,14 @@ def test_sampled_tokens_are_masked_one_and_tool_images_are_tokenized(policy):
 def test_bad_tool_calls_become_observations_and_the_episode_goes_on(policy):
     bad = '<tool_call>{"name": "crop", "arguments": {"bbox": [9999, 9999, 10000, 10000]}}</tool_call>'
     unknown = '<tool_call>{"name": "teleport", "arguments": {}}</tool_call>'
-    task = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[bad, unknown, "<answer>x</answer>"])
+    garbled = "<tool_call>crop the top left</tool_call>"
+    task = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[bad, unknown, garbled, "<answer>x</answer>"])
     traj = rollout(policy, task, RolloutLimits(max_turns=5))
     assert traj.stop_reason == "answered"
     assert traj.metrics["tool_error/bad_box"] == 1 and traj.metrics["tool_error/unknown_tool"] == 1
-    assert "outside the image" in traj.messages[3].plain_text
+    assert traj.metrics["tool_error/bad_json"] == 1 and traj.metrics["parse_error/bad_json"] == 1
+    assert traj.messages[3].plain_text.startswith("Error:") and "outside the image" in traj.messages[3].plain_text
+    assert "not valid JSON" in traj.messages[7].plain_text
 
 
 def test_limits_are_recorded_as_stop_reasons(policy):

@@ -41,7 +41,7 @@ def test_crop_repairs_and_reports():
         (ToolCall("crop", {"bbox": [1, 2, 3, 4], "zoom": 2}), "bad_arguments"),
         (ToolCall("crop", {"bbox": "1,2,3,4"}), "bad_arguments"),
         (ToolCall("crop", {"bbox": [1, "2", 3, 4]}), "bad_arguments"),
-        (ToolCall("crop", {"bbox": [1, 2, 3]}), "bad_box"),
+        (ToolCall("crop", {"bbox": [1, 2, 3]}), "bad_arguments"),
         (ToolCall("crop", {"bbox": [600, 600, 700, 700]}), "bad_box"),
         (ToolCall("crop", {"bbox": [1, 2, 3, 4], "image_index": 3}), "bad_arguments"),
     ],

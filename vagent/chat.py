@@ -8,19 +8,31 @@ Grammar (Qwen/Hermes function calling, which Qwen2.5-VL already knows)::
     ...
     <answer>final answer</answer>
 
-Policy for imperfect output (every case becomes a ``ParseError`` with a kind, never an exception):
+Policy for imperfect output. Each case is a ``ParseError`` with a short kind that the engine counts
+in its metrics; nothing here raises.
 
-* several ``<tool_call>`` blocks in one turn: all are run, in order;
-* a call and an ``<answer>`` in the same turn: the answer ends the episode, the calls are not run
-  (kind ``call_with_answer``), because the model already committed to an answer;
-* an unclosed ``<tool_call>`` or ``<answer>`` at the end of the text: repaired (the turn was cut by a
-  stop or the token budget) and counted as ``unclosed_tag``;
-* JSON with trailing commas or single quotes (Python-literal style) is repaired and counted as
-  ``repaired_json``; anything still unparseable is ``bad_json``;
-* ``arguments`` double-encoded as a JSON string is decoded (``repaired_json``);
-* a call without a string ``name`` or an object ``arguments`` is ``bad_call``.
+=========================================  ==================  ============================================
+model wrote                                kind                what happens
+=========================================  ==================  ============================================
+several ``<tool_call>`` blocks             (none)              all run, in order, one tool turn each
+a call and an ``<answer>``                 ``call_with_answer`` the answer ends the episode; calls not run
+several ``<answer>`` blocks                ``multiple_answers`` the first one counts
+``<answer></answer>`` (empty)              ``empty_answer``    the episode ends with an empty answer
+unclosed ``<tool_call>``/``<answer>``      ``unclosed_tag``    repaired: the text up to the end is the body
+a closing tag with no opening tag          ``stray_tag``       ignored
+trailing commas, single quotes,            ``repaired_json``   repaired; the call runs
+Python literals (True/None)
+``arguments`` double-encoded as a string   ``repaired_json``   decoded; the call runs
+JSON that cannot be repaired               ``bad_json``        an error observation for that call
+not ``{"name": str, "arguments": {}}``     ``bad_call``        an error observation for that call
+a ``<tool_call>`` inside ``<think>``       (none)              it is reasoning, not a call: not run
+=========================================  ==================  ============================================
 
-Unknown tools and missing/extra/wrong-typed arguments are checked at dispatch (``vagent.toolbox``).
+Unknown tool names (``unknown_tool``) and missing/extra/wrong-typed arguments (``bad_arguments``) are
+checked against the tool's JSON schema at dispatch (``vagent.toolbox.call_tool``); they too come back
+to the model as error observations. A turn with neither a call nor an answer ends the episode
+(stop reason ``no_action``). ``ParsedTurn.actions`` keeps the calls and the failed calls in the order
+they were written, so the model gets one tool turn per ``<tool_call>`` block.
 """
 
 from __future__ import annotations
@@ -33,9 +45,20 @@ from typing import Any
 
 from vagent.types import Observation, ToolCall
 
-__all__ = ["ParseError", "ParsedTurn", "observation_content", "parse_turn", "system_prompt"]
+__all__ = [
+    "CALL_ERROR_KINDS",
+    "ParseError",
+    "ParsedTurn",
+    "observation_content",
+    "observation_text",
+    "parse_turn",
+    "system_prompt",
+]
 
 _BLOCK = re.compile(r"<(tool_call|answer|think)>(.*?)(?:</\1>|$)", re.DOTALL)
+_CLOSING = re.compile(r"</(tool_call|answer|think)>")
+# The kinds that stand for a <tool_call> block that could not become a call: each gets an error observation.
+CALL_ERROR_KINDS = ("bad_json", "bad_call")
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 
 
@@ -49,12 +72,26 @@ class ParseError:
 
 @dataclass
 class ParsedTurn:
-    """What a model turn said: calls to run, the final answer, reasoning, and what was wrong with it."""
+    """What a model turn said: calls to run, the final answer, reasoning, and what was wrong with it.
+
+    Attributes:
+        tool_calls: The well-formed calls, in order (empty when the turn also answered).
+        actions: One entry per ``<tool_call>`` block in order: the ``ToolCall``, or the ``ParseError``
+            (kind in ``CALL_ERROR_KINDS``) of a block that could not be parsed. Empty when the turn answered.
+        answer: The text of the first ``<answer>``, stripped; None when there is none.
+        think: The text of the ``<think>`` blocks, joined.
+        errors: Every problem found, including the ones in ``actions``.
+    """
 
     tool_calls: list[ToolCall] = field(default_factory=list)
+    actions: list[ToolCall | ParseError] = field(default_factory=list)
     answer: str | None = None
     think: str | None = None
     errors: list[ParseError] = field(default_factory=list)
+
+    @property
+    def error_kinds(self) -> list[str]:
+        return [e.kind for e in self.errors]
 
 
 def system_prompt(tool_schemas: list[dict[str, Any]], instructions: str | None = None) -> str:
@@ -81,75 +118,119 @@ def system_prompt(tool_schemas: list[dict[str, Any]], instructions: str | None =
     )
 
 
+class _JsonNames(ast.NodeTransformer):
+    """Reads JSON's ``true``/``false``/``null`` (and Python's spellings) as constants; any other name fails."""
+
+    def visit_Name(self, node: ast.Name) -> ast.Constant:
+        if node.id not in _LITERAL_NAMES:
+            raise ValueError(f"unexpected name {node.id!r}")
+        return ast.copy_location(ast.Constant(_LITERAL_NAMES[node.id]), node)
+
+
+_LITERAL_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
 def _load_json(text: str) -> tuple[Any, bool]:
     """Parse JSON, repairing trailing commas and single-quoted (Python literal) objects. Returns (value, repaired)."""
     try:
         return json.loads(text), False
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         pass
     fixed = _TRAILING_COMMA.sub(r"\1", text)
     try:
         return json.loads(fixed), True
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         pass
+    # Single quotes and Python literals: read it as a Python expression, allowing only literals. Names
+    # are mapped on the syntax tree (not by string replacement, which would corrupt "construe").
     try:
-        value = ast.literal_eval(fixed.replace("true", "True").replace("false", "False").replace("null", "None"))
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        tree = _JsonNames().visit(ast.parse(fixed.strip(), mode="eval"))
+        return ast.literal_eval(tree), True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise ValueError("not valid JSON") from None
-    return value, True
 
 
-def _parse_call(body: str, errors: list[ParseError]) -> ToolCall | None:
+def _parse_call(body: str) -> tuple[ToolCall | ParseError, bool]:
+    """One ``<tool_call>`` body -> (the call or why not, whether its JSON was repaired)."""
     raw = body.strip()
     try:
         data, repaired = _load_json(raw)
     except ValueError:
-        errors.append(ParseError("bad_json", f"the tool call is not valid JSON: {raw[:200]!r}"))
-        return None
+        return ParseError("bad_json", f"the tool call is not valid JSON: {raw[:200]!r}"), False
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        errors.append(ParseError("bad_call", 'a tool call must be {"name": <string>, "arguments": {...}}'))
-        return None
+        return ParseError("bad_call", 'a tool call must be {"name": <string>, "arguments": {...}}'), repaired
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # double-encoded: "arguments": "{\"bbox\": [...]}"
         try:
             arguments, _ = _load_json(arguments)
             repaired = True
         except ValueError:
-            errors.append(ParseError("bad_json", f"the arguments of {data['name']!r} are not valid JSON"))
-            return None
+            return ParseError("bad_json", f"the arguments of {data['name']!r} are not valid JSON"), repaired
     if not isinstance(arguments, dict):
-        errors.append(ParseError("bad_call", f"the arguments of {data['name']!r} must be a JSON object"))
-        return None
-    if repaired:
-        errors.append(ParseError("repaired_json", f"repaired malformed JSON in the call to {data['name']!r}"))
-    return ToolCall(name=data["name"], arguments=arguments, raw=raw)
+        return ParseError("bad_call", f"the arguments of {data['name']!r} must be a JSON object"), repaired
+    return ToolCall(name=data["name"], arguments=arguments, raw=raw), repaired
 
 
 def parse_turn(text: str) -> ParsedTurn:
-    """Parse one assistant turn. Never raises; problems are listed in ``errors``."""
+    """Parse one assistant turn. Never raises; problems are listed in ``errors`` (see the module docstring).
+
+    >>> turn = parse_turn('<think>too small</think><tool_call>{"name": "crop", "arguments": {"bbox": [1, 2, 9, 9],}}')
+    >>> turn.think, turn.tool_calls[0].arguments, turn.error_kinds
+    ('too small', {'bbox': [1, 2, 9, 9]}, ['unclosed_tag', 'repaired_json'])
+    """
     turn = ParsedTurn()
+    thoughts, answers, spans = [], [], []
     for match in _BLOCK.finditer(text):
         tag, body = match.group(1), match.group(2)
+        spans.append(match.span())
         if not match.group(0).endswith(f"</{tag}>"):
             turn.errors.append(ParseError("unclosed_tag", f"<{tag}> was not closed"))
         if tag == "think":
-            turn.think = body.strip()
+            thoughts.append(body.strip())
         elif tag == "answer":
-            turn.answer = body.strip()
+            answers.append(body.strip())
         else:
-            call = _parse_call(body, turn.errors)
-            if call is not None:
-                turn.tool_calls.append(call)
-    if turn.answer is not None and turn.tool_calls:
-        turn.errors.append(
-            ParseError("call_with_answer", "a turn with an <answer> ends the episode; its calls were not run")
-        )
-        turn.tool_calls = []
+            action, repaired = _parse_call(body)
+            if repaired:
+                name = action.name if isinstance(action, ToolCall) else "a tool"
+                turn.errors.append(ParseError("repaired_json", f"repaired malformed JSON in the call to {name!r}"))
+            if isinstance(action, ParseError):
+                turn.errors.append(action)
+            turn.actions.append(action)
+    # A closing tag the blocks above did not consume had no opening tag (e.g. '{"name": ...}</tool_call>').
+    if any(not any(a <= m.start() < b for a, b in spans) for m in _CLOSING.finditer(text)):
+        turn.errors.append(ParseError("stray_tag", "a closing tag had no matching opening tag; it was ignored"))
+    turn.think = "\n".join(thoughts) if thoughts else None
+    if answers:
+        turn.answer = answers[0]
+        if len(answers) > 1:
+            turn.errors.append(ParseError("multiple_answers", f"{len(answers)} <answer> blocks; the first counts"))
+        if not turn.answer:
+            turn.errors.append(ParseError("empty_answer", "the <answer> is empty"))
+        if turn.actions:
+            turn.errors.append(
+                ParseError("call_with_answer", "a turn with an <answer> ends the episode; its calls were not run")
+            )
+            turn.actions = []
+    turn.tool_calls = [a for a in turn.actions if isinstance(a, ToolCall)]
     return turn
 
 
+def observation_text(observation: Observation) -> str:
+    """The text the model reads for an observation; failures are marked so the model can tell."""
+    return f"Error: {observation.text}" if observation.error else observation.text
+
+
 def observation_content(observation: Observation) -> list[dict[str, Any]]:
-    """Chat-template content of a ``tool`` turn: the observation's images, then its text."""
-    content: list[dict[str, Any]] = [{"type": "image"} for _ in observation.images]
-    content.append({"type": "text", "text": observation.text})
+    """Chat-template content of a ``tool`` turn: the observation's images, then its text.
+
+    Video frames (``observation.timestamps`` set) are each preceded by their time, so the model can
+    tell when what it sees happened: ``[{"type": "text", "text": "t=1.50s"}, {"type": "image"}, ...]``.
+    """
+    content: list[dict[str, Any]] = []
+    for i, _ in enumerate(observation.images):
+        if observation.timestamps is not None and i < len(observation.timestamps):
+            content.append({"type": "text", "text": f"t={observation.timestamps[i]:.2f}s"})
+        content.append({"type": "image"})
+    content.append({"type": "text", "text": observation_text(observation)})
     return content

@@ -57,6 +57,143 @@ def _quickstart(args: argparse.Namespace) -> int:
     return quickstart.main((["--config", args.config] if args.config else []) + args.overrides)
 
 
+def _tools_list(args: argparse.Namespace) -> int:
+    import json
+
+    from vagent.toolbox import TOOLS
+
+    for name, tool in TOOLS.items():
+        if args.json:
+            print(json.dumps(tool.SCHEMA))
+            continue
+        params = tool.SCHEMA["parameters"]
+        required = set(params.get("required", []))
+        fields = ", ".join(
+            f"{key}: {spec.get('type', '?')}" + ("" if key in required else "?")
+            for key, spec in params.get("properties", {}).items()
+        )
+        print(f"{name}({fields})\n    {tool.SCHEMA['description']}")
+    return 0
+
+
+def _tools_context(args: argparse.Namespace):
+    """The ToolContext a ``tools call`` runs in: images seen at the processor's size, optional services."""
+    from vagent.media import load_image, smart_resize
+    from vagent.toolbox import ToolContext
+
+    images = [load_image(path) for path in args.image]
+    sizes = []
+    for path, image in zip(args.image, images, strict=True):
+        h, w = smart_resize(
+            image.height, image.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels, factor=args.factor
+        )
+        sizes.append((w, h))
+        frame = f"{w}x{h} pixels" if args.convention == "absolute" else "0-1000 normalized"
+        print(f"image {len(sizes) - 1}: {path} ({image.width}x{image.height}); boxes are in {frame}", file=sys.stderr)
+    search = sandbox = None
+    if args.search_corpus:
+        from vagent.toolbox.search import BM25Backend
+
+        search = BM25Backend(args.search_corpus)
+    elif args.search_url:
+        from vagent.toolbox.search import HTTPBackend
+
+        search = HTTPBackend(args.search_url)
+    if args.unsandboxed:
+        from vagent.toolbox.sandbox import Sandbox
+
+        sandbox = Sandbox(allow_unsandboxed=True)
+    return ToolContext(
+        images=images,
+        model_sizes=sizes,
+        convention=args.convention,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        image_factor=args.factor,
+        videos=list(args.video),
+        search=search,
+        sandbox=sandbox,
+    )
+
+
+def _tools_call(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from vagent.toolbox import call_tool
+    from vagent.types import ToolCall
+
+    try:
+        arguments = json.loads(args.args)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--args is not valid JSON ({e})") from None
+    if not isinstance(arguments, dict):
+        raise UsageError("--args must be a JSON object, e.g. '{\"bbox\": [10, 10, 200, 200]}'")
+    for path in args.video:
+        if not Path(path).is_file():
+            raise UsageError(f"--video {path} does not exist")
+    observation = call_tool(ToolCall(args.name, arguments), _tools_context(args))
+    print(("error (" + observation.error + "): " if observation.error else "") + observation.text)
+    stamps = observation.timestamps or []
+    if observation.images and args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(observation.images):
+            path = out / f"{args.name}_{i}.png"
+            image.save(path)
+            when = f" t={stamps[i]:.3f}s" if i < len(stamps) else ""
+            print(f"wrote {path} ({image.width}x{image.height}){when}")
+    elif observation.images:
+        print(f"{len(observation.images)} image(s) returned; pass --out DIR to save them")
+    return 0
+
+
+def _tools_parse(args: argparse.Namespace) -> int:
+    import json
+
+    from vagent.chat import parse_turn
+    from vagent.toolbox import TOOLS, check_arguments
+
+    bad_lines = 0
+    for number, line in enumerate(sys.stdin, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            text = record["text"]
+            if not isinstance(text, str):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            bad_lines += 1
+            print(json.dumps({"line": number, "input_error": 'expected a JSON object {"text": "<model output>"}'}))
+            continue
+        turn = parse_turn(text)
+        errors = [{"kind": e.kind, "message": e.message} for e in turn.errors]
+        # Dispatch checks without running anything: is the tool known, do the arguments fit its schema?
+        for call in turn.tool_calls:
+            if call.name not in TOOLS:
+                errors.append({"kind": "unknown_tool", "message": f"unknown tool {call.name!r}"})
+            elif (problem := check_arguments(call.arguments, call.name)) is not None:
+                errors.append({"kind": "bad_arguments", "message": problem})
+        out = {
+            "line": number,
+            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in turn.tool_calls],
+            "answer": turn.answer,
+            "think": turn.think,
+            "error_kinds": [e["kind"] for e in errors],
+            "errors": errors,
+        }
+        print(json.dumps(out))
+    if bad_lines:
+        print(f"vagent tools parse: {bad_lines} input line(s) were not {{'text': ...}} objects", file=sys.stderr)
+        return 2
+    return 0
+
+
+class UsageError(ValueError):
+    """A command-line mistake (exit 2), as opposed to a tool failure (an observation, exit 0)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vagent", description="Train vision-language models to think with images.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +224,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with QuickstartConfig fields (configs/quickstart/).")
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_quickstart)
+
+    tools = sub.add_parser("tools", help="Inspect and run the agent's tools by hand.")
+    tools_sub = tools.add_subparsers(dest="tools_command", required=True)
+    p = tools_sub.add_parser("list", help="Tool names, arguments and descriptions.")
+    p.add_argument("--json", action="store_true", help="Print the full JSON schema of each tool, one per line.")
+    p.set_defaults(func=_tools_list)
+
+    p = tools_sub.add_parser("call", help="Run one tool call; prints the observation, writes returned images.")
+    p.add_argument("name", help="Tool name (see `vagent tools list`).")
+    p.add_argument("--args", default="{}", help="Arguments as a JSON object, e.g. '{\"bbox\": [10, 10, 200, 200]}'.")
+    p.add_argument("--image", action="append", default=[], help="Image path; repeat for several.")
+    p.add_argument("--video", action="append", default=[], help="Video path; repeat for several.")
+    p.add_argument("--out", help="Directory to write returned images to.")
+    p.add_argument("--convention", default="absolute", choices=["absolute", "norm1000"],
+                   help="Box frame: pixels of the resized image (Qwen2.5-VL) or 0-1000 (Qwen2-VL, Qwen3-VL).")  # fmt: skip
+    p.add_argument("--min-pixels", type=int, default=28 * 28 * 4, help="Processor's minimum image size in pixels.")
+    p.add_argument("--max-pixels", type=int, default=28 * 28 * 1280, help="Processor's maximum image size in pixels.")
+    p.add_argument("--factor", type=int, default=28, choices=[28, 32], help="Image side multiple (32 for Qwen3-VL).")
+    p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 search backend.")
+    p.add_argument("--search-url", help="HTTP search endpoint (see vagent.toolbox.search.HTTPBackend).")
+    p.add_argument("--unsandboxed", action="store_true",
+                   help="Run `code` without bubblewrap (trusted input only; logs a warning).")  # fmt: skip
+    p.set_defaults(func=_tools_call)
+
+    p = tools_sub.add_parser("parse", help='Parse model outputs: stdin JSONL {"text": ...} -> one JSON line each.')
+    p.set_defaults(func=_tools_parse)
     return parser
 
 
@@ -101,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown the trajectory print-out
     try:
         return args.func(args)
-    except (ConfigError, PolicyLoadError, MediaError) as e:
+    except (ConfigError, PolicyLoadError, MediaError, UsageError) as e:
         print(f"vagent {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -30,6 +30,7 @@ __all__ = [
     "QuickstartConfig",
     "RolloutConfig",
     "TinyModelConfig",
+    "ToolboxConfig",
     "config_to_dict",
     "load_config",
     "option",
@@ -243,12 +244,33 @@ class RolloutConfig:
 
 
 @dataclass
+class ToolboxConfig:
+    search_corpus: str | None = option(None, "JSONL corpus (title, text, url per line) for the offline BM25 `search`.")
+    search_url: str | None = option(None, "HTTP search endpoint (GET ?q=&k=), used when search_corpus is not set.")
+    search_cache_dir: str | None = option(None, "On-disk cache of HTTP search answers; null = no cache.")
+    code_timeout_s: float = option(10.0, "Wall-clock limit of one `code` call; everything it started is killed.")
+    code_memory_mb: int = option(1024, "Address-space limit of each process of a `code` call.")
+    allow_unsandboxed_code: bool = option(
+        False,
+        "Run `code` WITHOUT bubblewrap when it is missing (trusted inputs only; logs a warning). "
+        "Off (default): without a sandbox the tool refuses to run.",
+    )
+
+    def validate(self) -> None:
+        if self.code_timeout_s <= 0 or self.code_memory_mb <= 0:
+            raise ValueError("code_timeout_s and code_memory_mb must be positive")
+        if self.search_corpus and self.search_url:
+            raise ValueError("set search_corpus or search_url, not both")
+
+
+@dataclass
 class QuickstartConfig:
     out_dir: str = option("runs/quickstart", "Where the tiny checkpoint, images and trajectory are written.")
     seed: int = option(0, "Seed for the generated image and sampling.")
     image_size: list[int] = option([896, 672], "Width and height of the generated task image (original pixels).")
     model: ModelConfig = option(ModelConfig(), "Policy to load.")
     rollout: RolloutConfig = option(RolloutConfig(), "Limits and sampling of the rollout.")
+    toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
 
     def validate(self) -> None:
         if len(self.image_size) != 2 or min(self.image_size) < 64:

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_FACTOR",
     "MediaError",
+    "OpenVideo",
     "VideoInfo",
     "load_image",
     "probe_video",
@@ -166,14 +167,46 @@ def _open_video(path: str | os.PathLike[str]):
     return reader
 
 
+class OpenVideo:
+    """A video opened once: frame count and rate read up front, frames decoded in one batch.
+
+    Lets a caller look at the duration before choosing times without opening the file twice.
+    Not thread-safe (one decord reader); open one per call.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._reader = _open_video(path)
+        self.path = str(path)
+        self.num_frames = len(self._reader)
+        self.fps = float(self._reader.get_avg_fps())
+        if not math.isfinite(self.fps) or self.fps <= 0:
+            raise MediaError(f"video {path} reports an invalid frame rate {self.fps}")
+
+    @property
+    def duration(self) -> float:
+        """Length in seconds."""
+        return self.num_frames / self.fps
+
+    def index_at(self, t: float) -> int:
+        """Index of the frame shown at time ``t`` (``floor(t * fps)``; the end time maps to the last frame)."""
+        if not math.isfinite(t) or t < 0 or t > self.duration:
+            raise MediaError(f"timestamp {t} s is outside video {self.path} (duration {self.duration:.3f} s)")
+        return min(self.num_frames - 1, int(t * self.fps))
+
+    def decode(self, indices: Sequence[int]) -> list[Image.Image]:
+        """The frames at ``indices`` as RGB images, decoded in one ``get_batch`` (one seek pass)."""
+        try:
+            batch = self._reader.get_batch(list(indices)).asnumpy()
+        except Exception as e:  # a truncated or corrupt stream fails here, after a successful open
+            raise MediaError(f"could not decode frames {list(indices)} of {self.path} ({type(e).__name__})") from None
+        return [Image.fromarray(frame) for frame in batch]
+
+
 def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
     """Frame count, fps and size of a video, or ``MediaError``."""
-    reader = _open_video(path)
-    fps = float(reader.get_avg_fps())
-    if not math.isfinite(fps) or fps <= 0:
-        raise MediaError(f"video {path} reports an invalid frame rate {fps}")
-    height, width = reader[0].shape[:2]
-    return VideoInfo(path=str(path), num_frames=len(reader), fps=fps, width=int(width), height=int(height))
+    video = OpenVideo(path)
+    width, height = video.decode([0])[0].size
+    return VideoInfo(path=str(path), num_frames=video.num_frames, fps=video.fps, width=width, height=height)
 
 
 def uniform_timestamps(start: float, end: float, num_frames: int) -> list[float]:
@@ -198,17 +231,6 @@ def read_frames(path: str | os.PathLike[str], timestamps: Sequence[float]) -> tu
     Raises:
         MediaError: unreadable video, or a timestamp outside ``[0, duration]``.
     """
-    reader = _open_video(path)
-    fps = float(reader.get_avg_fps())
-    duration = len(reader) / fps
-    indices = []
-    for t in timestamps:
-        if not math.isfinite(t) or t < 0 or t > duration:
-            raise MediaError(f"timestamp {t} s is outside video {path} (duration {duration:.3f} s)")
-        indices.append(min(len(reader) - 1, int(t * fps)))
-    try:
-        batch = reader.get_batch(indices).asnumpy()
-    except Exception as e:
-        raise MediaError(f"could not decode frames {indices} of {path} ({type(e).__name__})") from None
-    frames = [Image.fromarray(frame) for frame in batch]
-    return frames, [i / fps for i in indices]
+    video = OpenVideo(path)
+    indices = [video.index_at(t) for t in timestamps]
+    return video.decode(indices), [i / video.fps for i in indices]

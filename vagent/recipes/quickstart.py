@@ -22,6 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 from vagent.config import QuickstartConfig, config_to_dict, load_config
 from vagent.geometry import original_to_model
 from vagent.model import load_policy
+from vagent.recipes.common import tool_services
 from vagent.rollout import RolloutLimits, Task, rollout
 from vagent.tiny_model import build_tiny_checkpoint
 from vagent.types import Trajectory
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.manual_seed(cfg.seed)
-    trajectory = rollout(policy, task, limits)
+    trajectory = rollout(policy, task, limits, **tool_services(cfg.toolbox))
 
     image_paths: dict[int, str] = {}
 

@@ -18,18 +18,22 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
 
-from vagent.chat import observation_content, parse_turn, system_prompt
+from vagent.chat import ParsedTurn, ParseError, observation_content, observation_text, parse_turn, system_prompt
 from vagent.media import load_image
 from vagent.model import Policy, mm_token_type_ids
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
-from vagent.types import ContentPart, Message, ToolCall, Trajectory
+from vagent.types import ContentPart, Message, Observation, Trajectory
 
-__all__ = ["RolloutLimits", "Task", "rollout", "run"]
+if TYPE_CHECKING:
+    from vagent.toolbox.sandbox import Sandbox
+    from vagent.toolbox.search import SearchBackend
+
+__all__ = ["RolloutLimits", "Task", "act", "rollout", "run"]
 
 STOP_STRINGS = ["</tool_call>", "</answer>"]
 
@@ -42,6 +46,7 @@ class Task:
         id: The canonical row's id.
         question: The user's question.
         images: Prompt images (paths or PIL images), full resolution.
+        videos: Video paths the video tools can read.
         tools: Names of the tools offered.
         scripted_turns: Assistant turns forced before the policy samples (loss mask 0), e.g. to
             show a tool round-trip with an untrained model, or to replay a gold prefix.
@@ -50,6 +55,7 @@ class Task:
     id: str
     question: str
     images: list[str | Image.Image] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=lambda: ["crop"])
     scripted_turns: list[str] = field(default_factory=list)
 
@@ -95,11 +101,32 @@ def _template_suffix(processor: Any, messages: list[dict[str, Any]]) -> str:
     return after[len(before) :]
 
 
+def act(parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> list[Observation]:
+    """One observation per ``<tool_call>`` block of a turn, in order. Never raises.
+
+    Well-formed calls run through ``call_tool`` (which checks the name and the arguments); blocks
+    that could not be parsed come back as error observations with the parse error's kind.
+    """
+    observations = []
+    for action in parsed.actions:
+        if isinstance(action, ParseError):
+            observations.append(Observation(text=action.message + ".", error=action.kind))
+        else:
+            observations.append(call_tool(action, context, offered=offered))
+    return observations
+
+
 def rollout(
-    policy: Policy, task: Task, limits: RolloutLimits, on_turn: Callable[[Message], None] | None = None
+    policy: Policy,
+    task: Task,
+    limits: RolloutLimits,
+    on_turn: Callable[[Message], None] | None = None,
+    search: SearchBackend | None = None,
+    sandbox: Sandbox | None = None,
 ) -> Trajectory:
     """Run one episode of ``task`` with ``policy``. Tool failures become observations; nothing raises
-    for model output. ``on_turn`` is called with each new message (for streaming displays)."""
+    for model output. ``on_turn`` is called with each new message (for streaming displays);
+    ``search`` and ``sandbox`` serve the ``search`` and ``code`` tools."""
     processor, tokenizer = policy.processor, policy.tokenizer
     min_pixels, max_pixels = policy.pixel_budget
     originals = [load_image(img) for img in task.images]
@@ -111,6 +138,9 @@ def rollout(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
         image_factor=policy.image_factor,
+        videos=list(task.videos),
+        search=search,
+        sandbox=sandbox,
     )
     system = system_prompt(tool_schemas(task.tools))
     user_content = [{"type": "image"} for _ in shown] + [{"type": "text", "text": task.question}]
@@ -169,10 +199,10 @@ def rollout(
         if parsed.answer is not None:
             stop, answer = "answered", parsed.answer
             break
-        if not parsed.tool_calls:
+        if not parsed.actions:
             stop = "max_tokens" if cut else "no_action"  # cut by a token budget vs. ended its turn with neither
             break
-        if not _run_tools(parsed.tool_calls, task, context, episode, messages, metrics, limits, policy, on_turn):
+        if not _run_tools(parsed, task, context, episode, messages, metrics, limits, policy, on_turn):
             stop = "max_images"
             break
         if len(episode.ids) >= limits.max_total_tokens:
@@ -191,7 +221,7 @@ def rollout(
 
 
 def _run_tools(
-    calls: list[ToolCall],
+    parsed: ParsedTurn,
     task: Task,
     context: ToolContext,
     episode: _Episode,
@@ -202,8 +232,7 @@ def _run_tools(
     on_turn: Callable[[Message], None] | None,
 ) -> bool:
     """Run the turn's calls and append one tool turn per call. False when the image budget is exhausted."""
-    for call in calls:
-        observation = call_tool(call, context, offered=task.tools)
+    for observation in act(parsed, context, task.tools):
         metrics["tool_calls"] += 1
         if observation.error:
             metrics[f"tool_error/{observation.error}"] += 1
@@ -216,8 +245,12 @@ def _run_tools(
         encoded = policy.processor(text=[segment], images=shown or None, return_tensors="pt")
         episode.force(encoded["input_ids"][0].tolist())
         episode.add_media(encoded)
-        content = [ContentPart("image", image=img) for img in observation.images]
-        tool_message = Message("tool", [*content, ContentPart("text", observation.text)])
+        stamps = observation.timestamps or []
+        content = [
+            ContentPart("image", image=img, timestamps=[stamps[i]] if i < len(stamps) else None)
+            for i, img in enumerate(observation.images)
+        ]
+        tool_message = Message("tool", [*content, ContentPart("text", observation_text(observation))])
         messages.append(tool_message)
         if on_turn:
             on_turn(tool_message)
@@ -235,7 +268,14 @@ def _model_inputs(episode: _Episode, policy: Policy) -> dict[str, torch.Tensor]:
     return {k: v.to(policy.device) for k, v in inputs.items()}
 
 
-def run(policy: Policy, tasks: list[Task], n_samples: int = 1, limits: RolloutLimits | None = None) -> list[Trajectory]:
+def run(
+    policy: Policy,
+    tasks: list[Task],
+    n_samples: int = 1,
+    limits: RolloutLimits | None = None,
+    search: SearchBackend | None = None,
+    sandbox: Sandbox | None = None,
+) -> list[Trajectory]:
     """Run ``n_samples`` episodes per task; trajectories come back grouped by task, in task order."""
     limits = limits or RolloutLimits()
-    return [rollout(policy, task, limits) for task in tasks for _ in range(n_samples)]
+    return [rollout(policy, task, limits, search=search, sandbox=sandbox) for task in tasks for _ in range(n_samples)]

@@ -8,10 +8,13 @@ turns every failure (unknown tool, bad arguments, an exception inside the tool) 
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
-from vagent.toolbox import crop
+import jsonschema
+
+from vagent.toolbox import code, crop, crop_clip, draw, enhance, flip, rotate, sample_frames, search, zoom_in
 from vagent.toolbox.context import ToolContext
 from vagent.types import Observation, ToolCall
 
@@ -19,15 +22,15 @@ __all__ = ["TOOLS", "ToolContext", "call_tool", "check_arguments", "tool_schemas
 
 TOOLS: dict[str, ModuleType] = {
     crop.NAME: crop,
-}
-
-_JSON_TYPES = {
-    "number": (int, float),
-    "integer": (int,),
-    "string": (str,),
-    "boolean": (bool,),
-    "array": (list,),
-    "object": (dict,),
+    code.NAME: code,
+    zoom_in.NAME: zoom_in,
+    rotate.NAME: rotate,
+    flip.NAME: flip,
+    enhance.NAME: enhance,
+    draw.NAME: draw,
+    search.NAME: search,
+    sample_frames.NAME: sample_frames,
+    crop_clip.NAME: crop_clip,
 }
 
 
@@ -39,29 +42,26 @@ def tool_schemas(names: list[str]) -> list[dict[str, Any]]:
     return [TOOLS[n].SCHEMA for n in names]
 
 
-def _type_ok(value: Any, json_type: str) -> bool:
-    if isinstance(value, bool) and json_type in ("number", "integer"):
-        return False
-    return isinstance(value, _JSON_TYPES.get(json_type, object))
+@functools.cache
+def _validator(name: str) -> jsonschema.protocols.Validator:
+    # Extra arguments are an error (a typo like "bbx" must not silently fall back to a default).
+    schema = {"additionalProperties": False, **TOOLS[name].SCHEMA["parameters"]}
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
-def check_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> str | None:
-    """Validate arguments against a tool's flat JSON schema. Returns an error message or None."""
-    params = schema["parameters"]
-    properties = params.get("properties", {})
-    missing = [k for k in params.get("required", []) if k not in arguments]
-    if missing:
-        return f"missing required argument(s) {missing} for {schema['name']!r}"
-    extra = [k for k in arguments if k not in properties]
-    if extra:
-        return f"unexpected argument(s) {extra} for {schema['name']!r}; accepted: {sorted(properties)}"
-    for key, value in arguments.items():
-        spec = properties[key]
-        if not _type_ok(value, spec["type"]):
-            return f"argument {key!r} of {schema['name']!r} must be of type {spec['type']}, got {type(value).__name__}"
-        if spec["type"] == "array" and "items" in spec and not all(_type_ok(v, spec["items"]["type"]) for v in value):
-            return f"argument {key!r} of {schema['name']!r} must hold items of type {spec['items']['type']}"
-    return None
+def check_arguments(arguments: dict[str, Any], name: str) -> str | None:
+    """Validate a call's arguments against the tool's JSON schema. Returns a message for the model, or None.
+
+    >>> check_arguments({"bbox": [1, 2, 3, 4], "zoom": 2}, "crop")
+    "bad arguments for 'crop': Additional properties are not allowed ('zoom' was unexpected)"
+    """
+    error = jsonschema.exceptions.best_match(_validator(name).iter_errors(arguments))
+    if error is None:
+        return None
+    where = "".join(f"[{p!r}]" for p in error.absolute_path)
+    return f"bad arguments for {name!r}: " + (f"argument{where}: " if where else "") + error.message
 
 
 def call_tool(call: ToolCall, context: ToolContext, offered: list[str] | None = None) -> Observation:
@@ -70,7 +70,7 @@ def call_tool(call: ToolCall, context: ToolContext, offered: list[str] | None = 
     if call.name not in names or call.name not in TOOLS:
         return Observation(text=f"unknown tool {call.name!r}; available tools: {names}.", error="unknown_tool")
     tool = TOOLS[call.name]
-    problem = check_arguments(call.arguments, tool.SCHEMA)
+    problem = check_arguments(call.arguments, call.name)
     if problem is not None:
         return Observation(text=problem + ".", error="bad_arguments")
     try:
