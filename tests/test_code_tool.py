@@ -149,3 +149,22 @@ def test_unsandboxed_mode_keeps_the_timeout():
     context = ToolContext(sandbox=Sandbox(timeout_s=1.0, bwrap="/nonexistent/bwrap", allow_unsandboxed=True))
     obs = run_code("while True:\n    pass", context)
     assert obs.error == "timeout" and obs.metadata["duration_s"] < 3
+
+
+@needs_bwrap
+def test_images_are_encoded_once_per_image_and_forgotten_with_it():
+    import gc
+
+    from vagent.toolbox import code
+
+    image = Image.new("RGB", (64, 48), (9, 9, 9))
+    context = ToolContext(images=[image], model_sizes=[(56, 56)])
+    first = call_tool(ToolCall("code", {"code": "print(images[0].size)"}), context)
+    assert first.ok and "(64, 48)" in first.text and id(image) in code._ENCODED
+    data = code._ENCODED[id(image)][1]
+    assert call_tool(ToolCall("code", {"code": "print(1)"}), context).ok
+    assert code._ENCODED[id(image)][1] is data  # the second call reused the bytes
+    key = id(image)
+    del image, context
+    gc.collect()
+    assert key not in code._ENCODED

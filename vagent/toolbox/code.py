@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import io
+import threading
+import weakref
 from typing import Any
 
 from PIL import Image
@@ -102,17 +104,39 @@ def _default_sandbox() -> Sandbox:
     return Sandbox()
 
 
+# PNG bytes of each image, kept while the image lives: an episode's images are the same objects call after
+# call, and encoding a multi-megapixel image costs far more than the sandbox itself. Keyed by id() because
+# PIL images are unhashable; the weakref callback drops an entry when its image is freed (id reuse safe).
+_ENCODED: dict[int, tuple[weakref.ref, bytes]] = {}
+_ENCODED_LOCK = threading.Lock()
+
+
+def _png_bytes(image: Image.Image) -> bytes:
+    key = id(image)
+    with _ENCODED_LOCK:
+        cached = _ENCODED.get(key)
+        if cached is not None and cached[0]() is image:
+            return cached[1]
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)  # fast; the files live for one call
+    data = buffer.getvalue()
+
+    def forget(_: weakref.ref, key: int = key) -> None:
+        with _ENCODED_LOCK:
+            _ENCODED.pop(key, None)
+
+    with _ENCODED_LOCK:
+        _ENCODED[key] = (weakref.ref(image, forget), data)
+    return data
+
+
 def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
     """Run ``arguments["code"]`` in ``context.sandbox`` (default: bubblewrap) with the episode's images.
 
     Errors are observations: ``sandbox_unavailable`` (nothing ran), ``timeout``, ``code_error`` (non-zero exit).
     """
     sandbox = context.sandbox if context.sandbox is not None else _default_sandbox()
-    files = {}
-    for i, image in enumerate(context.images):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=1)  # fast: these files live for one call
-        files[f"image_{i}.png"] = buffer.getvalue()
+    files = {f"image_{i}.png": _png_bytes(image) for i, image in enumerate(context.images)}
     try:
         result = sandbox.run(
             arguments["code"],
@@ -125,7 +149,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
             text=f"The code was not run: no sandbox is available on this machine ({e}).", error="sandbox_unavailable"
         )
     images, notes = _images(result, context)
-    text = _describe(result, sandbox.timeout_s, images, notes)
+    text = _describe(result, sandbox.timeout_s, images, notes, first_index=len(context.images))
     metadata = {
         "exit_code": result.exit_code,
         "timed_out": result.timed_out,
@@ -159,7 +183,9 @@ def _images(result: SandboxResult, context: ToolContext) -> tuple[list[tuple[str
     return images, notes
 
 
-def _describe(result: SandboxResult, timeout_s: float, images: list[tuple[str, Image.Image]], notes: list[str]) -> str:
+def _describe(
+    result: SandboxResult, timeout_s: float, images: list[tuple[str, Image.Image]], notes: list[str], first_index: int
+) -> str:
     parts = []
     if result.timed_out:
         parts.append(f"Timeout: the code ran longer than {timeout_s:g} s and was stopped.")
@@ -177,7 +203,8 @@ def _describe(result: SandboxResult, timeout_s: float, images: list[tuple[str, I
             cut = f"\n[output truncated: {dropped:,} more bytes not shown]" if dropped else ""
             parts.append(f"{label}:\n{text.rstrip()}{cut}")
     if images:
-        parts.append(f"Returned {len(images)} image(s): {', '.join(name for name, _ in images)}.")
+        shown = ", ".join(f"{name} (image {first_index + i})" for i, (name, _) in enumerate(images))
+        parts.append(f"Returned {len(images)} image(s): {shown}.")
     if notes:
         parts.append("Note: " + "; ".join(notes) + ".")
     if not parts:
