@@ -63,14 +63,36 @@ def _typed(spec: dict) -> st.SearchStrategy:
     return JSON_VALUE
 
 
+def _sane(spec: dict) -> st.SearchStrategy:
+    """A value a reasonable model would write: right type, within the schema's bounds, plausible sizes."""
+    kind = spec.get("type")
+    if "enum" in spec:
+        return st.sampled_from(spec["enum"])
+    if kind == "number":
+        low, high = spec.get("minimum", -20), spec.get("maximum", 1200)
+        return st.floats(low, high, allow_nan=False) | st.integers(math.ceil(low), math.floor(high))
+    if kind == "integer":
+        return st.integers(spec.get("minimum", 0), min(spec.get("maximum", 3), 40))
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "string":
+        return st.sampled_from(["print(1)", "print(images[0].size)", "show(images[0].rotate(90))", "cat", "dog here"])
+    if kind == "array":
+        low = spec.get("minItems", 1)
+        return st.lists(_sane(spec.get("items", {})), min_size=low, max_size=spec.get("maxItems", max(low, 4)))
+    return JSON_VALUE
+
+
 @st.composite
 def tool_call_text(draw) -> str:
     name = draw(st.sampled_from([*TOOLS, "teleport", ""]))
     properties = TOOLS[name].SCHEMA["parameters"].get("properties", {}) if name in TOOLS else {}
+    # Half the calls are what a sensible model writes (so the tools' success paths run), half are wild.
+    value = _sane if draw(st.booleans()) else (lambda spec: _typed(spec) | JSON_VALUE)
     arguments = {}
     for key, spec in properties.items():
-        if draw(st.integers(0, 9)) < 8:  # mostly present; sometimes missing
-            arguments[key] = draw(_typed(spec) | JSON_VALUE) if draw(st.booleans()) else draw(_typed(spec))
+        if key in TOOLS[name].SCHEMA["parameters"].get("required", []) or draw(st.booleans()):
+            arguments[key] = draw(value(spec))
     if draw(st.integers(0, 9)) == 0:
         arguments[draw(st.text(max_size=6))] = draw(JSON_VALUE)  # an extra, unknown argument
     body = json.dumps({"name": name, "arguments": arguments})
@@ -127,7 +149,7 @@ def context_factory(tmp_path_factory):
             [{"title": f"doc {i}", "text": f"the {w} is here", "url": f"u{i}"} for i, w in enumerate("cat dog".split())]
         )
     image = Image.new("RGB", (640, 480), (200, 180, 160))
-    sandbox = Sandbox(timeout_s=1.0)  # `while True: pass` is a likely draw; the limit, not the loop, sets the cost
+    sandbox = Sandbox(timeout_s=0.5)  # `while True: pass` is a likely draw; the limit, not the loop, sets the cost
 
     def make() -> ToolContext:
         # A fresh context per example: tool outputs appended by one example must not leak into the next.
