@@ -99,11 +99,24 @@ class Observation:
 
 @dataclass
 class Message:
-    """One chat turn. ``tool_calls`` are filled for assistant turns that called tools."""
+    """One chat turn.
+
+    Attributes:
+        role: Who speaks.
+        content: Text and image parts, in order.
+        tool_calls: Filled for assistant turns that called tools.
+        token_ids: For assistant turns the engine produced: the exact ids of the turn after the
+            ``<|im_start|>assistant\n`` header, as sampled (or forced, for scripted turns), ending with
+            the ``<|im_end|>`` and newline that close it. The encoder uses them instead of re-tokenizing
+            ``content``, so training sees exactly what was sampled.
+        sampled: Aligned with ``token_ids``: 1 = sampled by the policy, 0 = forced by the engine.
+    """
 
     role: Role
     content: list[ContentPart]
     tool_calls: list[ToolCall] = field(default_factory=list)
+    token_ids: list[int] | None = None
+    sampled: list[int] | None = None
 
     @classmethod
     def text(cls, role: Role, text: str) -> Message:
@@ -180,6 +193,7 @@ class Trajectory:
                     "role": m.role,
                     "content": [part_dict(p) for p in m.content],
                     "tool_calls": [{"name": c.name, "arguments": c.arguments, "raw": c.raw} for c in m.tool_calls],
+                    **({"token_ids": m.token_ids, "sampled": m.sampled} if m.token_ids is not None else {}),
                 }
                 for m in self.messages
             ],
@@ -203,6 +217,8 @@ class Trajectory:
                     for p in m["content"]
                 ],
                 tool_calls=[ToolCall(c["name"], c["arguments"], c.get("raw", "")) for c in m.get("tool_calls", [])],
+                token_ids=m.get("token_ids"),
+                sampled=m.get("sampled"),
             )
             for m in data["messages"]
         ]
