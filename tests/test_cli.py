@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from vagent.cli import build_parser, main
@@ -19,7 +20,7 @@ def _run(*args, cwd=None):
 
 def test_only_working_subcommands_are_listed():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["generate", "make-tiny-model", "quickstart", "tools"]
+    assert sorted(sub.choices) == ["generate", "make-tiny-model", "quickstart", "rollout", "tools"]
 
 
 def test_make_tiny_model_script_then_plain_transformers_then_vagent_generate(tmp_path):
@@ -120,3 +121,51 @@ def test_tools_parse_reads_jsonl_and_reports_error_kinds(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO('not json\n{"text": "<answer>1</answer>"}\n'))
     assert main(["tools", "parse"]) == 2  # malformed input is a usage error, but every line still gets an answer
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_rollout_arguments_parse(capsys):
+    base = ["rollout", "--model", "m", "--data", "rows.jsonl", "--out", "t.jsonl"]
+    args = build_parser().parse_args(base)
+    assert (args.tools, args.samples, args.batch_size, args.html, args.limit) == (["crop"], 1, 8, None, None)
+    args = build_parser().parse_args([*base, "--tools", "none", "--samples", "4", "--max-turns", "3", "--top-p", "0.9"])
+    assert args.tools == [] and args.samples == 4 and args.max_turns == 3 and args.top_p == 0.9
+    assert build_parser().parse_args([*base, "--tools", "crop, zoom_in"]).tools == ["crop", "zoom_in"]
+    for bad in (["--tools", "crop,zoom"], ["--samples", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args([*base, *bad])
+        assert exit_info.value.code == 2
+    assert "unknown tool(s) ['zoom']" in capsys.readouterr().err
+
+
+def _rows_file(tmp_path):
+    Image.new("RGB", (120, 90), (200, 30, 30)).save(tmp_path / "red.png")
+    rows = [
+        {"id": "a", "images": ["red.png"], "question": "What colour is the image?", "answer": "red",
+         "answer_type": "exact"},
+        {"id": "b", "images": ["red.png"], "question": "Which colour?", "answer": "A", "answer_type": "choice",
+         "choices": ["red", "blue"], "tools": ["crop", "zoom_in"]},
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rollout_runs_rows_end_to_end(tiny_qwen25, tmp_path, capsys):
+    rows = _rows_file(tmp_path)
+    out, html = tmp_path / "out" / "trajectories.jsonl", tmp_path / "out" / "view.html"
+    argv = ["rollout", "--model", str(tiny_qwen25), "--data", str(rows), "--out", str(out), "--html", str(html),
+            "--samples", "2", "--max-turns", "2", "--max-new-tokens", "8", "--batch-size", "3", "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "4 trajectories (2 rows x 2 samples)" in captured.out and "stop reasons:" in captured.out
+    assert f"wrote {out}" in captured.out and str(html) in captured.out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["task_id"], r["sample"]) for r in records) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert {r["task_id"]: r["gold"] for r in records} == {"a": "red", "b": "A"}
+    user = next(m for m in records[-1]["messages"] if m["role"] == "user")
+    assert "A. red\nB. blue" in "".join(p.get("text", "") for p in user["content"])  # choices shown as lettered options
+    assert html.is_file() and html.stat().st_size > 0
+    # a bad row is a usage error naming the line, before any model is loaded
+    rows.write_text(rows.read_text() + json.dumps({"id": "c", "question": "q", "answer": "x", "answer_type": "exakt"}))
+    assert main([*argv[:2], str(tmp_path / "no-model"), *argv[3:]]) == 2
+    assert "rows.jsonl:3 (id 'c'): field 'answer_type' must be one of" in capsys.readouterr().err

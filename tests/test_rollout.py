@@ -106,3 +106,93 @@ def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
     out = traj.messages[3].images[0]
     assert out.width % 32 == 0 and out.height % 32 == 0
+
+
+# -- the batched engine: one encoder, cache reuse, concurrency ------------------------------------------
+
+ZOOM = '<tool_call>{"name": "zoom_in", "arguments": {"bbox": [50, 40, 300, 200], "factor": 2}}</tool_call>'
+TWO_IMAGES = [IMAGE, Image.new("RGB", (320, 640), (30, 90, 160))]
+
+
+def _tasks():
+    # multi-turn, multi-image: two prompt images, two scripted tool turns adding two more, then sampled turns
+    return [
+        Task(id="a", question="Where?", images=TWO_IMAGES, tools=["crop", "zoom_in"], scripted_turns=[CROP, ZOOM]),
+        Task(id="b", question="What?", images=[IMAGE], scripted_turns=[CROP]),
+        Task(id="c", question="Tell me.", images=[TWO_IMAGES[1]]),
+    ]
+
+
+def _limits(**kw):
+    return RolloutLimits(**{"max_turns": 4, "max_new_tokens": 12, "temperature": 0.0, **kw})
+
+
+def test_the_one_encoder_gives_back_the_engine_ids_masks_and_images(policy):
+    from vagent.data.encode import encode_messages
+
+    torch.manual_seed(0)
+    for traj in run(policy, _tasks(), n_samples=2, limits=_limits(temperature=1.0), batch_size=4):
+        min_pixels, max_pixels = policy.pixel_budget
+        enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                              factor=policy.image_factor, logprobs=traj.logprobs)  # fmt: skip
+        assert enc.input_ids.tolist() == traj.token_ids
+        assert enc.loss_mask.tolist() == traj.loss_mask and sum(traj.loss_mask) > 0
+        assert len(enc.image_grid_thw) == len(traj.images)  # prompt images and every tool output
+        pads = int((enc.input_ids == policy.model.config.image_token_id).sum())
+        assert pads * 4 == int(enc.image_grid_thw.prod(-1).sum()) == enc.pixel_values.shape[0]
+
+
+def test_recorded_logprobs_match_a_full_forward_over_the_whole_sequence(policy):
+    """The cache, batching and multimodal RoPE positions are right iff a fresh full forward scores the
+    sampled tokens exactly as the sampler did."""
+    from vagent.data.encode import encode_messages
+    from vagent.model import token_logprobs
+
+    torch.manual_seed(1)
+    trajectories = run(policy, _tasks(), n_samples=2, limits=_limits(temperature=1.0), batch_size=6)
+    for traj in trajectories:
+        min_pixels, max_pixels = policy.pixel_budget
+        enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                              factor=policy.image_factor)  # fmt: skip
+        ids = enc.input_ids[None]
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": enc.pixel_values,
+                 "image_grid_thw": enc.image_grid_thw, "mm_token_type_ids": enc.mm_token_type_ids[None]}  # fmt: skip
+        with torch.no_grad():
+            full = token_logprobs(policy.model, batch)[0]
+        sampled = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        assert torch.allclose(full[sampled], torch.tensor(traj.logprobs)[sampled], atol=1e-4)
+
+
+def test_greedy_with_cache_reuse_and_batching_equals_recomputing_every_turn(policy):
+    reused = run(policy, _tasks(), limits=_limits(), batch_size=3)
+    recomputed = run(policy, _tasks(), limits=_limits(), batch_size=1, reuse_cache=False)
+    assert [t.token_ids for t in reused] == [t.token_ids for t in recomputed]
+    assert all(t.metrics.get("sampled_tokens", 0) > 0 for t in reused)
+
+
+def test_a_hanging_tool_is_cut_off_without_stalling_other_rows(policy, monkeypatch):
+    import time
+    import types
+
+    from vagent import toolbox
+    from vagent.types import Observation
+
+    slow = types.ModuleType("slow")
+    slow.NAME = "slow"
+    slow.SCHEMA = {"name": "slow", "description": "hangs", "parameters": {"type": "object", "properties": {}}}
+    slow.call = lambda arguments, context: time.sleep(3) or Observation(text="late")
+    monkeypatch.setitem(toolbox.TOOLS, "slow", slow)
+    hang = Task(id="hang", question="Q?", images=[IMAGE], tools=["slow"],
+                scripted_turns=['<tool_call>{"name": "slow", "arguments": {}}</tool_call>', "<answer>x</answer>"])  # fmt: skip
+    quick = [
+        Task(id=f"q{i}", question="Q?", images=[IMAGE], scripted_turns=[CROP, "<answer>y</answer>"]) for i in range(2)
+    ]
+    finished = []
+    start = time.monotonic()
+    out = run(policy, [hang, *quick], limits=_limits(), batch_size=3, tool_timeout_s=0.5,
+              progress=lambda t: finished.append((t.task_id, time.monotonic() - start)))  # fmt: skip
+    assert time.monotonic() - start < 2.5  # the 3 s sleep was abandoned at 0.5 s
+    assert out[0].metrics["tool_error/timeout"] == 1 and out[0].stop_reason == "answered"
+    assert "did not finish within 0.5 s" in out[0].messages[3].plain_text
+    assert [t.stop_reason for t in out[1:]] == ["answered", "answered"]
+    assert [name for name, _ in finished][-1] == "hang"  # the quick rows did not wait for it

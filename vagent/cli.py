@@ -190,6 +190,123 @@ def _tools_parse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tool_names(text: str) -> list[str]:
+    """``--tools crop,zoom_in`` -> names (checked against TOOLS); ``none`` -> no tools."""
+    from vagent.toolbox import TOOLS
+
+    if text.strip().lower() == "none":
+        return []
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TOOLS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown tool(s) {unknown}; available: {', '.join(TOOLS)} (or 'none')")
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _with_choices(question: str, choices: list[str] | None) -> str:
+    """The question with its options listed as the model reads them: "A. red", "B. blue", ..."""
+    if not choices:
+        return question
+    return question + "\n" + "\n".join(f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(choices))
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    import torch
+    from tqdm import tqdm
+
+    from vagent.data import load_rows
+    from vagent.model import load_policy
+    from vagent.rollout import RolloutLimits, Task, run
+    from vagent.rollout.export import write_html, write_jsonl
+    from vagent.toolbox import TOOLS
+    from vagent.toolbox.sandbox import Sandbox
+
+    rows = load_rows(args.data, known_tools=TOOLS)[: args.limit]
+    tasks = [
+        Task(
+            id=row.id,
+            question=_with_choices(row.question, row.choices),
+            images=list(row.images),
+            videos=list(row.videos),
+            # A row's own tool list wins; an explicit empty list means "no tools" for that row.
+            tools=list(row.tools if row.tools is not None else args.tools),
+        )
+        for row in rows
+    ]
+    search = None
+    if args.search_corpus:
+        from vagent.toolbox.search import BM25Backend
+
+        try:
+            search = BM25Backend(args.search_corpus)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--search-corpus: {e}") from None
+    elif any("search" in task.tools for task in tasks):
+        print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
+    limits = RolloutLimits(
+        max_turns=args.max_turns,
+        max_new_tokens=args.max_new_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_images=args.max_images,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
+    policy = load_policy(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
+    torch.manual_seed(args.seed)
+
+    total = len(tasks) * args.samples
+    answered = 0
+    with tqdm(total=total, unit="traj", desc="rollout", file=sys.stderr, dynamic_ncols=True) as bar:
+
+        def progress(trajectory) -> None:
+            nonlocal answered
+            answered += trajectory.stop_reason == "answered"
+            bar.update(1)
+            bar.set_postfix(answered=f"{answered / bar.n:.0%}")
+
+        trajectories = run(
+            policy,
+            tasks,
+            n_samples=args.samples,
+            limits=limits,
+            search=search,
+            sandbox=Sandbox(allow_unsandboxed=args.unsandboxed),
+            batch_size=args.batch_size,
+            progress=progress,
+        )
+
+    # The gold answer and sample number ride along in each JSONL record, so scoring needs only this file.
+    rows_by_id = {row.id: row for row in rows}
+    seen: Counter[str] = Counter()
+    info = {}
+    for trajectory in trajectories:
+        row = rows_by_id[trajectory.task_id]
+        info[id(trajectory)] = {"gold": row.answer, "answer_type": row.answer_type, "sample": seen[row.id]}
+        seen[row.id] += 1
+    out = write_jsonl(trajectories, args.out, extra=lambda t: info[id(t)])
+    html = write_html(trajectories, args.html) if args.html else None
+
+    stops = Counter(t.stop_reason for t in trajectories)
+    calls = Counter(call.name for t in trajectories for m in t.messages for call in m.tool_calls)
+    errors = sum(v for t in trajectories for k, v in t.metrics.items() if k.startswith("tool_error/"))
+    mean_turns = sum(t.metrics.get("turns", 0) for t in trajectories) / max(1, len(trajectories))
+    print(f"{len(trajectories)} trajectories ({len(tasks)} rows x {args.samples} samples)")
+    print("stop reasons: " + (", ".join(f"{k} {v}" for k, v in stops.most_common()) or "-"))
+    print(f"mean turns: {mean_turns:.2f}")
+    print("tool calls: " + (", ".join(f"{k} {v}" for k, v in calls.most_common()) or "none") + f" ({errors} failed)")
+    print(f"wrote {out}" + (f" and {html}" if html else ""))
+    return 0
+
+
 class UsageError(ValueError):
     """A command-line mistake (exit 2), as opposed to a tool failure (an observation, exit 0)."""
 
@@ -225,6 +342,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_quickstart)
 
+    p = sub.add_parser("rollout", help="Run the policy on canonical rows with tools; write trajectories (JSONL, HTML).")
+    p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).")
+    p.add_argument("--data", required=True, help="Canonical rows (JSONL; paths relative to the file).")
+    p.add_argument("--out", required=True, help="Trajectories JSONL to write.")
+    p.add_argument("--html", help="Also write an HTML viewer of the trajectories here.")
+    p.add_argument("--samples", type=_positive, default=1, help="Trajectories per row.")
+    p.add_argument("--limit", type=_positive, help="Only the first K rows.")
+    p.add_argument("--tools", type=_tool_names, default=["crop"],
+                   help="Comma-separated tools offered to rows without their own `tools`, or 'none'. Default: crop.")  # fmt: skip
+    p.add_argument("--max-turns", type=_positive, default=4, help="Assistant turns per episode (%(default)s).")
+    p.add_argument("--max-new-tokens", type=_positive, default=256, help="Tokens sampled per turn (%(default)s).")
+    p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
+    p.add_argument("--max-images", type=_positive, default=8, help="Images per episode (%(default)s).")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy.")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")
+    p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
+    p.add_argument("--device")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool.")
+    p.add_argument("--unsandboxed", action="store_true",
+                   help="Run `code` without bubblewrap when it is missing (trusted input only; logs a warning).")  # fmt: skip
+    p.set_defaults(func=_rollout)
+
     tools = sub.add_parser("tools", help="Inspect and run the agent's tools by hand.")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
     p = tools_sub.add_parser("list", help="Tool names, arguments and descriptions.")
@@ -255,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from vagent.config import ConfigError
+    from vagent.data import RowError
     from vagent.media import MediaError
     from vagent.model import PolicyLoadError
 
@@ -264,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown the trajectory print-out
     try:
         return args.func(args)
-    except (ConfigError, PolicyLoadError, MediaError, UsageError) as e:
+    except (ConfigError, PolicyLoadError, MediaError, RowError, UsageError) as e:
         print(f"vagent {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -146,6 +146,19 @@ class Policy:
         min_pixels, max_pixels = self.pixel_budget
         return resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=self.image_factor)
 
+    def rope_positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """Multimodal RoPE positions of whole sequences: (B, T) ids + one grid row per image -> (3, B, T).
+
+        Computed explicitly (and passed to every forward) rather than left to the model, which caches
+        ``rope_deltas`` between calls and silently falls back to 1D positions without ``mm_token_type_ids``.
+        """
+        config = self.model.config
+        types = mm_token_type_ids(input_ids, config.image_token_id, config.video_token_id)
+        positions, _ = self.model.model.get_rope_index(
+            input_ids=input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw
+        )
+        return positions
+
     @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

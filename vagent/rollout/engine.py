@@ -1,31 +1,41 @@
-"""The multi-turn rollout: generate -> parse -> call tools -> append observation -> ... -> done.
+"""The multi-turn rollout: a per-row state machine over a batch of rows.
 
-Token-in, token-out: the episode is kept as the exact token ids the model saw and sampled. Sampled
-tokens get loss mask 1 and their log-probs; everything the engine forces (prompt, the ``<|im_end|>``
-that closes a turn cut at a stop string, tool turns with their images, scripted turns) gets 0.
-Decoded text is only ever *read* (to parse calls); it is never tokenized back into the episode.
+    start ──► generating ──► (turn ends) ──► calling tools ──► observation appended ──► generating ...
+                                  └──► answered | no_action | max_turns | max_tokens | max_images | failed
 
-Tool turns are tokenized as separate segments. That is exact because every segment boundary sits
-next to a special token (``<|im_end|>``, ``<|im_start|>``), where the BPE never merges across.
+Token-in, token-out: each row is kept as the exact token ids the model saw and sampled. Sampled tokens
+get loss mask 1 and their log-probs; everything the engine forces (prompt, the ``<|im_end|>`` that
+closes a turn cut at a stop string, tool turns with their images, scripted turns) gets 0. Decoded text
+is only ever *read* (to parse calls); it is never tokenized back into the row. Every segment is made by
+``vagent.data.encode`` (the one encoder), so ``encode_messages(trajectory.messages)`` gives back exactly
+``trajectory.token_ids``.
 
-This first version runs one episode at a time and re-runs the whole prefix every turn (no KV cache
-reuse, no batching across rows, tools run inline). The batched engine with concurrent tools and
-cache reuse replaces ``run`` behind the same signature.
+Concurrency: rows generate together in the backend's batch (``HFBackend``: continuous batching with
+KV-cache reuse across turns). When a row's turn ends with tool calls, the calls run in a thread pool
+(with the encoding of their outputs) while the other rows keep generating; the row rejoins the batch
+when its observations are ready. A tool that does not return within ``tool_timeout_s`` is abandoned:
+the row gets a ``timeout`` error observation and goes on (the stuck thread is left to finish on its
+own; tools with their own limits, like the ``code`` sandbox, never get that far).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import dataclasses
+import time
+from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
-from vagent.chat import ParsedTurn, ParseError, observation_content, observation_text, parse_turn, system_prompt
+from vagent.chat import ParsedTurn, ParseError, observation_content, parse_turn, system_prompt
+from vagent.data.encode import encode_segment, template_dicts, template_suffix
 from vagent.media import load_image
-from vagent.model import Policy, mm_token_type_ids
+from vagent.model import Policy
+from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
 from vagent.types import ContentPart, Message, Observation, Trajectory
 
@@ -33,9 +43,9 @@ if TYPE_CHECKING:
     from vagent.toolbox.sandbox import Sandbox
     from vagent.toolbox.search import SearchBackend
 
-__all__ = ["RolloutLimits", "Task", "act", "rollout", "run"]
+__all__ = ["STOP_STRINGS", "RolloutLimits", "Task", "act", "rollout", "run"]
 
-STOP_STRINGS = ["</tool_call>", "</answer>"]
+STOP_STRINGS = ("</tool_call>", "</answer>")
 
 
 @dataclass
@@ -62,43 +72,14 @@ class Task:
 
 @dataclass
 class RolloutLimits:
+    """Per-episode limits and sampling settings."""
+
     max_turns: int = 4
     max_new_tokens: int = 96
     max_total_tokens: int = 4096
     max_images: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-
-
-@dataclass
-class _Episode:
-    """Growing token state of one episode."""
-
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
-    logprobs: list[float] = field(default_factory=list)
-    pixel_values: list[torch.Tensor] = field(default_factory=list)  # one (patches, dim) block per image, in order
-    grids: list[torch.Tensor] = field(default_factory=list)  # one (1, 3) row per image
-
-    def force(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-
-    def add_media(self, encoded: Any) -> None:
-        if "pixel_values" in encoded:
-            self.pixel_values.append(encoded["pixel_values"])
-            self.grids.append(encoded["image_grid_thw"])
-
-
-def _template_suffix(processor: Any, messages: list[dict[str, Any]]) -> str:
-    """Text the chat template adds for ``messages`` after a conversation, ending with the assistant header."""
-    anchor = [{"role": "system", "content": "x"}]
-    before = processor.apply_chat_template(anchor, tokenize=False)
-    after = processor.apply_chat_template(anchor + messages, add_generation_prompt=True, tokenize=False)
-    if not after.startswith(before):
-        raise ValueError("the checkpoint's chat template does not render turns incrementally")
-    return after[len(before) :]
 
 
 def act(parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> list[Observation]:
@@ -116,156 +97,277 @@ def act(parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> list[Ob
     return observations
 
 
-def rollout(
-    policy: Policy,
-    task: Task,
-    limits: RolloutLimits,
-    on_turn: Callable[[Message], None] | None = None,
-    search: SearchBackend | None = None,
-    sandbox: Sandbox | None = None,
-) -> Trajectory:
-    """Run one episode of ``task`` with ``policy``. Tool failures become observations; nothing raises
-    for model output. ``on_turn`` is called with each new message (for streaming displays);
-    ``search`` and ``sandbox`` serve the ``search`` and ``code`` tools."""
-    processor, tokenizer = policy.processor, policy.tokenizer
-    min_pixels, max_pixels = policy.pixel_budget
-    originals = [load_image(img) for img in task.images]
-    shown = [policy.model_view(img) for img in originals]
-    context = ToolContext(
-        images=list(originals),
-        model_sizes=[img.size for img in shown],
-        convention=policy.coord_convention,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        image_factor=policy.image_factor,
-        videos=list(task.videos),
-        search=search,
-        sandbox=sandbox,
-    )
-    system = system_prompt(tool_schemas(task.tools))
-    user_content = [{"type": "image"} for _ in shown] + [{"type": "text", "text": task.question}]
-    prompt = processor.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": user_content}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    episode = _Episode()
-    encoded = processor(text=[prompt], images=shown or None, return_tensors="pt")
-    episode.force(encoded["input_ids"][0].tolist())
-    episode.add_media(encoded)
-    messages = [
-        Message.text("system", system),
-        Message("user", [ContentPart("image", image=img) for img in originals] + [ContentPart("text", task.question)]),
-    ]
-    metrics: Counter[str] = Counter()
-    im_end, newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.encode("\n")
-    scripted = list(task.scripted_turns)
-    stop, answer = "max_turns", None
-    for _ in range(limits.max_turns):
-        budget = min(limits.max_new_tokens, limits.max_total_tokens - len(episode.ids))
+@dataclass
+class _Segment:
+    """A forced piece of a row: ids (mask 0) and the model-sized images whose placeholders it holds."""
+
+    ids: list[int]
+    pixel_values: list[torch.Tensor] = field(default_factory=list)
+    grids: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _ToolOutcome:
+    messages: list[Message]
+    segments: list[_Segment]
+    context: ToolContext  # the row's context with the new images appended
+    observations: list[Observation]
+    out_of_images: bool
+
+
+@dataclass
+class _Row:
+    key: int
+    task: Task
+    context: ToolContext
+    messages: list[Message]
+    scripted: list[str]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
+    logprobs: list[float] = field(default_factory=list)
+    pixel_values: list[torch.Tensor] = field(default_factory=list)  # one (patches, dim) block per image, in order
+    grids: list[torch.Tensor] = field(default_factory=list)  # one (1, 3) row per image
+    metrics: Counter[str] = field(default_factory=Counter)
+    turns: int = 0
+    future: Future | None = None
+    deadline: float = 0.0
+    pending_calls: int = 0
+    answer: str | None = None
+    stop: str | None = None
+
+    def force(self, segment: _Segment) -> None:
+        self.ids += segment.ids
+        self.mask += [0] * len(segment.ids)
+        self.logprobs += [0.0] * len(segment.ids)
+        self.pixel_values += segment.pixel_values
+        self.grids += segment.grids
+
+
+class _Engine:
+    """Runs rows to completion; see the module docstring."""
+
+    def __init__(self, policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
+                 on_turn, progress):  # fmt: skip
+        self.policy, self.limits = policy, limits
+        self.search, self.sandbox = search, sandbox
+        self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
+        self.on_turn, self.progress = on_turn, progress
+        self.backend = HFBackend(
+            policy,
+            temperature=limits.temperature,
+            top_p=limits.top_p,
+            stop_strings=STOP_STRINGS,
+            reuse_cache=reuse_cache,
+        )
+        self.pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="vagent-tool")
+        tokenizer = policy.tokenizer
+        self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
+        self.im_end, self.newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.encode("\n")
+        self.rows: dict[int, _Row] = {}
+
+    # -- driver -------------------------------------------------------------------------------------
+
+    def run(self, jobs: list[tuple[int, Task]]) -> dict[int, Trajectory]:
+        queue, done = deque(jobs), {}
+        try:
+            while queue or self.rows:
+                while queue and len(self.rows) < self.batch_size:
+                    key, task = queue.popleft()
+                    self._start(key, task)
+                if self.backend.busy:
+                    for result in self.backend.step():
+                        self._on_turn_end(self.rows[result.key], result)
+                waiting = [r for r in self.rows.values() if r.future is not None]
+                if waiting and not self.backend.busy:  # nothing to generate: sleep until a tool returns
+                    timeout = max(0.0, min(r.deadline for r in waiting) - time.monotonic())
+                    wait([r.future for r in waiting], timeout=timeout, return_when=FIRST_COMPLETED)
+                for row in waiting:
+                    if row.future.done() or time.monotonic() >= row.deadline:
+                        self._on_tools_done(row)
+                for key in [k for k, r in self.rows.items() if r.stop is not None]:
+                    done[key] = self._finish(self.rows.pop(key))
+        finally:
+            # Abandoned (timed-out) tool threads must not block the caller: do not wait for them.
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        return done
+
+    # -- row life cycle -----------------------------------------------------------------------------
+
+    def _start(self, key: int, task: Task) -> None:
+        policy = self.policy
+        min_pixels, max_pixels = policy.pixel_budget
+        originals = [load_image(img) for img in task.images]
+        shown = [policy.model_view(img) for img in originals]
+        context = ToolContext(
+            images=list(originals),
+            model_sizes=[img.size for img in shown],
+            convention=policy.coord_convention,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            image_factor=policy.image_factor,
+            videos=list(task.videos),
+            search=self.search,
+            sandbox=self.sandbox,
+        )
+        system = system_prompt(tool_schemas(task.tools))
+        user = Message(
+            "user", [ContentPart("image", image=img) for img in originals] + [ContentPart("text", task.question)]
+        )
+        messages = [Message.text("system", system), user]
+        row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
+        prompt = policy.processor.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": template_dicts(user)["content"]}],
+            tokenize=False,
+        )
+        row.force(_segment(encode_segment(policy.processor, prompt, shown)))
+        self.rows[key] = row
+        self._next_turn(row)
+
+    def _next_turn(self, row: _Row) -> None:
+        """Open the next assistant turn, or stop the row at a limit."""
+        limits = self.limits
+        if row.turns >= limits.max_turns:
+            row.stop = "max_turns"
+            return
+        budget = min(limits.max_new_tokens, limits.max_total_tokens - len(row.ids) - len(self.header))
         if budget <= 0:
-            stop = "max_tokens"
-            break
-        metrics["turns"] += 1
-        if scripted:
-            text = scripted.pop(0)
-            episode.force([*tokenizer.encode(text), im_end, *newline])
-            metrics["scripted_turns"] += 1
-            cut = False
-        else:
-            generation = policy.generate(
-                _model_inputs(episode, policy),
-                max_new_tokens=budget,
-                temperature=limits.temperature,
-                top_p=limits.top_p,
-                stop_strings=STOP_STRINGS,
-            )[0]
-            episode.ids += generation.token_ids
-            episode.mask += [1] * len(generation.token_ids)
-            episode.logprobs += generation.logprobs
-            metrics["sampled_tokens"] += len(generation.token_ids)
-            # Close the turn the way the chat template renders it: "...<|im_end|>\n".
-            closing = newline if generation.stop == "eos" else [im_end, *newline]
-            episode.force(closing)
-            text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-            cut = generation.stop == "length"
+            row.stop = "max_tokens"
+            return
+        row.turns += 1
+        row.metrics["turns"] += 1
+        row.force(_Segment(list(self.header)))
+        if row.scripted:
+            row.metrics["scripted_turns"] += 1
+            ids = [*self.policy.tokenizer.encode(row.scripted.pop(0)), self.im_end]
+            self._on_turn_end(row, TurnResult(row.key, ids, [0.0] * len(ids), "eos"), sampled=False)
+            return
+        request = TurnRequest(row.key, list(row.ids), row.pixel_values, row.grids, max_new_tokens=budget)
+        self.backend.submit(request)
+
+    def _on_turn_end(self, row: _Row, result: TurnResult, sampled: bool = True) -> None:
+        ids = list(result.token_ids)
+        flag = 1 if sampled else 0
+        # Close the turn the way the chat template renders it: "...<|im_end|>\n".
+        closing = list(self.newline) if ids and ids[-1] == self.im_end else [self.im_end, *self.newline]
+        row.ids += ids + closing
+        row.mask += [flag] * len(ids) + [0] * len(closing)
+        row.logprobs += (result.logprobs if sampled else [0.0] * len(ids)) + [0.0] * len(closing)
+        if sampled:
+            row.metrics["sampled_tokens"] += len(ids)
+        text = self.policy.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         parsed = parse_turn(text)
         for error in parsed.errors:
-            metrics[f"parse_error/{error.kind}"] += 1
-        assistant = Message("assistant", [ContentPart("text", text)], tool_calls=parsed.tool_calls)
-        messages.append(assistant)
-        if on_turn:
-            on_turn(assistant)
+            row.metrics[f"parse_error/{error.kind}"] += 1
+        turn = Message(
+            "assistant",
+            [ContentPart("text", text)],
+            tool_calls=parsed.tool_calls,
+            token_ids=ids + closing,
+            sampled=[flag] * len(ids) + [0] * len(closing),
+        )
+        self._emit(row, turn)
         if parsed.answer is not None:
-            stop, answer = "answered", parsed.answer
-            break
-        if not parsed.actions:
-            stop = "max_tokens" if cut else "no_action"  # cut by a token budget vs. ended its turn with neither
-            break
-        if not _run_tools(parsed, task, context, episode, messages, metrics, limits, policy, on_turn):
-            stop = "max_images"
-            break
-        if len(episode.ids) >= limits.max_total_tokens:
-            stop = "max_tokens"
-            break
-    return Trajectory(
-        task_id=task.id,
-        messages=messages,
-        token_ids=episode.ids,
-        loss_mask=episode.mask,
-        logprobs=episode.logprobs,
-        answer=answer,
-        stop_reason=stop,
-        metrics=dict(metrics),
-    )
+            row.stop, row.answer = "answered", parsed.answer
+        elif not parsed.actions:
+            row.stop = "max_tokens" if result.stop == "length" else "no_action"
+        else:
+            row.pending_calls = len(parsed.actions)
+            row.deadline = time.monotonic() + self.tool_timeout_s
+            row.future = self.pool.submit(self._call_tools, parsed, row.context, row.task.tools)
+
+    def _call_tools(self, parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> _ToolOutcome:
+        """Worker thread: run the calls and encode their tool turns. Works on a copy of the context, so an
+        abandoned (timed-out) call can never change the row after it moved on."""
+        context = dataclasses.replace(context, images=list(context.images), model_sizes=list(context.model_sizes))
+        messages, segments, observations = [], [], []
+        for observation in act(parsed, context, offered):
+            if len(context.images) + len(observation.images) > self.limits.max_images:
+                return _ToolOutcome(messages, segments, context, observations, out_of_images=True)
+            shown = [self.policy.model_view(img) for img in observation.images]
+            context.images += observation.images
+            context.model_sizes += [img.size for img in shown]
+            message = _tool_message(observation)
+            text = template_suffix(self.policy.processor, [template_dicts(message)], add_generation_prompt=False)
+            segments.append(_segment(encode_segment(self.policy.processor, text, shown)))
+            messages.append(message)
+            observations.append(observation)
+        return _ToolOutcome(messages, segments, context, observations, out_of_images=False)
+
+    def _on_tools_done(self, row: _Row) -> None:
+        future, row.future = row.future, None
+        if future.done() and future.exception() is None:
+            outcome = future.result()
+        else:  # timed out (or the encoding failed): the model hears about it and the episode goes on
+            reason = "timeout" if not future.done() else "tool_exception"
+            detail = (
+                f"did not finish within {self.tool_timeout_s:g} s" if not future.done() else str(future.exception())
+            )
+            observation = Observation(text=f"the tool call {detail}.", error=reason)
+            message = _tool_message(observation)
+            text = template_suffix(self.policy.processor, [template_dicts(message)], add_generation_prompt=False)
+            segment = _segment(encode_segment(self.policy.processor, text, []))
+            observations = [observation] * row.pending_calls
+            outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
+                                   observations, out_of_images=False)  # fmt: skip
+        row.context = outcome.context
+        for observation in outcome.observations:
+            row.metrics["tool_calls"] += 1
+            if observation.error:
+                row.metrics[f"tool_error/{observation.error}"] += 1
+        for message, segment in zip(outcome.messages, outcome.segments, strict=True):
+            row.force(segment)
+            self._emit(row, message)
+        if outcome.out_of_images:
+            row.metrics["tool_calls"] += 1
+            row.stop = "max_images"
+        elif len(row.ids) >= self.limits.max_total_tokens:
+            row.stop = "max_tokens"
+        else:
+            self._next_turn(row)
+
+    def _emit(self, row: _Row, message: Message) -> None:
+        row.messages.append(message)
+        if self.on_turn:
+            self.on_turn(message)
+
+    def _finish(self, row: _Row) -> Trajectory:
+        self.backend.release(row.key)
+        trajectory = Trajectory(
+            task_id=row.task.id,
+            messages=row.messages,
+            token_ids=row.ids,
+            loss_mask=row.mask,
+            logprobs=row.logprobs,
+            answer=row.answer,
+            stop_reason=row.stop,
+            metrics=dict(row.metrics),
+        )
+        if self.progress:
+            self.progress(trajectory)
+        return trajectory
 
 
-def _run_tools(
-    parsed: ParsedTurn,
-    task: Task,
-    context: ToolContext,
-    episode: _Episode,
-    messages: list[Message],
-    metrics: Counter[str],
-    limits: RolloutLimits,
-    policy: Policy,
-    on_turn: Callable[[Message], None] | None,
-) -> bool:
-    """Run the turn's calls and append one tool turn per call. False when the image budget is exhausted."""
-    for observation in act(parsed, context, task.tools):
-        metrics["tool_calls"] += 1
-        if observation.error:
-            metrics[f"tool_error/{observation.error}"] += 1
-        if len(context.images) + len(observation.images) > limits.max_images:
-            return False
-        shown = [policy.model_view(img) for img in observation.images]
-        context.images += observation.images
-        context.model_sizes += [img.size for img in shown]
-        segment = _template_suffix(policy.processor, [{"role": "tool", "content": observation_content(observation)}])
-        encoded = policy.processor(text=[segment], images=shown or None, return_tensors="pt")
-        episode.force(encoded["input_ids"][0].tolist())
-        episode.add_media(encoded)
-        stamps = observation.timestamps or []
-        content = [
-            ContentPart("image", image=img, timestamps=[stamps[i]] if i < len(stamps) else None)
-            for i, img in enumerate(observation.images)
-        ]
-        tool_message = Message("tool", [*content, ContentPart("text", observation_text(observation))])
-        messages.append(tool_message)
-        if on_turn:
-            on_turn(tool_message)
-    return True
+def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
+    ids = encoded["input_ids"].tolist()
+    if "pixel_values" not in encoded:
+        return _Segment(ids)
+    grids = list(encoded["image_grid_thw"].split(1))
+    sizes = [int(g.prod()) for g in grids]
+    return _Segment(ids, list(encoded["pixel_values"].split(sizes)), grids)
 
 
-def _model_inputs(episode: _Episode, policy: Policy) -> dict[str, torch.Tensor]:
-    config = policy.model.config
-    input_ids = torch.tensor([episode.ids], dtype=torch.long)  # (1, T)
-    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    if episode.pixel_values:
-        inputs["pixel_values"] = torch.cat(episode.pixel_values)  # prompt images, then each tool image, in order
-        inputs["image_grid_thw"] = torch.cat(episode.grids)  # (n_images, 3)
-        inputs["mm_token_type_ids"] = mm_token_type_ids(input_ids, config.image_token_id, config.video_token_id)
-    return {k: v.to(policy.device) for k, v in inputs.items()}
+def _tool_message(observation: Observation) -> Message:
+    """The tool turn exactly as the template will render it (``observation_content``), with the images."""
+    images = iter(observation.images)
+    stamps = iter(observation.timestamps or [])
+    parts = []
+    for item in observation_content(observation):
+        if item["type"] == "image":
+            stamp = next(stamps, None)
+            parts.append(ContentPart("image", image=next(images), timestamps=None if stamp is None else [stamp]))
+        else:
+            parts.append(ContentPart("text", item["text"]))
+    return Message("tool", parts)
 
 
 def run(
@@ -275,7 +377,48 @@ def run(
     limits: RolloutLimits | None = None,
     search: SearchBackend | None = None,
     sandbox: Sandbox | None = None,
+    batch_size: int = 8,
+    progress: Callable[[Trajectory], None] | None = None,
+    *,
+    reuse_cache: bool = True,
+    tool_workers: int = 8,
+    tool_timeout_s: float = 60.0,
+    on_turn: Callable[[Message], None] | None = None,
 ) -> list[Trajectory]:
-    """Run ``n_samples`` episodes per task; trajectories come back grouped by task, in task order."""
+    """Run ``n_samples`` episodes per task, ``batch_size`` rows at a time.
+
+    Args:
+        policy: The loaded policy.
+        tasks: Episodes to run.
+        n_samples: Samples per task (a GRPO group).
+        limits: Turn/token/image limits and sampling settings.
+        search, sandbox: Services of the ``search`` and ``code`` tools.
+        batch_size: Rows in flight at once (generating or waiting for tools).
+        progress: Called with each trajectory as it finishes.
+        reuse_cache: Keep each row's KV cache across turns (False: re-prefill every turn).
+        tool_workers: Threads running tool calls.
+        tool_timeout_s: A tool turn that takes longer is abandoned with a ``timeout`` observation.
+        on_turn: Called with every new assistant/tool message (streaming displays).
+
+    Returns:
+        Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).
+    """
     limits = limits or RolloutLimits()
-    return [rollout(policy, task, limits, search=search, sandbox=sandbox) for task in tasks for _ in range(n_samples)]
+    jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
+    engine = _Engine(policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
+                     on_turn, progress)  # fmt: skip
+    done = engine.run(jobs)
+    return [done[key] for key, _ in jobs]
+
+
+def rollout(
+    policy: Policy,
+    task: Task,
+    limits: RolloutLimits,
+    on_turn: Callable[[Message], None] | None = None,
+    search: SearchBackend | None = None,
+    sandbox: Sandbox | None = None,
+) -> Trajectory:
+    """Run one episode of ``task``. Tool failures become observations; nothing raises for model output.
+    ``on_turn`` is called with each new message (for streaming displays)."""
+    return run(policy, [task], 1, limits, search, sandbox, batch_size=1, on_turn=on_turn)[0]

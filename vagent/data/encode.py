@@ -1,0 +1,177 @@
+"""The one encoder: a conversation (``Message`` list or ``Trajectory``) -> model tensors + loss mask.
+
+SFT, GRPO, eval and the rollout engine all go through ``encode_segment``/``encode_messages``, so the
+ids the policy sampled are exactly the ids it is trained on:
+
+* The conversation is rendered with the checkpoint's chat template one message at a time (the text
+  the template adds for message *i* given messages *< i*). Segments are tokenized separately, which
+  is exact because every boundary sits next to a special token (``<|im_end|>``, ``<|im_start|>``)
+  that the BPE never merges across.
+* An assistant message that carries ``token_ids`` (the engine's exact sampled ids) is used as is,
+  never re-tokenized from its text; its ``sampled`` flags become the loss mask (GRPO trains only
+  what was sampled). A gold assistant message without ids (SFT) is tokenized and trained on its
+  content and closing ``<|im_end|>``; the header and the newline after ``<|im_end|>`` are masked.
+* System, user and tool messages are masked (0). Their images are resized exactly as the policy saw
+  them (``resize_to_budget`` with the policy's pixel budget and patch grid) and run through the
+  processor, so ``pixel_values`` holds every image's patches in conversation order (prompt images,
+  then each tool output) with one ``image_grid_thw`` row each.
+
+Multimodal RoPE positions are not computed here: they need the model's vision config
+(``Policy.rope_positions`` computes them over the whole sequence from these outputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vagent.media import load_image, resize_to_budget
+from vagent.types import Message
+
+__all__ = ["Encoded", "encode_messages", "encode_segment", "template_dicts", "template_suffix"]
+
+_ANCHOR = [{"role": "system", "content": "x"}]
+
+
+@dataclass
+class Encoded:
+    """Model inputs of one conversation.
+
+    Attributes:
+        input_ids: (T,) token ids.
+        loss_mask: (T,) 1 = train on this token (sampled, or gold assistant content), 0 = forced.
+        pixel_values: (patches, dim) every image's patches in order, or None without images.
+        image_grid_thw: (n_images, 3) one row per image, or None.
+        mm_token_type_ids: (T,) 1 at image placeholders, 2 at video placeholders, 0 elsewhere.
+        logprobs: (T,) the sampler's log-probs where the engine recorded them, 0 elsewhere.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    mm_token_type_ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def template_dicts(message: Message) -> dict[str, Any]:
+    """A ``Message`` as the chat template wants it: text parts verbatim, an ``{"type": "image"}`` per image."""
+    content = [
+        {"type": "image"} if part.type == "image" else {"type": "text", "text": part.text or ""}
+        for part in message.content
+    ]
+    return {"role": message.role, "content": content}
+
+
+def template_suffix(processor: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """Text the chat template adds for ``messages`` after any conversation (anchored on a system turn)."""
+    before = processor.apply_chat_template(_ANCHOR, tokenize=False)
+    after = processor.apply_chat_template(
+        _ANCHOR + messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    if not after.startswith(before):
+        raise ValueError("the checkpoint's chat template does not render turns incrementally")
+    return after[len(before) :]
+
+
+def encode_segment(processor: Any, text: str, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+    """Tokenize one rendered segment with its (already model-sized) images. Returns ``input_ids`` (n,)
+    and, with images, ``pixel_values`` and ``image_grid_thw``."""
+    batch = processor(text=[text], images=list(images) or None, return_tensors="pt")
+    out = {"input_ids": batch["input_ids"][0]}
+    if images:
+        out["pixel_values"] = batch["pixel_values"]
+        out["image_grid_thw"] = batch["image_grid_thw"]
+    return out
+
+
+def _model_images(message: Message, min_pixels: int, max_pixels: int, factor: int) -> list[Image.Image]:
+    images = []
+    for part in message.content:
+        if part.type == "image":
+            source = part.image if part.image is not None else part.path
+            image = load_image(source)
+            images.append(resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor))
+    return images
+
+
+def encode_messages(
+    messages: Sequence[Message],
+    processor: Any,
+    *,
+    min_pixels: int,
+    max_pixels: int,
+    factor: int = 28,
+    logprobs: Sequence[float] | None = None,
+) -> Encoded:
+    """Encode a conversation (see the module docstring).
+
+    Args:
+        messages: The conversation, starting with its system/user prompt.
+        processor: The checkpoint's processor (chat template, tokenizer, image processor).
+        min_pixels, max_pixels, factor: The policy's pixel budget and patch grid (``Policy.pixel_budget``,
+            ``Policy.image_factor``); images are resized with them exactly as the policy saw them.
+        logprobs: Optional per-token log-probs of the whole sequence (a Trajectory's), carried through.
+
+    Returns:
+        An ``Encoded``; for an engine trajectory ``input_ids`` equals ``Trajectory.token_ids``.
+    """
+    tokenizer = processor.tokenizer
+    header_text = template_suffix(processor, [], add_generation_prompt=True)  # "<|im_start|>assistant\n"
+    header = tokenizer.encode(header_text)
+    newline = tokenizer.encode("\n")
+    ids: list[torch.Tensor] = []
+    mask: list[torch.Tensor] = []
+    pixels, grids = [], []
+
+    def add(segment: dict[str, torch.Tensor], trained: torch.Tensor | None = None) -> None:
+        ids.append(segment["input_ids"])
+        mask.append(trained if trained is not None else torch.zeros_like(segment["input_ids"]))
+        if "pixel_values" in segment:
+            pixels.append(segment["pixel_values"])
+            grids.append(segment["image_grid_thw"])
+
+    # The prompt (everything before the first assistant turn) is rendered as a whole, like a fresh chat.
+    first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
+    prompt = [template_dicts(m) for m in messages[:first]]
+    prompt_text = processor.apply_chat_template(prompt, tokenize=False)
+    prompt_images = [img for m in messages[:first] for img in _model_images(m, min_pixels, max_pixels, factor)]
+    add(encode_segment(processor, prompt_text, prompt_images))
+    for message in messages[first:]:
+        if message.role != "assistant":
+            text = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
+            add(encode_segment(processor, text, _model_images(message, min_pixels, max_pixels, factor)))
+            continue
+        add({"input_ids": torch.tensor(header)})
+        if message.token_ids is not None:
+            turn = torch.tensor(message.token_ids, dtype=torch.long)
+            sampled = message.sampled if message.sampled is not None else [1] * len(message.token_ids)
+            add({"input_ids": turn}, torch.tensor(sampled, dtype=torch.long))
+        else:  # gold text: train on the content and its <|im_end|>, not on the newline the template adds after
+            body = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
+            if not body.startswith(header_text):
+                raise ValueError("the chat template renders assistant turns with a different header")
+            turn = torch.tensor(tokenizer.encode(body[len(header_text) :]), dtype=torch.long)
+            trained = torch.ones_like(turn)
+            if turn[-len(newline) :].tolist() == newline:
+                trained[-len(newline) :] = 0
+            add({"input_ids": turn}, trained)
+    input_ids = torch.cat(ids).long()
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    video_token = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    types = (input_ids == image_token).int() + 2 * (input_ids == video_token).int()
+    lp = torch.tensor(list(logprobs), dtype=torch.float32) if logprobs else torch.zeros(len(input_ids))
+    if len(lp) != len(input_ids):
+        raise ValueError(f"logprobs ({len(lp)}) do not align with the encoded ids ({len(input_ids)})")
+    return Encoded(
+        input_ids=input_ids,
+        loss_mask=torch.cat(mask).long(),
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        mm_token_type_ids=types,
+        logprobs=lp,
+    )
