@@ -59,7 +59,9 @@ class Task:
         videos: Video paths the video tools can read.
         tools: Names of the tools offered.
         scripted_turns: Assistant turns forced before the policy samples (loss mask 0), e.g. to
-            show a tool round-trip with an untrained model, or to replay a gold prefix.
+            show a tool round-trip with an untrained model, or to replay a gold prefix. A ``None``
+            entry lets the policy sample that turn; while scripted turns remain, a sampled turn with
+            neither a call nor an answer does not end the episode (forced-turn ablations, benchmarks).
     """
 
     id: str
@@ -67,7 +69,7 @@ class Task:
     images: list[str | Image.Image] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=lambda: ["crop"])
-    scripted_turns: list[str] = field(default_factory=list)
+    scripted_turns: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -121,7 +123,7 @@ class _Row:
     task: Task
     context: ToolContext
     messages: list[Message]
-    scripted: list[str]
+    scripted: list[str | None]
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
     logprobs: list[float] = field(default_factory=list)
@@ -147,8 +149,9 @@ class _Engine:
     """Runs rows to completion; see the module docstring."""
 
     def __init__(self, policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                 on_turn, progress):  # fmt: skip
+                 on_turn, progress, turn_barrier=False):  # fmt: skip
         self.policy, self.limits = policy, limits
+        self.turn_barrier = turn_barrier
         self.search, self.sandbox = search, sandbox
         self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
         self.on_turn, self.progress = on_turn, progress
@@ -181,6 +184,8 @@ class _Engine:
                 if waiting and not self.backend.busy:  # nothing to generate: sleep until a tool returns
                     timeout = max(0.0, min(r.deadline for r in waiting) - time.monotonic())
                     wait([r.future for r in waiting], timeout=timeout, return_when=FIRST_COMPLETED)
+                if self.turn_barrier and (self.backend.busy or not all(r.future.done() for r in waiting)):
+                    continue  # turn-synchronous baseline: observations wait for every row's turn and tools
                 for row in waiting:
                     if row.future.done() or time.monotonic() >= row.deadline:
                         self._on_tools_done(row)
@@ -236,11 +241,13 @@ class _Engine:
         row.turns += 1
         row.metrics["turns"] += 1
         row.force(_Segment(list(self.header)))
-        if row.scripted:
+        if row.scripted and row.scripted[0] is not None:
             row.metrics["scripted_turns"] += 1
             ids = [*self.policy.tokenizer.encode(row.scripted.pop(0)), self.im_end]
             self._on_turn_end(row, TurnResult(row.key, ids, [0.0] * len(ids), "eos"), sampled=False)
             return
+        if row.scripted:
+            row.scripted.pop(0)  # a None hole: this turn is sampled
         request = TurnRequest(row.key, list(row.ids), row.pixel_values, row.grids, max_new_tokens=budget)
         self.backend.submit(request)
 
@@ -268,6 +275,8 @@ class _Engine:
         self._emit(row, turn)
         if parsed.answer is not None:
             row.stop, row.answer = "answered", parsed.answer
+        elif not parsed.actions and row.scripted:
+            self._next_turn(row)  # the script goes on
         elif not parsed.actions:
             row.stop = "max_tokens" if result.stop == "length" else "no_action"
         else:
@@ -384,6 +393,8 @@ def run(
     tool_workers: int = 8,
     tool_timeout_s: float = 60.0,
     on_turn: Callable[[Message], None] | None = None,
+    turn_barrier: bool = False,
+    stats: dict[str, float] | None = None,
 ) -> list[Trajectory]:
     """Run ``n_samples`` episodes per task, ``batch_size`` rows at a time.
 
@@ -399,6 +410,9 @@ def run(
         tool_workers: Threads running tool calls.
         tool_timeout_s: A tool turn that takes longer is abandoned with a ``timeout`` observation.
         on_turn: Called with every new assistant/tool message (streaming displays).
+        turn_barrier: The turn-synchronous baseline (benchmarks only): no row starts its next turn until
+            every row has finished generating and every tool call has returned.
+        stats: If given, filled with the backend's counters (prefill tokens, forward passes and time).
 
     Returns:
         Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).
@@ -406,8 +420,12 @@ def run(
     limits = limits or RolloutLimits()
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
     engine = _Engine(policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                     on_turn, progress)  # fmt: skip
+                     on_turn, progress, turn_barrier)  # fmt: skip
     done = engine.run(jobs)
+    if stats is not None:
+        backend = engine.backend
+        stats.update(prefill_tokens=backend.prefill_tokens, decode_tokens=backend.decode_tokens,
+                     forward_passes=backend.forward_passes, forward_s=backend.forward_s)  # fmt: skip
     return [done[key] for key, _ in jobs]
 
 

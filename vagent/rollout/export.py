@@ -1,11 +1,10 @@
 """Trajectory export: JSONL for programs, one self-contained HTML page for people.
 
 JSONL: one ``Trajectory.to_dict`` record per line; in-memory images become PNG files (default folder
-``<stem>_images/`` next to the JSONL) referenced by paths relative to the JSONL, so the two move together.
-``write_jsonl`` replaces a file atomically; ``JsonlWriter`` appends one complete line per trajectory.
-
-HTML: ``write_html`` inlines CSS, a little JS and downscaled base64 images; all text is escaped since model
-output is untrusted. Not covered: videos are named, not embedded; huge runs should be shown in slices.
+``<stem>_images/``) referenced by paths relative to the JSONL, so the two move together. ``write_jsonl``
+replaces a file atomically; ``JsonlWriter`` appends one complete line per trajectory. HTML: ``write_html``
+inlines CSS, a little JS and downscaled base64 images, and escapes all text since model output is untrusted.
+Not covered: videos are named, not embedded; huge runs should be shown in slices.
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ class JsonlWriter:
         path: The JSONL file; parent folders are created.
         image_dir: Where in-memory images go as PNG; default ``<path stem>_images/`` next to ``path``. Names are
             ``<sanitized task_id>_<content hash>.png``, so equal images are saved once.
-        extra: ``extra(trajectory) -> dict`` of fields added to each record (e.g. the gold answer);
-            a field that would overwrite a trajectory field is an error.
+        extra: ``extra(trajectory) -> dict`` of fields to add to each record (e.g. the gold answer); clashes raise.
     """
 
     def __init__(self, path: PathLike, *, image_dir: PathLike | None = None, extra: Extra | None = None) -> None:
@@ -88,7 +86,6 @@ class JsonlWriter:
 
     def record(self, trajectory: Trajectory) -> dict[str, Any]:
         """The JSON record of ``trajectory``, saving its in-memory images (each distinct image once)."""
-        base = self.path.parent
         stem = re.sub(r"[^A-Za-z0-9._-]+", "_", trajectory.task_id)[:80].strip("._") or "task"
         saved: dict[int, str] = {}  # id(image) -> path; the trajectory keeps its images alive, so ids are stable
 
@@ -101,7 +98,7 @@ class JsonlWriter:
                 target = self.image_dir / f"{stem}_{digest.hexdigest()}.png"
                 if not target.exists():
                     _replace_atomically(target, lambda tmp: image.save(tmp, format="PNG"))  # never a torn PNG
-                saved[id(image)] = _relative(target, base)
+                saved[id(image)] = _relative(target, self.path.parent)
             return saved[id(image)]
 
         record = trajectory.to_dict(save_image=save)
@@ -109,7 +106,7 @@ class JsonlWriter:
         for message, out in zip(trajectory.messages, record["messages"], strict=True):
             for part, part_out in zip(message.content, out["content"], strict=True):
                 if part.path is not None:
-                    part_out["path"] = _relative(part.path, base)
+                    part_out["path"] = _relative(part.path, self.path.parent)
         if self.extra is not None:
             fields = self.extra(trajectory)
             if clash := sorted(fields.keys() & record.keys()):
@@ -178,7 +175,7 @@ def read_jsonl(path: PathLike) -> list[Trajectory]:
                 raise ValueError(f"{path}:{lineno}: not a trajectory record: {e!r}") from e
             for part in (part for message in trajectory.messages for part in message.content):
                 if part.path is not None and not os.path.isabs(part.path):
-                    part.path = os.path.normpath(path.parent / part.path)
+                    part.path = os.path.abspath(path.parent / part.path)
             trajectories.append(trajectory)
     return trajectories
 
@@ -204,11 +201,10 @@ def _image_html(part: ContentPart, cache: dict[Any, str | None]) -> str:
     if key not in cache:
         cache[key] = None  # missing, corrupt or absurd files show a placeholder instead of failing the page
         with contextlib.suppress(OSError, ValueError, Image.DecompressionBombError):
-            opened = Image.open(str(part.path)) if part.image is None else contextlib.nullcontext(part.image)
-            with opened as image:
+            with Image.open(str(part.path)) if part.image is None else contextlib.nullcontext(part.image) as image:
                 cache[key] = _data_uri(image)
-    stamps = ", ".join(f"t={t:.2f}s" for t in part.timestamps or [])
-    caption = f"<figcaption>{_esc(stamps)}</figcaption>" if stamps else ""
+    stamps = ", ".join(f"t={t:.2f}s" for t in part.timestamps or [])  # video frames: when each was taken
+    caption = stamps and f"<figcaption>{_esc(stamps)}</figcaption>"
     if (uri := cache[key]) is None:
         return f'<figure><div class="missing">image not available<br>{_esc(part.path)}</div>{caption}</figure>'
     return f'<figure><img class="thumb" src="{uri}" alt="image" title="click to enlarge">{caption}</figure>'
@@ -229,15 +225,14 @@ def _assistant_html(message: Message) -> str:
         elif tag == "answer":
             out.append(f'<div class="answer">answer: {_esc(body)}</div>')
         else:  # parse the block alone, with the grammar's own parser, to show what the engine made of it
-            action = (parse_turn(f"<tool_call>{body}</tool_call>").actions or [None])[0]
+            action = parse_turn(f"<tool_call>{body}</tool_call>").actions[0]  # one block: exactly one action
             if isinstance(action, ToolCall):  # crop(bbox=[10, 20, 200, 300]) reads better than the JSON
                 args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in action.arguments.items())
                 note = ' <span class="note">(not run: the turn answered)</span>' if turn.answer is not None else ""
                 call = _esc(f"{action.name}({args})")
                 out.append(f'<div class="call" title="{_esc(body)}">&rarr; {call}{note}</div>')
             else:
-                why = f"{action.kind}: {action.message}" if action else "unparsed tool call"
-                out.append(f'<div class="call bad">&#10007; {_esc(why)}</div>')
+                out.append(f'<div class="call bad">&#10007; {_esc(action.kind)}: {_esc(action.message)}</div>')
     if turn.errors:
         errors = "; ".join(f"{e.kind}: {e.message}" for e in turn.errors)
         out.append(f'<div class="bad">parse errors: {_esc(errors)}</div>')
@@ -247,9 +242,8 @@ def _assistant_html(message: Message) -> str:
 
 def _message_html(message: Message, cache: dict[Any, str | None]) -> str:
     if message.role == "system":
-        text = message.plain_text
-        summary = f'<summary class="role">system ({len(text)} chars)</summary>'
-        return f'<details class="msg">{summary}<div class="text">{_esc(text)}</div></details>'
+        summary = f'<summary class="role">system ({len(message.plain_text)} chars)</summary>'
+        return f'<details class="msg">{summary}<div class="text">{_esc(message.plain_text)}</div></details>'
     head = _esc(message.role)
     if message.token_ids is not None:
         n, sampled = len(message.token_ids), message.sampled
@@ -278,22 +272,22 @@ def _tool_errors(trajectory: Trajectory) -> Counter[str]:
 
 
 def _trajectory_html(index: int, t: Trajectory, cache: dict[Any, str | None]) -> str:
-    m = t.metrics
     facts = [("stop", t.stop_reason), ("answer", "none" if t.answer is None else t.answer)]
     facts += [("reward", f"{t.reward:.4g}")] if t.reward is not None else []
     facts += [
-        ("turns", m.get("turns", sum(msg.role == "assistant" for msg in t.messages))),
-        ("tool calls", m.get("tool_calls", sum(len(msg.tool_calls) for msg in t.messages))),
+        ("turns", t.metrics.get("turns", sum(msg.role == "assistant" for msg in t.messages))),
+        ("tool calls", t.metrics.get("tool_calls", sum(len(msg.tool_calls) for msg in t.messages))),
         ("tool errors", _counts(_tool_errors(t))),
-        ("sampled tokens", sum(t.loss_mask) if t.token_ids else m.get("sampled_tokens", "?")),
+        ("sampled tokens", sum(t.loss_mask) if t.token_ids else t.metrics.get("sampled_tokens", "?")),
     ]
     stop = f'<span class="{"ok" if t.stop_reason == "answered" else "bad"}">{_esc(t.stop_reason)}</span>'
     facts_html = "".join(f"<span><b>{_esc(k)}</b> {_esc(v)}</span>" for k, v in facts)
-    metrics = f'<details><summary>all metrics</summary><div class="text">{_esc(json.dumps(m, sort_keys=True))}</div>'
+    metrics = _esc(json.dumps(t.metrics, sort_keys=True))
     messages = "".join(_message_html(msg, cache) for msg in t.messages)
     return (
         f'<section class="traj" data-key="{_esc(f"{t.task_id} {t.stop_reason}".lower())}"><h2>#{index} '
-        f'{_esc(t.task_id)} {stop}</h2><div class="facts">{facts_html}</div>{metrics}</details>{messages}</section>'
+        f'{_esc(t.task_id)} {stop}</h2><div class="facts">{facts_html}</div><details><summary>all metrics</summary>'
+        f'<div class="text">{metrics}</div></details>{messages}</section>'
     )
 
 
@@ -312,19 +306,17 @@ def _summary_html(trajectories: list[Trajectory], shown: int) -> str:
 
 
 _CSS = """
-body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1100px;padding:0 1em;color:#222;background:#fafafa}
-th,td{border:1px solid #ddd;padding:3px 8px;text-align:left}table{border-collapse:collapse}
-#filter{width:24em;margin:1em 0}
-section.traj{background:#fff;border:1px solid #ccc;border-radius:6px;margin:1.2em 0;padding:.5em 1em}h2{font-size:16px}
-.facts span{display:inline-block;margin-right:1.4em}.msg{border-left:4px solid #bbb;margin:.5em 0;padding:.3em .7em}
+body{font:14px/1.45 system-ui,sans-serif;margin:1em auto;max-width:1100px;padding:0 1em;background:#fafafa}
+table{border-collapse:collapse}th,td{border:1px solid #ddd;padding:3px 8px;text-align:left}#filter{width:24em}
+section{background:#fff;border:1px solid #ccc;border-radius:6px;margin:1em 0;padding:.5em 1em}h2{font-size:16px}
+.facts span{margin-right:1.4em}.msg{border-left:4px solid #bbb;margin:.5em 0;padding:.3em .7em}.bad{color:#b00020}
 .user{border-color:#4a7bd0}.assistant{border-color:#3a9d5d}.tool{border-color:#c98a1b}.ok{color:#2a7d46}
-.bad{color:#b00020}.role{font-size:12px;color:#666;text-transform:uppercase}.note{color:#777;font-size:12px}
-.text{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:13px;overflow-wrap:anywhere}
-.think{white-space:pre-wrap;color:#888;font-style:italic}.answer{background:#fff3b0;font-weight:bold;padding:2px 6px}
-.call{font-family:ui-monospace,monospace;background:#eef4ff;padding:2px 6px;margin:3px 0}
-figure{display:inline-block;margin:4px;vertical-align:top;text-align:center;font-size:12px}
+.role{font-size:12px;color:#666;text-transform:uppercase}.note{color:#777;font-size:12px}.think{color:#888}
+.text,.think{white-space:pre-wrap;overflow-wrap:anywhere}.text{font:13px ui-monospace,monospace}
+.call{font-family:ui-monospace,monospace;background:#eef4ff;padding:2px 6px;margin:3px 0}.answer{background:#fff3b0}
+.answer{font-weight:bold;padding:2px 6px}figure{display:inline-block;margin:4px;vertical-align:top;text-align:center}
 img.thumb{max-width:200px;max-height:200px;border:1px solid #ccc;cursor:zoom-in}img.big{max-width:none;max-height:none}
-.missing{width:160px;padding:24px 4px;background:#eee;color:#888;overflow-wrap:anywhere}"""
+.missing{width:160px;padding:24px 4px;background:#eee;color:#888;overflow-wrap:anywhere}.think{font-style:italic}"""
 _JS = """const box=document.getElementById('filter');
 box.addEventListener('input',()=>{const words=box.value.toLowerCase().split(/\\s+/).filter(Boolean);
 for(const s of document.querySelectorAll('section.traj'))s.hidden=!words.every(w=>s.dataset.key.includes(w));});
@@ -338,13 +330,11 @@ def write_html(
     title: str = "vagent trajectories",
     max_trajectories: int = 200,
 ) -> Path:
-    """Write one self-contained HTML page showing ``trajectories`` (no external CSS, JS or images), atomically.
+    """Write one self-contained HTML page (no external CSS, JS or images) showing ``trajectories``, atomically.
 
-    The page opens with a summary over all trajectories (count, mean reward, answer rate, stop reasons, tool
-    calls by tool, tool errors by kind) and a filter box (words matched against task id and stop reason), then
-    one section per trajectory (the first ``max_trajectories``): stop reason, answer, reward and key metrics,
-    then each message as a card. Images, in memory or as paths (from ``read_jsonl``), are embedded downscaled;
-    one that cannot be read shows a placeholder.
+    A summary over all trajectories and a filter box (words matched against task id and stop reason), then one
+    section for each of the first ``max_trajectories``: stop reason, answer, reward, key metrics, and each message
+    as a card. Images, in memory or paths (``read_jsonl``), are embedded downscaled, or a placeholder if unreadable.
     """
     trajectories = list(trajectories)
     shown = trajectories[:max_trajectories]

@@ -28,6 +28,7 @@ are independent copies).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -127,8 +128,9 @@ class HFBackend:
         self._cache: DynamicCache | None = None  # the decode batch's cache, per layer (B, heads, L, dim)
         self._mask = torch.zeros(0, 0, dtype=torch.long)  # (B, L) 1 = real token
         self._last = torch.zeros(0, dtype=torch.long)  # (B,) sampled, not yet fed
-        self.prefill_tokens = 0  # tokens run through prefill (for the prefill-ratio benchmark)
-        self.forward_passes = 0
+        # Counters for benchmarks: tokens run through prefill and decode, forward passes and their time.
+        self.prefill_tokens = self.decode_tokens = self.forward_passes = 0
+        self.forward_s = 0.0
 
     # -- the engine's interface -------------------------------------------------------------------
 
@@ -160,6 +162,7 @@ class HFBackend:
     def _forward(self, input_ids, attention_mask, position_ids, past: DynamicCache | None, last_index, **vision):
         """One forward; returns logits at ``last_index`` of each row (B, V) and the grown cache."""
         model = self.policy.model
+        start = time.perf_counter()
         out = model.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -171,6 +174,9 @@ class HFBackend:
         self.forward_passes += 1
         hidden = out.last_hidden_state[torch.arange(input_ids.shape[0]), last_index]  # (B, H)
         logits = model.lm_head(hidden).float()  # (B, V): only the positions we sample from, never (B, T, V)
+        if logits.is_cuda:
+            torch.cuda.synchronize()  # so forward_s is the forward's time, not its launch time
+        self.forward_s += time.perf_counter() - start
         return logits, out.past_key_values
 
     def _prefill(self, requests: list[TurnRequest]):
@@ -225,6 +231,7 @@ class HFBackend:
     def _decode(self) -> torch.Tensor:
         device = self.policy.device
         batch = len(self._rows)
+        self.decode_tokens += batch
         self._mask = torch.cat([self._mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
         positions = torch.tensor([r.next_pos for r in self._rows]).view(1, batch, 1).expand(3, -1, -1)
         logits, self._cache = self._forward(
