@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +145,9 @@ def _load_json(text: str) -> tuple[Any, bool]:
     # Single quotes and Python literals: read it as a Python expression, allowing only literals. Names
     # are mapped on the syntax tree (not by string replacement, which would corrupt "construe").
     try:
-        tree = _JsonNames().visit(ast.parse(fixed.strip(), mode="eval"))
+        with warnings.catch_warnings():  # model text like '\>' would warn about invalid escape sequences
+            warnings.simplefilter("ignore")
+            tree = _JsonNames().visit(ast.parse(fixed.strip(), mode="eval"))
         return ast.literal_eval(tree), True
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise ValueError("not valid JSON") from None

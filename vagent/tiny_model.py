@@ -93,6 +93,9 @@ PRESETS: dict[str, TinyPreset] = {
     "nano": TinyPreset(32, 1, 2, 1, 64, 32, 1, 2),
     "tiny": TinyPreset(64, 2, 4, 2, 128, 32, 2, 2),
     "small": TinyPreset(256, 4, 8, 2, 688, 128, 4, 4),
+    # Qwen2.5-VL-3B's shapes (text 2048x36, GQA 16/2, vision 1280x32) with the tiny vocabulary: for GPU
+    # throughput and memory measurements only (about 3.7B random parameters, 7 GB in bf16).
+    "3b": TinyPreset(2048, 36, 16, 2, 11008, 1280, 32, 16),
 }
 
 
