@@ -148,10 +148,11 @@ class HFBackend:
 
     @torch.no_grad()
     def step(self) -> list[TurnResult]:
-        """Prefill queued turns (joining them to the batch), else decode one token for every active row."""
+        """One forward for every active row: queued turns prefill their new tokens while the decoding rows
+        take their next token in the same forward (a mixed step), else a plain decode step."""
         if self._pending:
             requests, self._pending = self._pending, []
-            logits, rows, kv = self._prefill(requests)
+            logits, rows, kv = self._prefill(requests, self._take_all())
         else:
             logits = self._decode()
             rows, kv = [], []
@@ -179,54 +180,78 @@ class HFBackend:
         self.forward_s += time.perf_counter() - start
         return logits, out.past_key_values
 
-    def _prefill(self, requests: list[TurnRequest]):
+    def _take_all(self) -> list[tuple[_Row, list[tuple[torch.Tensor, torch.Tensor]] | None, int]]:
+        """Empty the decode batch: each row with its cache made hole-free and its next token to feed."""
+        if not self._rows:
+            return []
+        kv = _tensors(self._cache)
+        out = []
+        for i, row in enumerate(self._rows):
+            keep = self._mask[i].nonzero().squeeze(1).to(kv[0][0].device)
+            out.append((row, [(k[i : i + 1, :, keep], v[i : i + 1, :, keep]) for k, v in kv], int(self._last[i])))
+        self._rows, self._cache = [], None
+        self._mask, self._last = torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return out
+
+    def _prefill(self, requests: list[TurnRequest], continuing):
+        """Run new turns' tokens (and, for ``continuing`` decode rows, their next token) in one forward.
+        Returns the logits to sample from, the rows, and each row's hole-free cache after the forward."""
         device = self.policy.device
-        stored = [self._stored.pop(r.key, None) for r in requests]
-        cached = [s.length if s else 0 for s in stored]
-        new = [r.ids[c:] for r, c in zip(requests, cached, strict=True)]
-        lc, lp = max(cached), max(len(n) for n in new)
-        batch = len(requests)
+        entries = []  # (row, cache or None, new tokens, their positions (3, n), new images' patches and grids)
+        for row, kv, last in continuing:
+            entries.append((row, kv, [last], torch.full((3, 1), row.next_pos), [], []))
+            row.next_pos += 1
+            self.decode_tokens += 1
+        for r in requests:
+            stored = self._stored.pop(r.key, None)
+            cached = stored.length if stored else 0
+            grid = torch.cat(r.image_grid_thw) if r.image_grid_thw else None
+            full = self.policy.rope_positions(torch.tensor([r.ids]), grid)  # (3, 1, T) over the whole row
+            done = stored.images if stored else 0
+            row = _Row(key=r.key, budget=r.max_new_tokens, next_pos=int(full.max()) + 1)
+            new = r.ids[cached:]
+            entries.append((row, stored.kv if stored else None, new, full[:, 0, cached:],
+                            r.pixel_values[done:], r.image_grid_thw[done:]))  # fmt: skip
+            self.prefill_tokens += len(new)
+            # kv and length are set when the row leaves the batch (see _leave)
+            self._stored[r.key] = _Stored(kv=[], length=len(r.ids), images=len(r.image_grid_thw))
+        cached = [kv[0][0].shape[2] if kv else 0 for _, kv, *_ in entries]
+        lc, lp = max(cached), max(len(e[2]) for e in entries)
+        batch = len(entries)
         input_ids = torch.full((batch, lp), self._pad, dtype=torch.long)
         positions = torch.zeros(3, batch, lp, dtype=torch.long)
         mask = torch.zeros(batch, lc + lp, dtype=torch.long)
-        pixels, grids, rows = [], [], []
-        for i, (r, c, n) in enumerate(zip(requests, cached, new, strict=True)):
-            input_ids[i, : len(n)] = torch.tensor(n)
-            grid = torch.cat(r.image_grid_thw) if r.image_grid_thw else None
-            full = self.policy.rope_positions(torch.tensor([r.ids]), grid)  # (3, 1, T) over the whole row
-            positions[:, i, : len(n)] = full[:, 0, c:]
-            mask[i, lc - c : lc + len(n)] = 1
-            done = stored[i].images if stored[i] else 0
-            pixels += r.pixel_values[done:]
-            grids += r.image_grid_thw[done:]
-            rows.append(_Row(key=r.key, budget=r.max_new_tokens, next_pos=int(full.max()) + 1))
+        pixels, grids = [], []
+        for i, ((_, _, new, pos, pix, grd), c) in enumerate(zip(entries, cached, strict=True)):
+            input_ids[i, : len(new)] = torch.tensor(new)
+            positions[:, i, : len(new)] = pos
+            mask[i, lc - c : lc + len(new)] = 1  # cache left-padded, new tokens right-padded
+            pixels += pix
+            grids += grd
         cache = []
         if lc:
-            for layer in range(len(next(s for s in stored if s).kv)):
-                like = next(s for s in stored if s).kv[layer][0]
-                k = like.new_zeros(batch, like.shape[1], lc, like.shape[3])
+            like = next(kv for _, kv, *_ in entries if kv)
+            for layer in range(len(like)):
+                k = like[layer][0].new_zeros(batch, like[layer][0].shape[1], lc, like[layer][0].shape[3])
                 v = torch.zeros_like(k)
-                for i, s in enumerate(stored):
-                    if s:
-                        k[i, :, lc - s.length :] = s.kv[layer][0][0]
-                        v[i, :, lc - s.length :] = s.kv[layer][1][0]
+                for i, (_, kv, *_) in enumerate(entries):
+                    if kv:
+                        n = kv[layer][0].shape[2]
+                        k[i, :, lc - n :] = kv[layer][0][0]
+                        v[i, :, lc - n :] = kv[layer][1][0]
                 cache.append((k, v))
         vision = {}
         if pixels:
             vision = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
-        last = torch.tensor([len(n) - 1 for n in new], device=device)
-        self.prefill_tokens += sum(len(n) for n in new)
+        last = torch.tensor([len(e[2]) - 1 for e in entries], device=device)
         past = DynamicCache(ddp_cache_data=cache) if cache else None
         logits, grown = self._forward(input_ids.to(device), mask.to(device), positions.to(device), past, last, **vision)
-        # Compact each row (drop padding) so it joins the decode batch hole-free.
         kv = _tensors(grown)
         compact = []
         for i in range(batch):
             keep = mask[i].nonzero().squeeze(1).to(device)
             compact.append([(k[i : i + 1, :, keep], v[i : i + 1, :, keep]) for k, v in kv])
-        for r in requests:
-            self._stored[r.key] = _Stored(kv=[], length=len(r.ids), images=len(r.image_grid_thw))  # kv set at leave
-        return logits, rows, compact
+        return logits, [e[0] for e in entries], compact
 
     def _decode(self) -> torch.Tensor:
         device = self.policy.device
