@@ -1,0 +1,34 @@
+"""The one encoder on gold (SFT) conversations: only assistant content is trained."""
+
+from PIL import Image
+
+from vagent.data import encode_messages, template_dicts
+from vagent.types import ContentPart, Message
+
+CALL = '<think>too small</think><tool_call>{"name": "crop", "arguments": {"bbox": [1, 2, 60, 70]}}</tool_call>'
+
+
+def test_gold_conversation_trains_assistant_content_only(policy):
+    image = Image.new("RGB", (300, 200), (10, 200, 30))
+    crop = Image.new("RGB", (112, 112), (200, 10, 30))
+    messages = [
+        Message.text("system", "You answer."),
+        Message("user", [ContentPart("image", image=image), ContentPart("text", "What is it?")]),
+        Message.text("assistant", CALL),
+        Message("tool", [ContentPart("image", image=crop), ContentPart("text", "Image 1: cropped region.")]),
+        Message.text("assistant", "<answer>a square</answer>"),
+    ]
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    tokenizer = policy.tokenizer
+    trained = tokenizer.decode(enc.input_ids[enc.loss_mask.bool()].tolist())
+    # exactly the two assistant turns, each with its <|im_end|>; no header, no newline, no prompt or tool text
+    assert trained == CALL + "<|im_end|>" + "<answer>a square</answer><|im_end|>"
+    # the whole sequence is what the chat template renders for the conversation
+    conversation = [template_dicts(m) for m in messages]
+    text = policy.processor.apply_chat_template(conversation, tokenize=False)
+    shown = [policy.model_view(image), policy.model_view(crop)]
+    expected = policy.processor(text=[text], images=shown, return_tensors="pt")["input_ids"][0]
+    assert enc.input_ids.tolist() == expected.tolist()
+    assert len(enc.image_grid_thw) == 2
+    assert int(enc.mm_token_type_ids.sum()) == int((enc.input_ids == policy.model.config.image_token_id).sum())
