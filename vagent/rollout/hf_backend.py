@@ -149,10 +149,19 @@ class HFBackend:
 
     @torch.no_grad()
     def step(self) -> list[TurnResult]:
-        """One forward for every active row: queued turns prefill their new tokens while the decoding rows
-        take their next token in the same forward (a mixed step), else a plain decode step."""
-        logits = self._prefill() if self._pending else self._decode()
-        return self._sample_and_finish(logits)
+        """Prefill queued turns (joining them to the batch), else decode one token for every active row.
+
+        A prefill step runs only the joining rows' new tokens; the decoding rows wait for that one step.
+        Measured alternatives were slower (docs/PERFORMANCE.md): running both in one forward pads every
+        decoding row to the widest new segment, and compacting the batch around each join copies it.
+        """
+        if self._pending:
+            requests, self._pending = self._pending, []
+            logits, rows, kv = self._prefill(requests)
+        else:
+            logits = self._decode()
+            rows, kv = [], []
+        return self._sample_and_finish(logits, rows, kv)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -176,81 +185,54 @@ class HFBackend:
         self.forward_s += time.perf_counter() - start
         return logits, out.past_key_values
 
-    def _prefill(self) -> torch.Tensor:
-        """A mixed step: queued turns join the batch and prefill their new tokens while every decoding row
-        feeds its next token, all in one forward. The decode batch's cache is not copied row by row: the
-        joining rows' caches are left-padded to its length and concatenated; the new-token window is as
-        wide as the longest new segment, so shorter rows get masked holes (see ``_leave`` for compaction)."""
-        requests, self._pending = self._pending, []
+    def _prefill(self, requests: list[TurnRequest]):
         device = self.policy.device
-        entries = []  # per joining row: (row, hole-free cache or None, new tokens, their positions (3, n), images)
-        for r in requests:
-            stored = self._stored.pop(r.key, None)
-            cached = stored.length if stored else 0
+        stored = [self._stored.pop(r.key, None) for r in requests]
+        cached = [s.length if s else 0 for s in stored]
+        new = [r.ids[c:] for r, c in zip(requests, cached, strict=True)]
+        lc, lp = max(cached), max(len(n) for n in new)
+        batch = len(requests)
+        input_ids = torch.full((batch, lp), self._pad, dtype=torch.long)
+        positions = torch.zeros(3, batch, lp, dtype=torch.long)
+        mask = torch.zeros(batch, lc + lp, dtype=torch.long)
+        pixels, grids, rows = [], [], []
+        for i, (r, c, n) in enumerate(zip(requests, cached, new, strict=True)):
+            input_ids[i, : len(n)] = torch.tensor(n)
             grid = torch.cat(r.image_grid_thw) if r.image_grid_thw else None
             full = self.policy.rope_positions(torch.tensor([r.ids]), grid)  # (3, 1, T) over the whole row
-            done = stored.images if stored else 0
-            row = _Row(key=r.key, budget=r.max_new_tokens, next_pos=int(full.max()) + 1)
-            new = r.ids[cached:]
-            entries.append((row, stored.kv if stored else None, new, full[:, 0, cached:],
-                            r.pixel_values[done:], r.image_grid_thw[done:]))  # fmt: skip
-            self.prefill_tokens += len(new)
-            # kv and length are set when the row leaves the batch (see _leave)
-            self._stored[r.key] = _Stored(kv=[], length=len(r.ids), images=len(r.image_grid_thw))
-        decoding = len(self._rows)
-        self.decode_tokens += decoding
-        old_len = self._mask.shape[1] if decoding else 0
-        joined_len = [e[1][0][0].shape[2] if e[1] else 0 for e in entries]
-        lc = max([old_len, *joined_len])
-        width = max([len(e[2]) for e in entries] + ([1] if decoding else []))
-        batch = decoding + len(entries)
-        input_ids = torch.full((batch, width), self._pad, dtype=torch.long)
-        positions = torch.zeros(3, batch, width, dtype=torch.long)
-        new_mask = torch.zeros(batch, width, dtype=torch.long)
-        for i, row in enumerate(self._rows):
-            input_ids[i, 0], positions[:, i, 0], new_mask[i, 0] = self._last[i], row.next_pos, 1
-            row.next_pos += 1
-        pixels, grids = [], []
-        for j, (_, _, new, pos, pix, grd) in enumerate(entries):
-            input_ids[decoding + j, : len(new)] = torch.tensor(new)
-            positions[:, decoding + j, : len(new)] = pos
-            new_mask[decoding + j, : len(new)] = 1
-            pixels += pix
-            grids += grd
-        past_mask = torch.zeros(len(entries), lc, dtype=torch.long)
-        for j, n in enumerate(joined_len):
-            past_mask[j, lc - n :] = 1
-        if decoding:
-            past_mask = torch.cat([torch.nn.functional.pad(self._mask, (lc - old_len, 0)), past_mask])
-        past = None
+            positions[:, i, : len(n)] = full[:, 0, c:]
+            mask[i, lc - c : lc + len(n)] = 1
+            done = stored[i].images if stored[i] else 0
+            pixels += r.pixel_values[done:]
+            grids += r.image_grid_thw[done:]
+            rows.append(_Row(key=r.key, budget=r.max_new_tokens, next_pos=int(full.max()) + 1))
+        cache = []
         if lc:
-            like = _tensors(self._cache) if decoding else next(e[1] for e in entries if e[1])
-            layers = []
-            for layer, (k0, _) in enumerate(like):
-                parts_k, parts_v = [], []
-                if decoding:
-                    k, v = _tensors(self._cache)[layer]
-                    parts_k.append(torch.nn.functional.pad(k, (0, 0, lc - old_len, 0)) if lc > old_len else k)
-                    parts_v.append(torch.nn.functional.pad(v, (0, 0, lc - old_len, 0)) if lc > old_len else v)
-                k_new = k0.new_zeros(len(entries), k0.shape[1], lc, k0.shape[3])
-                v_new = torch.zeros_like(k_new)
-                for j, (_, kv, *_) in enumerate(entries):
-                    if kv:
-                        k_new[j, :, lc - joined_len[j] :] = kv[layer][0][0]
-                        v_new[j, :, lc - joined_len[j] :] = kv[layer][1][0]
-                layers.append((torch.cat([*parts_k, k_new]), torch.cat([*parts_v, v_new])))
-            past = _cache_from(layers)
+            for layer in range(len(next(s for s in stored if s).kv)):
+                like = next(s for s in stored if s).kv[layer][0]
+                k = like.new_zeros(batch, like.shape[1], lc, like.shape[3])
+                v = torch.zeros_like(k)
+                for i, s in enumerate(stored):
+                    if s:
+                        k[i, :, lc - s.length :] = s.kv[layer][0][0]
+                        v[i, :, lc - s.length :] = s.kv[layer][1][0]
+                cache.append((k, v))
         vision = {}
         if pixels:
             vision = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
-        last = torch.tensor([0] * decoding + [len(e[2]) - 1 for e in entries], device=device)
-        mask = torch.cat([past_mask, new_mask], dim=1)
-        logits, self._cache = self._forward(
-            input_ids.to(device), mask.to(device), positions.to(device), past, last, **vision
-        )
-        self._mask = mask
-        self._rows = self._rows + [e[0] for e in entries]
-        return logits
+        last = torch.tensor([len(n) - 1 for n in new], device=device)
+        self.prefill_tokens += sum(len(n) for n in new)
+        past = _cache_from(cache) if cache else None
+        logits, grown = self._forward(input_ids.to(device), mask.to(device), positions.to(device), past, last, **vision)
+        # Compact each row (drop padding) so it joins the decode batch hole-free.
+        kv = _tensors(grown)
+        compact = []
+        for i in range(batch):
+            keep = mask[i].nonzero().squeeze(1).to(device)
+            compact.append([(k[i : i + 1, :, keep], v[i : i + 1, :, keep]) for k, v in kv])
+        for r in requests:
+            self._stored[r.key] = _Stored(kv=[], length=len(r.ids), images=len(r.image_grid_thw))  # kv set at leave
+        return logits, rows, compact
 
     def _decode(self) -> torch.Tensor:
         device = self.policy.device
@@ -288,13 +270,16 @@ class HFBackend:
             tokens = torch.multinomial(probs, 1).squeeze(1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
 
-    def _sample_and_finish(self, logits: torch.Tensor) -> list[TurnResult]:
+    def _sample_and_finish(self, logits, joining: list[_Row], joining_kv) -> list[TurnResult]:
         tokens, logprobs = self._sample(logits)
-        self._last = tokens.cpu()
+        tokens, logprobs = tokens.cpu(), logprobs.cpu()
+        rows = joining if joining else self._rows
+        if joining:
+            self._join(joining, joining_kv, tokens)
         finished: list[int] = []
         results: list[TurnResult] = []
         tokenizer = self.policy.tokenizer
-        for i, (row, token, logprob) in enumerate(zip(self._rows, self._last.tolist(), logprobs.tolist(), strict=True)):
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             row.tokens.append(token)
             row.logprobs.append(logprob)
             stop = None
@@ -307,11 +292,38 @@ class HFBackend:
             elif len(row.tokens) >= row.budget:
                 stop = "length"
             if stop:
-                finished.append(i)
+                finished.append(self._rows.index(row))
                 results.append(TurnResult(row.key, row.tokens, row.logprobs, stop))
+        if not joining:
+            self._last = tokens
         if finished:
             self._leave(finished)
         return results
+
+    def _join(self, rows: list[_Row], kv, first_tokens: torch.Tensor) -> None:
+        """Add prefilled rows (hole-free caches) to the decode batch, left-padding to a common length."""
+        lengths = [kv_row[0][0].shape[2] for kv_row in kv]
+        current = self._mask.shape[1]
+        length = max([current, *lengths])
+        merged = []
+        current_kv = _tensors(self._cache) if self._rows else []
+        for layer in range(len(kv[0])):
+            parts_k, parts_v = [], []
+            if self._rows:
+                k, v = current_kv[layer]
+                pad = length - current
+                parts_k.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                parts_v.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            for kv_row, n in zip(kv, lengths, strict=True):
+                k, v = kv_row[layer]
+                parts_k.append(torch.nn.functional.pad(k, (0, 0, length - n, 0)))
+                parts_v.append(torch.nn.functional.pad(v, (0, 0, length - n, 0)))
+            merged.append((torch.cat(parts_k), torch.cat(parts_v)))
+        masks = [torch.nn.functional.pad(self._mask, (length - current, 0))] if self._rows else []
+        masks += [torch.nn.functional.pad(torch.ones(1, n, dtype=torch.long), (length - n, 0)) for n in lengths]
+        self._cache, self._mask = _cache_from(merged), torch.cat(masks)
+        self._last = torch.cat([self._last, first_tokens])
+        self._rows += rows
 
     def _leave(self, indices: list[int]) -> None:
         """Take finished rows out of the batch, storing each one's cache hole-free for its next turn."""
@@ -326,33 +338,17 @@ class HFBackend:
             else:
                 self._stored.pop(row.key, None)
         stay = [i for i in range(len(self._rows)) if i not in set(indices)]
+        index = torch.tensor(stay, dtype=torch.long)
         self._rows = [self._rows[i] for i in stay]
+        self._last = self._last[index]
+        self._mask = self._mask[index]
         if not self._rows:
             self._mask, self._cache = torch.zeros(0, 0, dtype=torch.long), None
-            self._last = torch.zeros(0, dtype=torch.long)
-            return
-        index = torch.tensor(stay, dtype=torch.long)
-        self._last, mask = self._last[index], self._mask[index]
-        rows = index.to(kv[0][0].device)
-        if mask.float().mean() < 0.5:
-            # Mostly padding and holes (mixed steps leave holes in short rows): compact every row, left-pad again.
-            lengths = mask.sum(1)
-            length = int(lengths.max())
-            layers = []
-            for k, v in kv:
-                k_out = k.new_zeros(len(stay), k.shape[1], length, k.shape[3])
-                v_out = torch.zeros_like(k_out)
-                for j, i in enumerate(stay):
-                    keep = mask[j].nonzero().squeeze(1).to(k.device)
-                    k_out[j, :, length - len(keep) :] = k[i, :, keep]
-                    v_out[j, :, length - len(keep) :] = v[i, :, keep]
-                layers.append((k_out, v_out))
-            self._mask = (torch.arange(length)[None, :] >= (length - lengths)[:, None]).long()
-            self._cache = _cache_from(layers)
             return
         # Drop columns that are padding for every remaining row (the longest row may just have left).
-        first = int(mask.any(0).nonzero()[0])
-        self._mask = mask[:, first:]
+        first = int(self._mask.any(0).nonzero()[0])
+        self._mask = self._mask[:, first:]
+        rows = index.to(kv[0][0].device)
         self._cache = _cache_from([(k[rows, :, first:], v[rows, :, first:]) for k, v in kv])
 
 
