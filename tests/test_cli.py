@@ -60,6 +60,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert len(record["token_ids"]) == len(record["loss_mask"]) and sum(record["loss_mask"]) > 0
     crop = Image.open(record["messages"][3]["content"][0]["path"])
     assert crop.getpixel((crop.width // 2, crop.height // 2))[0] > 150  # the red tile is in the middle of the crop
+    html = (tmp_path / "trajectory.html").read_text()
+    assert "crop(" in html and html.count("data:image/") >= 2  # the tool call and both images, inline
 
 
 def test_tools_list_names_every_tool(capsys):

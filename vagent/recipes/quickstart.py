@@ -24,6 +24,7 @@ from vagent.geometry import original_to_model
 from vagent.model import load_policy
 from vagent.recipes.common import tool_services
 from vagent.rollout import RolloutLimits, Task, rollout
+from vagent.rollout.export import write_html
 from vagent.tiny_model import build_tiny_checkpoint
 from vagent.types import Trajectory
 
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     record = trajectory.to_dict(save_image=save)
     record["gold"] = str(digit)
     (out_dir / "trajectory.jsonl").write_text(json.dumps(record) + "\n")
+    html = write_html([trajectory], out_dir / "trajectory.html", title=f"vagent quickstart (gold answer {digit})")
     print_trajectory(trajectory, image_paths)
-    print(f"\nwrote {out_dir / 'trajectory.jsonl'} and {len(image_paths)} image(s) under {out_dir}/")
+    print(f"\nwrote {out_dir / 'trajectory.jsonl'}, {len(image_paths)} image(s) under {out_dir}/, and {html}")
+    print(f"open {html} in a browser to see the turns with the crop inline")
     print(
         "note: the tiny model has random weights, so its sampled turns are noise; "
         "point model.path=DIR at a real Qwen2.5-VL checkpoint to see real reasoning."
