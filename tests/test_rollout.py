@@ -196,3 +196,29 @@ def test_a_hanging_tool_is_cut_off_without_stalling_other_rows(policy, monkeypat
     assert "did not finish within 0.5 s" in out[0].messages[3].plain_text
     assert [t.stop_reason for t in out[1:]] == ["answered", "answered"]
     assert [name for name, _ in finished][-1] == "hang"  # the quick rows did not wait for it
+
+
+def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
+    import cv2
+    import numpy as np
+
+    path = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 48))
+    for i in range(30):
+        writer.write(np.full((48, 64, 3), i * 8, dtype=np.uint8))
+    writer.release()
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video")
+    call = '<tool_call>{"name": "sample_frames", "arguments": {"start": 1, "end": 2, "num_frames": 2}}</tool_call>'
+    task = Task(id="v", question="When does it get bright?", videos=[str(path), str(broken)],
+                tools=["sample_frames"], scripted_turns=[call, "<answer>late</answer>"])  # fmt: skip
+    traj = rollout(policy, task, _limits())
+    assert traj.messages[1].plain_text.startswith("Video 0: 3.0 s long.\nVideo 1: unreadable.\n")
+    frames = traj.messages[3]
+    assert len(frames.images) == 2 and [p.timestamps for p in frames.content if p.type == "image"] == [[1.2], [1.7]]
+    assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
+    from vagent.data.encode import encode_messages
+
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    assert enc.input_ids.tolist() == traj.token_ids  # frame times are text parts of the tool turn, encoded alike

@@ -33,7 +33,7 @@ from PIL import Image
 
 from vagent.chat import ParsedTurn, ParseError, observation_content, parse_turn, system_prompt
 from vagent.data.encode import encode_segment, template_dicts, template_suffix
-from vagent.media import load_image
+from vagent.media import MediaError, load_image, probe_video
 from vagent.model import Policy
 from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
@@ -215,9 +215,8 @@ class _Engine:
             sandbox=self.sandbox,
         )
         system = system_prompt(tool_schemas(task.tools))
-        user = Message(
-            "user", [ContentPart("image", image=img) for img in originals] + [ContentPart("text", task.question)]
-        )
+        question = _video_lines(task.videos) + task.question
+        user = Message("user", [ContentPart("image", image=img) for img in originals] + [ContentPart("text", question)])
         messages = [Message.text("system", system), user]
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
         prompt = policy.processor.apply_chat_template(
@@ -354,6 +353,18 @@ class _Engine:
         if self.progress:
             self.progress(trajectory)
         return trajectory
+
+
+def _video_lines(videos: list[str]) -> str:
+    """Tell the policy which videos its video tools can read, and how long they are. The frames themselves
+    come only through the tools (the prompt holds no video tokens)."""
+    lines = []
+    for index, path in enumerate(videos):
+        try:
+            lines.append(f"Video {index}: {probe_video(path).duration:.1f} s long.\n")
+        except MediaError:
+            lines.append(f"Video {index}: unreadable.\n")  # the video tools will say why, as observations
+    return "".join(lines)
 
 
 def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
