@@ -160,6 +160,13 @@ class Policy:
         return positions
 
     @property
+    def vision_placeholder_ids(self) -> list[int]:
+        """Tokens a sampler must never emit: with a vision placeholder the next forward would hold more image
+        tokens than images and fail (a random or confused policy would emit them)."""
+        config = self.model.config
+        return [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+
+    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -194,14 +201,9 @@ class Policy:
         sampling = {"do_sample": False} if temperature <= 0 else {"do_sample": True, "temperature": temperature}
         if temperature > 0 and top_p < 1.0:
             sampling["top_p"] = top_p
-        # A random or confused policy must not emit vision placeholders: the next forward would then
-        # hold more image tokens than images and fail.
-        config = self.model.config
-        placeholders = [config.image_token_id, config.video_token_id, config.vision_start_token_id]
-        placeholders.append(config.vision_end_token_id)
         out = self.model.generate(
             **inputs,
-            suppress_tokens=placeholders,
+            suppress_tokens=self.vision_placeholder_ids,
             max_new_tokens=max_new_tokens,
             stop_strings=stop_strings or None,
             tokenizer=self.tokenizer if stop_strings else None,

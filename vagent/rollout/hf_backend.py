@@ -116,11 +116,7 @@ class HFBackend:
         self.temperature, self.top_p = temperature, top_p
         self.stop_strings = stop_strings
         self.reuse_cache = reuse_cache
-        config = policy.model.config
-        # A random or confused policy must not emit vision placeholders: the next forward would then hold
-        # more image tokens than images and fail.
-        self._suppress = [config.image_token_id, config.video_token_id, config.vision_start_token_id]
-        self._suppress.append(config.vision_end_token_id)
+        self._suppress = policy.vision_placeholder_ids
         self._eos = set(policy.eos_token_ids)
         self._pad = policy.tokenizer.pad_token_id or 0
         self._stored: dict[Hashable, _Stored] = {}
@@ -208,8 +204,9 @@ class HFBackend:
             rows.append(_Row(key=r.key, budget=r.max_new_tokens, next_pos=int(full.max()) + 1))
         cache = []
         if lc:
-            for layer in range(len(next(s for s in stored if s).kv)):
-                like = next(s for s in stored if s).kv[layer][0]
+            first_stored = next(s for s in stored if s)
+            for layer in range(len(first_stored.kv)):
+                like = first_stored.kv[layer][0]
                 k = like.new_zeros(batch, like.shape[1], lc, like.shape[3])
                 v = torch.zeros_like(k)
                 for i, s in enumerate(stored):
@@ -337,7 +334,8 @@ class HFBackend:
                 entry.length += len(row.tokens) - 1  # the last sampled token was never fed
             else:
                 self._stored.pop(row.key, None)
-        stay = [i for i in range(len(self._rows)) if i not in set(indices)]
+        leaving = set(indices)
+        stay = [i for i in range(len(self._rows)) if i not in leaving]
         index = torch.tensor(stay, dtype=torch.long)
         self._rows = [self._rows[i] for i in stay]
         self._last = self._last[index]

@@ -18,7 +18,7 @@ from vagent.toolbox import code, crop, crop_clip, draw, enhance, flip, rotate, s
 from vagent.toolbox.context import ToolContext
 from vagent.types import Observation, ToolCall
 
-__all__ = ["TOOLS", "ToolContext", "call_tool", "check_arguments", "tool_schemas"]
+__all__ = ["TOOLS", "ToolContext", "call_tool", "check_arguments", "check_call", "tool_schemas"]
 
 TOOLS: dict[str, ModuleType] = {
     crop.NAME: crop,
@@ -64,16 +64,24 @@ def check_arguments(arguments: dict[str, Any], name: str) -> str | None:
     return f"bad arguments for {name!r}: " + (f"argument{where}: " if where else "") + error.message
 
 
-def call_tool(call: ToolCall, context: ToolContext, offered: list[str] | None = None) -> Observation:
-    """Run one tool call. Never raises: every failure is an error Observation with a kind."""
+def check_call(call: ToolCall, offered: list[str] | None = None) -> Observation | None:
+    """Whether a call may run, without running it: the error Observation (``unknown_tool``,
+    ``bad_arguments``) or None. ``offered`` limits the names (default: every tool)."""
     names = offered if offered is not None else list(TOOLS)
     if call.name not in names or call.name not in TOOLS:
         return Observation(text=f"unknown tool {call.name!r}; available tools: {names}.", error="unknown_tool")
-    tool = TOOLS[call.name]
     problem = check_arguments(call.arguments, call.name)
     if problem is not None:
         return Observation(text=problem + ".", error="bad_arguments")
+    return None
+
+
+def call_tool(call: ToolCall, context: ToolContext, offered: list[str] | None = None) -> Observation:
+    """Run one tool call. Never raises: every failure is an error Observation with a kind."""
+    refusal = check_call(call, offered)
+    if refusal is not None:
+        return refusal
     try:
-        return tool.call(call.arguments, context)
+        return TOOLS[call.name].call(call.arguments, context)
     except Exception as e:  # a bug in a tool must not end the episode; the model sees it, metrics count it
         return Observation(text=f"{call.name} failed: {type(e).__name__}: {e}", error="tool_exception")
