@@ -76,6 +76,23 @@ def _tools_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tool_services(args: argparse.Namespace) -> dict:
+    """The search backend and code sandbox of ``--search-corpus``/``--search-url``/``--unsandboxed``, built
+    the way every recipe builds them (``recipes.common.tool_services``)."""
+    from vagent.config import ToolboxConfig
+    from vagent.recipes.common import tool_services
+
+    cfg = ToolboxConfig(
+        search_corpus=args.search_corpus,
+        search_url=getattr(args, "search_url", None),
+        allow_unsandboxed_code=args.unsandboxed,
+    )
+    try:
+        return tool_services(cfg)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--search-{'corpus' if args.search_corpus else 'url'}: {e}") from None
+
+
 def _tools_context(args: argparse.Namespace):
     """The ToolContext a ``tools call`` runs in: images seen at the processor's size, optional services."""
     from vagent.media import load_image, smart_resize
@@ -90,19 +107,7 @@ def _tools_context(args: argparse.Namespace):
         sizes.append((w, h))
         frame = f"{w}x{h} pixels" if args.convention == "absolute" else "0-1000 normalized"
         print(f"image {len(sizes) - 1}: {path} ({image.width}x{image.height}); boxes are in {frame}", file=sys.stderr)
-    search = sandbox = None
-    if args.search_corpus:
-        from vagent.toolbox.search import BM25Backend
-
-        search = BM25Backend(args.search_corpus)
-    elif args.search_url:
-        from vagent.toolbox.search import HTTPBackend
-
-        search = HTTPBackend(args.search_url)
-    if args.unsandboxed:
-        from vagent.toolbox.sandbox import Sandbox
-
-        sandbox = Sandbox(allow_unsandboxed=True)
+    services = _tool_services(args)
     return ToolContext(
         images=images,
         model_sizes=sizes,
@@ -111,8 +116,7 @@ def _tools_context(args: argparse.Namespace):
         max_pixels=args.max_pixels,
         image_factor=args.factor,
         videos=list(args.video),
-        search=search,
-        sandbox=sandbox,
+        **services,
     )
 
 
@@ -152,7 +156,7 @@ def _tools_parse(args: argparse.Namespace) -> int:
     import json
 
     from vagent.chat import parse_turn
-    from vagent.toolbox import TOOLS, check_arguments
+    from vagent.toolbox import check_call
 
     bad_lines = 0
     for number, line in enumerate(sys.stdin, 1):
@@ -169,12 +173,9 @@ def _tools_parse(args: argparse.Namespace) -> int:
             continue
         turn = parse_turn(text)
         errors = [{"kind": e.kind, "message": e.message} for e in turn.errors]
-        # Dispatch checks without running anything: is the tool known, do the arguments fit its schema?
-        for call in turn.tool_calls:
-            if call.name not in TOOLS:
-                errors.append({"kind": "unknown_tool", "message": f"unknown tool {call.name!r}"})
-            elif (problem := check_arguments(call.arguments, call.name)) is not None:
-                errors.append({"kind": "bad_arguments", "message": problem})
+        # The dispatch checks, without running anything: is the tool known, do the arguments fit its schema?
+        refusals = [check_call(call) for call in turn.tool_calls]
+        errors += [{"kind": r.error, "message": r.text} for r in refusals if r is not None]
         out = {
             "line": number,
             "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in turn.tool_calls],
@@ -228,7 +229,6 @@ def _rollout(args: argparse.Namespace) -> int:
     from vagent.rollout import RolloutLimits, Task, run
     from vagent.rollout.export import write_html, write_jsonl
     from vagent.toolbox import TOOLS
-    from vagent.toolbox.sandbox import Sandbox
 
     rows = load_rows(args.data, known_tools=TOOLS)[: args.limit]
     tasks = [
@@ -242,15 +242,8 @@ def _rollout(args: argparse.Namespace) -> int:
         )
         for row in rows
     ]
-    search = None
-    if args.search_corpus:
-        from vagent.toolbox.search import BM25Backend
-
-        try:
-            search = BM25Backend(args.search_corpus)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--search-corpus: {e}") from None
-    elif any("search" in task.tools for task in tasks):
+    services = _tool_services(args)
+    if services["search"] is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
     limits = RolloutLimits(
         max_turns=args.max_turns,
@@ -278,8 +271,7 @@ def _rollout(args: argparse.Namespace) -> int:
             tasks,
             n_samples=args.samples,
             limits=limits,
-            search=search,
-            sandbox=Sandbox(allow_unsandboxed=args.unsandboxed),
+            **services,
             batch_size=args.batch_size,
             progress=progress,
         )
