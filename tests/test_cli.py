@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from videos import write_video
 
 from vagent.cli import build_parser, main
 
@@ -92,14 +93,7 @@ def test_tools_call_prints_the_observation_and_writes_images(tmp_path, capsys):
 
 
 def test_tools_call_video_prints_frame_times(tmp_path, capsys):
-    import cv2
-    import numpy as np
-
-    path = tmp_path / "clip.mp4"
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 48))
-    for i in range(30):
-        writer.write(np.full((48, 64, 3), i * 8, dtype=np.uint8))
-    writer.release()
+    path = write_video(tmp_path / "clip.mp4", frames=30, fps=10.0, step=8)
     args = ["tools", "call", "sample_frames", "--args", '{"num_frames": 3}', "--video", str(path)]
     assert main([*args, "--out", str(tmp_path / "frames")]) == 0
     out = capsys.readouterr().out

@@ -4,6 +4,7 @@ import os
 import numpy as np
 import pytest
 from PIL import Image
+from videos import write_video
 
 from vagent.media import MediaError, load_image, probe_video, read_frames, resize_to_budget, smart_resize
 
@@ -85,19 +86,8 @@ def test_resize_to_budget_matches_processor_rule():
         smart_resize(1, 1000, min_pixels=3136, max_pixels=200704)
 
 
-def _write_video(path, frames=24, fps=8.0, size=(64, 48)):
-    import cv2
-
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
-    for i in range(frames):
-        frame = np.full((size[1], size[0], 3), min(i * 10, 255), dtype=np.uint8)  # brightness encodes the frame index
-        writer.write(frame)
-    writer.release()
-    return path
-
-
 def test_video_probe_and_frames_at_timestamps(tmp_path):
-    path = _write_video(tmp_path / "clip.mp4")
+    path = write_video(tmp_path / "clip.mp4")
     info = probe_video(path)
     assert (info.num_frames, info.width, info.height) == (24, 64, 48)
     assert info.fps == pytest.approx(8.0) and info.duration == pytest.approx(3.0)
@@ -116,7 +106,7 @@ def test_broken_videos_give_clear_errors(tmp_path):
         probe_video(junk)
     with pytest.raises(MediaError, match="not found"):
         read_frames(tmp_path / "none.mp4", [0.0])
-    good = _write_video(tmp_path / "good.mp4", frames=40)
+    good = write_video(tmp_path / "good.mp4", frames=40)
     cut = tmp_path / "cut.mp4"
     cut.write_bytes(good.read_bytes()[:300])
     with pytest.raises(MediaError):

@@ -1,5 +1,6 @@
 import torch
 from PIL import Image
+from videos import write_video
 
 from vagent.chat import observation_content, system_prompt
 from vagent.media import resize_to_budget
@@ -199,14 +200,7 @@ def test_a_hanging_tool_is_cut_off_without_stalling_other_rows(policy, monkeypat
 
 
 def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
-    import cv2
-    import numpy as np
-
-    path = tmp_path / "clip.mp4"
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 48))
-    for i in range(30):
-        writer.write(np.full((48, 64, 3), i * 8, dtype=np.uint8))
-    writer.release()
+    path = write_video(tmp_path / "clip.mp4", frames=30, fps=10.0, step=8)
     broken = tmp_path / "broken.mp4"
     broken.write_bytes(b"not a video")
     call = '<tool_call>{"name": "sample_frames", "arguments": {"start": 1, "end": 2, "num_frames": 2}}</tool_call>'

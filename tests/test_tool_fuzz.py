@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from videos import write_video
 
 from vagent.chat import parse_turn
 from vagent.rollout import act
@@ -125,20 +125,10 @@ RANDOM_OUTPUT = st.text(alphabet=st.sampled_from(list("<>/{}[]\"':, \ntool_cal a
 MODEL_OUTPUT = st.one_of(tool_call_text(), mutated(tool_call_text()), RANDOM_OUTPUT)
 
 
-def _write_video(path, frames=16, fps=8.0, size=(64, 48)):
-    import cv2
-
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
-    for i in range(frames):
-        writer.write(np.full((size[1], size[0], 3), i * 12, dtype=np.uint8))
-    writer.release()
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def context_factory(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    video = _write_video(tmp / "clip.mp4")
+    video = str(write_video(tmp / "clip.mp4", frames=16, step=12))
     broken = tmp / "broken.mp4"
     broken.write_bytes(b"\x00not a video")
     search = None
