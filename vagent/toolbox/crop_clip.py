@@ -15,7 +15,16 @@ import math
 from typing import Any
 
 from vagent.toolbox.context import ToolContext
-from vagent.toolbox.video import Refusal, check_span, choose_frames, frames_in_span, frames_observation, open_video
+from vagent.toolbox.video import (
+    VIDEO_INDEX,
+    Refusal,
+    check_fps,
+    check_span,
+    choose_frames,
+    frames_in_span,
+    frames_observation,
+    open_video,
+)
 from vagent.types import Observation
 
 NAME = "crop_clip"
@@ -36,7 +45,7 @@ SCHEMA = {
                 "exclusiveMinimum": 0,
                 "description": "Frames per second to sample. Default: the video's frame rate (every frame).",
             },
-            "video_index": {"type": "integer", "minimum": 0, "description": "Which video (0 = the first). Default 0."},
+            "video_index": VIDEO_INDEX,
         },
         "required": ["start", "end"],
     },
@@ -51,9 +60,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
 
 
 def _crop(arguments: dict[str, Any], context: ToolContext) -> Observation:
-    fps = arguments.get("fps")
-    if fps is not None and not math.isfinite(fps):
-        raise Refusal("bad_arguments", f"fps must be a finite number of frames per second, got {fps}.")
+    fps = check_fps(arguments)
     limit = max(1, context.max_frames)
     video_index, video = open_video(arguments, context)
     span, notes = check_span(arguments, video.duration)

@@ -15,7 +15,15 @@ import math
 from typing import Any
 
 from vagent.toolbox.context import ToolContext
-from vagent.toolbox.video import Refusal, check_span, choose_frames, frames_observation, open_video
+from vagent.toolbox.video import (
+    VIDEO_INDEX,
+    Refusal,
+    check_fps,
+    check_span,
+    choose_frames,
+    frames_observation,
+    open_video,
+)
 from vagent.types import Observation
 
 NAME = "sample_frames"
@@ -41,7 +49,7 @@ SCHEMA = {
                 "exclusiveMinimum": 0,
                 "description": "Frames per second to sample instead of num_frames (e.g. 0.5 = one every 2 s).",
             },
-            "video_index": {"type": "integer", "minimum": 0, "description": "Which video (0 = the first). Default 0."},
+            "video_index": VIDEO_INDEX,
         },
         "required": [],
     },
@@ -58,9 +66,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
 def _sample(arguments: dict[str, Any], context: ToolContext) -> Observation:
     if "num_frames" in arguments and "fps" in arguments:
         raise Refusal("bad_arguments", "give either num_frames or fps, not both.")
-    fps = arguments.get("fps")
-    if fps is not None and not math.isfinite(fps):
-        raise Refusal("bad_arguments", f"fps must be a finite number of frames per second, got {fps}.")
+    fps = check_fps(arguments)
     limit = max(1, context.max_frames)
     video_index, video = open_video(arguments, context)
     span, notes = check_span(arguments, video.duration)

@@ -39,6 +39,19 @@ class Refusal(Exception):
         return Observation(text=f"{tool} failed: {self}", error=self.kind)
 
 
+# The same argument in both video tools' schemas.
+VIDEO_INDEX = {"type": "integer", "minimum": 0, "description": "Which video (0 = the first). Default 0."}
+
+
+def check_fps(arguments: Mapping[str, Any]) -> float | None:
+    """The ``fps`` argument, or None. NaN and inf pass the schema's bound (every comparison with NaN is
+    False), so they are refused here."""
+    fps = arguments.get("fps")
+    if fps is not None and not math.isfinite(fps):
+        raise Refusal("bad_arguments", f"fps must be a finite number of frames per second, got {fps}.")
+    return fps
+
+
 def open_video(arguments: Mapping[str, Any], context: ToolContext) -> tuple[int, OpenVideo]:
     """The ``video_index`` argument (default 0) and that video, opened once for probing and decoding."""
     index = int(arguments.get("video_index", 0))  # the schema allows 2.0 as an integer
