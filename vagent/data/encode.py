@@ -32,7 +32,15 @@ from PIL import Image
 from vagent.media import load_image, resize_to_budget
 from vagent.types import Message
 
-__all__ = ["Encoded", "encode_messages", "encode_segment", "template_dicts", "template_suffix"]
+__all__ = [
+    "Encoded",
+    "encode_message",
+    "encode_messages",
+    "encode_prompt",
+    "encode_segment",
+    "template_dicts",
+    "template_suffix",
+]
 
 _ANCHOR = [{"role": "system", "content": "x"}]
 
@@ -89,6 +97,22 @@ def encode_segment(processor: Any, text: str, images: Sequence[Image.Image]) -> 
     return out
 
 
+def encode_prompt(
+    processor: Any, messages: Sequence[Message], images: Sequence[Image.Image]
+) -> dict[str, torch.Tensor]:
+    """The conversation's opening (system/user messages before the first assistant turn) rendered as a fresh
+    chat and tokenized with its (model-sized) images, as ``encode_segment`` returns it."""
+    text = processor.apply_chat_template([template_dicts(m) for m in messages], tokenize=False)
+    return encode_segment(processor, text, images)
+
+
+def encode_message(processor: Any, message: Message, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+    """A system/user/tool message appended to a conversation: its template text tokenized with its
+    (model-sized) images, as ``encode_segment`` returns it."""
+    text = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
+    return encode_segment(processor, text, images)
+
+
 def _model_images(message: Message, min_pixels: int, max_pixels: int, factor: int) -> list[Image.Image]:
     images = []
     for part in message.content:
@@ -137,14 +161,11 @@ def encode_messages(
 
     # The prompt (everything before the first assistant turn) is rendered as a whole, like a fresh chat.
     first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
-    prompt = [template_dicts(m) for m in messages[:first]]
-    prompt_text = processor.apply_chat_template(prompt, tokenize=False)
     prompt_images = [img for m in messages[:first] for img in _model_images(m, min_pixels, max_pixels, factor)]
-    add(encode_segment(processor, prompt_text, prompt_images))
+    add(encode_prompt(processor, messages[:first], prompt_images))
     for message in messages[first:]:
         if message.role != "assistant":
-            text = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
-            add(encode_segment(processor, text, _model_images(message, min_pixels, max_pixels, factor)))
+            add(encode_message(processor, message, _model_images(message, min_pixels, max_pixels, factor)))
             continue
         add({"input_ids": torch.tensor(header)})
         if message.token_ids is not None:

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from vagent.chat import ParsedTurn, ParseError, observation_content, parse_turn, system_prompt
-from vagent.data.encode import encode_segment, template_dicts, template_suffix
+from vagent.data.encode import encode_message, encode_prompt, template_suffix
 from vagent.media import MediaError, load_image, probe_video
 from vagent.model import Policy
 from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
@@ -219,11 +219,7 @@ class _Engine:
         user = Message("user", [ContentPart("image", image=img) for img in originals] + [ContentPart("text", question)])
         messages = [Message.text("system", system), user]
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
-        prompt = policy.processor.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": template_dicts(user)["content"]}],
-            tokenize=False,
-        )
-        row.force(_segment(encode_segment(policy.processor, prompt, shown)))
+        row.force(_segment(encode_prompt(policy.processor, messages, shown)))
         self.rows[key] = row
         self._next_turn(row)
 
@@ -295,8 +291,7 @@ class _Engine:
             context.images += observation.images
             context.model_sizes += [img.size for img in shown]
             message = _tool_message(observation)
-            text = template_suffix(self.policy.processor, [template_dicts(message)], add_generation_prompt=False)
-            segments.append(_segment(encode_segment(self.policy.processor, text, shown)))
+            segments.append(_segment(encode_message(self.policy.processor, message, shown)))
             messages.append(message)
             observations.append(observation)
         return _ToolOutcome(messages, segments, context, observations, out_of_images=False)
@@ -312,8 +307,7 @@ class _Engine:
             )
             observation = Observation(text=f"the tool call {detail}.", error=reason)
             message = _tool_message(observation)
-            text = template_suffix(self.policy.processor, [template_dicts(message)], add_generation_prompt=False)
-            segment = _segment(encode_segment(self.policy.processor, text, []))
+            segment = _segment(encode_message(self.policy.processor, message, []))
             observations = [observation] * row.pending_calls
             outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
                                    observations, out_of_images=False)  # fmt: skip
