@@ -47,7 +47,6 @@ from typing import Any
 from vagent.types import Observation, ToolCall
 
 __all__ = [
-    "CALL_ERROR_KINDS",
     "ParseError",
     "ParsedTurn",
     "observation_content",
@@ -58,8 +57,6 @@ __all__ = [
 
 _BLOCK = re.compile(r"<(tool_call|answer|think)>(.*?)(?:</\1>|$)", re.DOTALL)
 _CLOSING = re.compile(r"</(tool_call|answer|think)>")
-# The kinds that stand for a <tool_call> block that could not become a call: each gets an error observation.
-CALL_ERROR_KINDS = ("bad_json", "bad_call")
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 
 
@@ -78,7 +75,7 @@ class ParsedTurn:
     Attributes:
         tool_calls: The well-formed calls, in order (empty when the turn also answered).
         actions: One entry per ``<tool_call>`` block in order: the ``ToolCall``, or the ``ParseError``
-            (kind in ``CALL_ERROR_KINDS``) of a block that could not be parsed. Empty when the turn answered.
+            (kind ``bad_json`` or ``bad_call``) of a block that could not be parsed. Empty when the turn answered.
         answer: The text of the first ``<answer>``, stripped; None when there is none.
         think: The text of the ``<think>`` blocks, joined.
         errors: Every problem found, including the ones in ``actions``.
