@@ -59,7 +59,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     roles = [m["role"] for m in record["messages"]]
     assert roles[:4] == ["system", "user", "assistant", "tool"]
     assert len(record["token_ids"]) == len(record["loss_mask"]) and sum(record["loss_mask"]) > 0
-    crop = Image.open(record["messages"][3]["content"][0]["path"])
+    crop = Image.open(tmp_path / record["messages"][3]["content"][0]["path"])  # paths are relative to the JSONL
     assert crop.getpixel((crop.width // 2, crop.height // 2))[0] > 150  # the red tile is in the middle of the crop
     html = (tmp_path / "trajectory.html").read_text()
     assert "crop(" in html and html.count("data:image/") >= 2  # the tool call and both images, inline

@@ -24,7 +24,7 @@ from vagent.geometry import original_to_model
 from vagent.model import load_policy
 from vagent.recipes.common import tool_services
 from vagent.rollout import RolloutLimits, Task, rollout
-from vagent.rollout.export import write_html
+from vagent.rollout.export import read_jsonl, write_html, write_jsonl
 from vagent.tiny_model import build_tiny_checkpoint
 from vagent.types import Trajectory
 
@@ -69,7 +69,8 @@ def tiny_checkpoint(cfg: QuickstartConfig) -> Path:
     return out
 
 
-def print_trajectory(trajectory: Trajectory, image_paths: dict[int, str]) -> None:
+def print_trajectory(trajectory: Trajectory) -> None:
+    """Print a trajectory read back from its JSONL (images as paths on disk)."""
     sampled = sum(trajectory.loss_mask)
     print(f"\n=== trajectory {trajectory.task_id}: stop={trajectory.stop_reason} answer={trajectory.answer!r}")
     print(
@@ -80,7 +81,7 @@ def print_trajectory(trajectory: Trajectory, image_paths: dict[int, str]) -> Non
         if message.role == "system":
             print(f"\n[system] {message.plain_text[:160]}...")
             continue
-        images = [image_paths.get(id(part.image), "?") for part in message.content if part.type == "image"]
+        images = [str(part.path) for part in message.content if part.type == "image"]
         print(f"\n[{message.role}]" + (f" images: {', '.join(images)}" if images else ""))
         print("  " + message.plain_text.replace("\n", "\n  "))
         for call in message.tool_calls:
@@ -137,20 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     trajectory = rollout(policy, task, limits, **tool_services(cfg.toolbox))
 
-    image_paths: dict[int, str] = {}
-
-    def save(img: Image.Image) -> str:
-        path = out_dir / f"image_{len(image_paths)}.png"
-        img.save(path)
-        image_paths[id(img)] = str(path)
-        return str(path)
-
-    record = trajectory.to_dict(save_image=save)
-    record["gold"] = str(digit)
-    (out_dir / "trajectory.jsonl").write_text(json.dumps(record) + "\n")
+    jsonl = write_jsonl([trajectory], out_dir / "trajectory.jsonl", extra=lambda t: {"gold": str(digit)})
     html = write_html([trajectory], out_dir / "trajectory.html", title=f"vagent quickstart (gold answer {digit})")
-    print_trajectory(trajectory, image_paths)
-    print(f"\nwrote {out_dir / 'trajectory.jsonl'}, {len(image_paths)} image(s) under {out_dir}/, and {html}")
+    saved = read_jsonl(jsonl)[0]  # what is on disk: the same turns, images as the PNGs written
+    print_trajectory(saved)
+    print(f"\nwrote {jsonl}, {len(saved.images)} image(s) under {jsonl.parent}/, and {html}")
     print(f"open {html} in a browser to see the turns with the crop inline")
     print(
         "note: the tiny model has random weights, so its sampled turns are noise; "
