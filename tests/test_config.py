@@ -92,3 +92,12 @@ def test_defaults_are_not_shared_between_instances():
     a, b = load_config(QuickstartConfig), load_config(QuickstartConfig)
     a.rollout.tools.append("zoom_in")
     assert b.rollout.tools == ["crop"]
+
+
+def test_exponent_without_a_dot_is_a_number_not_a_string():
+    # YAML 1.1 (PyYAML) reads `lr: 2e-5` as the string "2e-5"; a float field takes it as the number.
+    from vagent.config import SFTConfig
+
+    assert load_config(SFTConfig, None, ["optim.lr=2e-5"]).optim.lr == 2e-5
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config(SFTConfig, None, ["optim.lr=fast"])

@@ -13,7 +13,8 @@ LEVELS = {
     "recipes": 9, "cli": 9,
 }  # fmt: skip
 # Same-level imports that the architecture allows (everything else at one level is a sibling import).
-ALLOWED_SAME_LEVEL = {("rollout", "model"), ("training", "model")}
+# training -> rollout: SFT builds its prompts with the engine's prompt_messages (one prompt for SFT and RL).
+ALLOWED_SAME_LEVEL = {("rollout", "model"), ("training", "model"), ("training", "rollout")}
 NO_TRANSFORMERS = {"rewards", "algorithms", "types", "geometry", "config", "chat"}
 
 

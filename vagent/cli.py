@@ -51,6 +51,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from vagent.recipes import sft
+
+    return sft.main((["--config", args.config] if args.config else []) + args.overrides)
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     from vagent.recipes import quickstart
 
@@ -211,13 +217,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _with_choices(question: str, choices: list[str] | None) -> str:
-    """The question with its options listed as the model reads them: "A. red", "B. blue", ..."""
-    if not choices:
-        return question
-    return question + "\n" + "\n".join(f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(choices))
-
-
 def _rollout(args: argparse.Namespace) -> int:
     from collections import Counter
 
@@ -231,17 +230,7 @@ def _rollout(args: argparse.Namespace) -> int:
     from vagent.toolbox import TOOLS
 
     rows = load_rows(args.data, known_tools=TOOLS)[: args.limit]
-    tasks = [
-        Task(
-            id=row.id,
-            question=_with_choices(row.question, row.choices),
-            images=list(row.images),
-            videos=list(row.videos),
-            # A row's own tool list wins; an explicit empty list means "no tools" for that row.
-            tools=list(row.tools if row.tools is not None else args.tools),
-        )
-        for row in rows
-    ]
+    tasks = [Task.from_row(row, args.tools) for row in rows]
     services = _tool_services(args)
     if services["search"] is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
@@ -334,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_quickstart)
 
+    p = sub.add_parser("sft", help="SFT cold start on gold trajectories (one process, or under torchrun).")
+    p.add_argument("--config", help="YAML with SFTConfig fields (configs/sft/).")
+    p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
+    p.set_defaults(func=_sft)
+
     p = sub.add_parser("rollout", help="Run the policy on canonical rows with tools; write trajectories (JSONL, HTML).")
     p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).")
     p.add_argument("--data", required=True, help="Canonical rows (JSONL; paths relative to the file).")
@@ -392,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     from vagent.data import RowError
     from vagent.media import MediaError
     from vagent.model import PolicyLoadError
+    from vagent.training.checkpoint import ResumeError
 
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -399,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown the trajectory print-out
     try:
         return args.func(args)
-    except (ConfigError, PolicyLoadError, MediaError, RowError, UsageError) as e:
+    except (ConfigError, PolicyLoadError, MediaError, RowError, ResumeError, UsageError) as e:
         print(f"vagent {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -26,11 +27,16 @@ import yaml
 __all__ = [
     "CONFIGS",
     "ConfigError",
+    "LoraConfig",
     "ModelConfig",
+    "OptimConfig",
     "QuickstartConfig",
     "RolloutConfig",
+    "SFTConfig",
+    "SFTDataConfig",
     "TinyModelConfig",
     "ToolboxConfig",
+    "TrainConfig",
     "config_to_dict",
     "load_config",
     "option",
@@ -49,6 +55,9 @@ def option(default: Any, help: str) -> Any:
         # mutable defaults: each instance gets its own deep copy (nested lists included)
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _type_name(tp: Any) -> str:
@@ -94,6 +103,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: key '{key}' expects true/false, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 2e-5 (no dot) as a string; nobody means a string there
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: key '{key}' expects a number, got {type(value).__name__} {value!r}")
         return float(value)
@@ -277,8 +288,112 @@ class QuickstartConfig:
             raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
 
 
+@dataclass
+class SFTDataConfig:
+    train: str | None = option(
+        None, "Canonical rows (JSONL) with gold `messages`. None: a synthetic zoom set is written under out_dir."
+    )
+    val: str | None = option(None, "Rows for the periodic eval loss; None = no eval loss.")
+    tools: list[str] = option(["crop"], "Tools named in the system prompt of rows without their own `tools` list.")
+    micro_batch_size: int = option(2, "Conversations per forward pass on each rank.")
+    group_by_length: bool = option(True, "Batch conversations of similar length (less padding); order stays random.")
+    group_batches: int = option(16, "Length grouping sorts within windows of this many micro-batches.")
+    max_length: int = option(4096, "Conversations longer than this (tokens, images included) are left out (counted).")
+    num_workers: int = option(0, "DataLoader worker processes encoding batches (0 = in the training process).")
+    synthetic_rows: int = option(64, "Rows of the synthetic set written when train is None.")
+
+    def validate(self) -> None:
+        for name in ("micro_batch_size", "group_batches", "max_length", "synthetic_rows"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(1e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = option(0.0, "AdamW weight decay (never applied to biases and norm weights).")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas.")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    warmup_steps: int = option(0, "Linear warmup from 0 to lr over this many optimizer steps.")
+    min_lr_ratio: float = option(0.0, "Cosine decay ends at lr * min_lr_ratio.")
+    grad_accum: int = option(1, "Micro-batches per optimizer step on each rank.")
+    max_grad_norm: float = option(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.grad_accum <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ValueError("need lr > 0, grad_accum > 0, warmup_steps >= 0, max_grad_norm >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = option(False, "Train LoRA adapters (peft) on the language model instead of all weights.")
+    r: int = option(16, "LoRA rank.")
+    alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = option(0.05, "Dropout on the LoRA input.")
+    target_modules: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Linear layers of the language model that get adapters (the vision tower never does).",
+    )
+
+    def validate(self) -> None:
+        if self.r <= 0 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.target_modules:
+            raise ValueError("lora needs r > 0, alpha > 0, dropout in [0, 1) and target_modules")
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = option(1.0, "Passes over the training rows (fractions allowed); max_steps wins when set.")
+    max_steps: int | None = option(None, "Optimizer steps to run; None = derived from epochs.")
+    precision: Literal["auto", "bf16", "fp32"] = option(
+        "auto", "auto = bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU."
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations in backward (less memory, ~30% slower).")
+    freeze_vision: bool = option(False, "Freeze the vision tower (patch embedding and ViT blocks; the merger trains).")
+    lora: LoraConfig = option(LoraConfig(), "LoRA adapters through peft.")
+    deepspeed: str | None = option(
+        None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."
+    )
+    log_every: int = option(1, "Optimizer steps between metric records.")
+    eval_every: int = option(0, "Optimizer steps between eval losses on data.val; 0 = only at the end.")
+    save_every: int = option(0, "Optimizer steps between checkpoints; 0 = only at the end.")
+    keep_last: int = option(2, "Complete checkpoints to keep (older ones are deleted).")
+    resume: str = option("auto", "auto = newest complete checkpoint under out_dir if any; none; or a checkpoint dir.")
+    allow_changes: bool = option(
+        False, "Resume even if the config or the training data changed since the checkpoint (warns)."
+    )
+    tensorboard: bool = option(True, "Write TensorBoard events under out_dir/tensorboard.")
+    wandb_project: str | None = option(None, "Also log to this Weights & Biases project (needs `wandb`).")
+
+    def validate(self) -> None:
+        if self.epochs <= 0 and self.max_steps is None:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(f"max_steps must be positive, got {self.max_steps}")
+        if min(self.log_every, self.keep_last) <= 0 or min(self.eval_every, self.save_every) < 0:
+            raise ValueError("log_every and keep_last must be positive; eval_every and save_every >= 0")
+        if self.lora.enabled and self.deepspeed and "zero3" in Path(self.deepspeed).name:
+            raise ValueError("LoRA with ZeRO-3 is not supported; use ZeRO-2 (adapters are small) or full fine-tuning")
+
+
+@dataclass
+class SFTConfig:
+    out_dir: str = option("runs/sft", "Checkpoints, metrics.jsonl, tensorboard/ and the final model/ go here.")
+    seed: int = option(0, "Seed of the data order, the model init of new parts (LoRA) and dropout.")
+    model: ModelConfig = option(ModelConfig(), "Policy to fine-tune.")
+    data: SFTDataConfig = option(SFTDataConfig(), "Training and eval rows, batching.")
+    optim: OptimConfig = option(OptimConfig(), "Optimizer and schedule.")
+    train: TrainConfig = option(TrainConfig(), "Loop length, precision, distribution, checkpoints, logging.")
+
+
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.
 CONFIGS: dict[str, type] = {
     "quickstart": QuickstartConfig,
+    "sft": SFTConfig,
     "tiny": TinyModelConfig,
 }

@@ -7,7 +7,7 @@ token ids; ``token_logprobs`` scores multimodal batches for the trainers.
 
 Two transformers 5.x pitfalls handled here, both silent if missed:
 * without ``mm_token_type_ids`` the Qwen-VL forward falls back to 1-D positions instead of
-  multimodal RoPE, so ``token_logprobs`` derives it from the input ids when the caller has none;
+  multimodal RoPE, so ``policy_logits`` derives it from the input ids when the caller has none;
 * ``generate`` caches ``rope_deltas`` on the model object, so every scoring forward resets it
   before running, or a training step after a rollout would reuse another batch's deltas.
 """
@@ -31,8 +31,11 @@ __all__ = [
     "Generation",
     "Policy",
     "PolicyLoadError",
+    "apply_lora",
+    "freeze_vision",
     "load_policy",
     "mm_token_type_ids",
+    "policy_logits",
     "resolve_attn_implementation",
     "resolve_dtype",
     "token_logprobs",
@@ -254,28 +257,56 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     return types
 
 
-def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int = 1024) -> torch.Tensor:
-    """Log-prob of every token given the tokens before it, for a multimodal batch.
+def policy_logits(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """One full forward (no cache) of a multimodal batch with fresh multimodal RoPE positions.
 
     Args:
-        model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/peft).
+        model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/DeepSpeed/peft).
         batch: ``input_ids`` (B, T), ``attention_mask`` (B, T), and optionally ``pixel_values``,
             ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``,
             ``mm_token_type_ids``. Images must appear in ``pixel_values`` in the order their
-            placeholders appear in the flattened batch.
+            placeholders appear in the flattened batch. Other keys (``loss_mask``, ...) are ignored.
+
+    Returns:
+        (B, T, V) logits; position t predicts token t + 1.
+    """
+    config = _unwrap(model).config
+    inputs = {k: v for k, v in batch.items() if v is not None and k in _FORWARD_KEYS}
+    if "mm_token_type_ids" not in inputs and ("pixel_values" in inputs or "pixel_values_videos" in inputs):
+        # without it transformers silently falls back to 1D positions (see the module docstring)
+        inputs["mm_token_type_ids"] = mm_token_type_ids(
+            inputs["input_ids"], config.image_token_id, config.video_token_id
+        )
+    reset_rope_deltas(model)  # generate() may have cached deltas of another batch on the model
+    logits = model(**inputs, use_cache=False).logits
+    reset_rope_deltas(model)
+    return logits
+
+
+_FORWARD_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+                 "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids", "position_ids")  # fmt: skip
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside DDP/DeepSpeed (``.module``) wrappers; peft models expose ``config`` themselves."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int = 1024) -> torch.Tensor:
+    """Log-prob of every token given the tokens before it, for a multimodal batch (see ``policy_logits``).
+
+    Args:
+        model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/peft).
+        batch: As for ``policy_logits``.
         chunk_size: Positions per log-softmax chunk; bounds the fp32 copy of the logits.
 
     Returns:
         (B, T) float32; position t holds log p(x_t | x_<t); position 0 holds 0.
     """
-    config = getattr(model, "config", None) or model.module.config
-    inputs = {k: v for k, v in batch.items() if v is not None and k not in ("labels", "loss_mask", "logprobs")}
-    input_ids = inputs["input_ids"]
-    if "mm_token_type_ids" not in inputs and ("pixel_values" in inputs or "pixel_values_videos" in inputs):
-        inputs["mm_token_type_ids"] = mm_token_type_ids(input_ids, config.image_token_id, config.video_token_id)
-    reset_rope_deltas(model)
-    logits = model(**inputs, use_cache=False).logits  # (B, T, V)
-    reset_rope_deltas(model)
+    input_ids = batch["input_ids"]
+    logits = policy_logits(model, batch)  # (B, T, V)
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
     targets = input_ids[:, 1:]
     for start in range(0, targets.shape[1], chunk_size):
@@ -283,6 +314,37 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size:
         lp = torch.log_softmax(logits[:, start:end].float(), dim=-1)  # predicts tokens start+1 .. end
         out[:, start + 1 : end + 1] = lp.gather(-1, targets[:, start:end].unsqueeze(-1)).squeeze(-1)
     return out
+
+
+def freeze_vision(model: torch.nn.Module) -> int:
+    """Freeze the vision tower's patch embedding and ViT blocks; the merger (the projector into the language
+    model) keeps training, as in Qwen-VL fine-tuning recipes. Returns the number of frozen parameters."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if ".visual." in f".{name}" and ".merger." not in name:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    if not frozen:
+        raise ValueError("found no vision tower parameters (named '*visual*') to freeze")
+    return frozen
+
+
+def apply_lora(
+    model: torch.nn.Module, *, r: int, alpha: int, dropout: float, target_modules: list[str]
+) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters on the language model's ``target_modules`` (by short name).
+
+    The vision tower has layers with the same short names (its MLP's ``gate_proj``...), so the targets are
+    matched by a regex that excludes ``visual``. Only the adapters train; ``merge_and_unload`` on a copy
+    gives a plain HF model for saving.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ImportError("LoRA needs peft: pip install 'peft>=0.13'") from None
+    pattern = rf"^(?!.*visual).*\.({'|'.join(target_modules)})$"
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=pattern, bias="none")
+    return get_peft_model(model, config)
 
 
 def load_policy(

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vagent.media import load_image, resize_to_budget
+from vagent.media import load_image, resize_to_budget, smart_resize
 from vagent.types import Message
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "encode_messages",
     "encode_prompt",
     "encode_segment",
+    "encoded_length",
     "template_dicts",
     "template_suffix",
 ]
@@ -196,3 +197,31 @@ def encode_messages(
         mm_token_type_ids=types,
         logprobs=lp,
     )
+
+
+def _image_size(part: Any) -> tuple[int, int]:
+    if part.image is not None:
+        return part.image.size
+    with Image.open(part.path) as image:  # reads the header only
+        return image.size
+
+
+def encoded_length(
+    messages: Sequence[Message], processor: Any, *, min_pixels: int, max_pixels: int, factor: int = 28
+) -> int:
+    """``len(encode_messages(messages, ...).input_ids)`` for a gold conversation, without decoding any pixels.
+
+    The conversation is rendered whole and tokenized once (segment boundaries sit next to special tokens,
+    so this matches the segment-wise encoding); each image then adds its visual tokens (one per
+    ``factor``x``factor`` block of its model-sized frame) minus the placeholder already counted. Used to
+    group conversations by length before any of them is encoded.
+    """
+    text = processor.apply_chat_template([template_dicts(m) for m in messages], tokenize=False)
+    n = len(processor.tokenizer.encode(text))
+    for message in messages:
+        for part in message.content:
+            if part.type == "image":
+                width, height = _image_size(part)
+                h, w = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+                n += (h // factor) * (w // factor) - 1
+    return n

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from vagent.config import ToolboxConfig
+from vagent.config import ModelConfig, ToolboxConfig
 
-__all__ = ["tool_services"]
+__all__ = ["tiny_checkpoint", "tool_services"]
+
+
+def tiny_checkpoint(cfg: ModelConfig, out_dir: str | Path, build: bool = True) -> Path:
+    """The configured checkpoint dir, or the tiny random one under ``out_dir``, built once (rebuilt when its
+    recipe changed). ``build=False`` only names the dir (ranks other than 0 wait for rank 0 to build it)."""
+    if cfg.path:
+        return Path(cfg.path)
+    tiny = cfg.tiny
+    out = Path(out_dir) / f"tiny-{tiny.family}-{tiny.size}"
+    recipe = {"family": tiny.family, "size": tiny.size, "vocab_size": tiny.vocab_size, "seed": tiny.seed,
+              "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}  # fmt: skip
+    marker = out / "vagent_tiny.json"
+    if build and not (marker.is_file() and json.loads(marker.read_text()) == recipe):
+        from vagent.tiny_model import build_tiny_checkpoint
+
+        print(f"building a random tiny {tiny.family} checkpoint ({tiny.size}) in {out} ...", flush=True)
+        build_tiny_checkpoint(out, **recipe)
+    return out
 
 
 def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:

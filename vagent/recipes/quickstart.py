@@ -22,10 +22,9 @@ from PIL import Image, ImageDraw, ImageFont
 from vagent.config import QuickstartConfig, config_to_dict, load_config
 from vagent.geometry import original_to_model
 from vagent.model import load_policy
-from vagent.recipes.common import tool_services
+from vagent.recipes.common import tiny_checkpoint, tool_services
 from vagent.rollout import RolloutLimits, Task, rollout
 from vagent.rollout.export import read_jsonl, write_html, write_jsonl
-from vagent.tiny_model import build_tiny_checkpoint
 from vagent.types import Trajectory
 
 
@@ -46,27 +45,6 @@ def make_task_image(width: int, height: int, seed: int) -> tuple[Image.Image, in
     draw.rectangle((x1, y1, x1 + tile, y1 + tile), fill=(200, 30, 30))
     draw.text((x1 + 8, y1 + 4), str(digit), fill=(255, 255, 255), font=ImageFont.load_default(size=18))
     return image, digit, (x1, y1, x1 + tile, y1 + tile)
-
-
-def tiny_checkpoint(cfg: QuickstartConfig) -> Path:
-    """The configured checkpoint, or a tiny one built once under out_dir (rebuilt when its recipe changed)."""
-    if cfg.model.path:
-        return Path(cfg.model.path)
-    tiny = cfg.model.tiny
-    out = Path(cfg.out_dir) / f"tiny-{tiny.family}-{tiny.size}"
-    recipe = {
-        "family": tiny.family,
-        "size": tiny.size,
-        "vocab_size": tiny.vocab_size,
-        "seed": tiny.seed,
-        "min_pixels": cfg.model.min_pixels,
-        "max_pixels": cfg.model.max_pixels,
-    }
-    marker = out / "vagent_tiny.json"
-    if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
-        print(f"building a random tiny {tiny.family} checkpoint ({tiny.size}) in {out} ...", flush=True)
-        build_tiny_checkpoint(out, **recipe)
-    return out
 
 
 def print_trajectory(trajectory: Trajectory) -> None:
@@ -98,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     policy = load_policy(
-        tiny_checkpoint(cfg),
+        tiny_checkpoint(cfg.model, cfg.out_dir),
         device=cfg.model.device,
         dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,

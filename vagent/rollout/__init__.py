@@ -1,5 +1,5 @@
 """Multi-turn rollouts: a per-episode state machine over the policy and the toolbox."""
 
-from vagent.rollout.engine import RolloutLimits, Task, act, rollout, run
+from vagent.rollout.engine import RolloutLimits, Task, act, prompt_messages, rollout, run
 
-__all__ = ["RolloutLimits", "Task", "act", "rollout", "run"]
+__all__ = ["RolloutLimits", "Task", "act", "prompt_messages", "rollout", "run"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +33,7 @@ from PIL import Image
 
 from vagent.chat import ParsedTurn, ParseError, observation_content, parse_turn, system_prompt
 from vagent.data.encode import encode_message, encode_prompt, template_suffix
+from vagent.data.rows import Row
 from vagent.media import MediaError, load_image, probe_video
 from vagent.model import Policy
 from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from vagent.toolbox.sandbox import Sandbox
     from vagent.toolbox.search import SearchBackend
 
-__all__ = ["STOP_STRINGS", "RolloutLimits", "Task", "act", "rollout", "run"]
+__all__ = ["STOP_STRINGS", "RolloutLimits", "Task", "act", "prompt_messages", "rollout", "run"]
 
 STOP_STRINGS = ("</tool_call>", "</answer>")
 
@@ -70,6 +71,16 @@ class Task:
     videos: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=lambda: ["crop"])
     scripted_turns: list[str | None] = field(default_factory=list)
+
+    @classmethod
+    def from_row(cls, row: Row, default_tools: Sequence[str]) -> Task:
+        """The episode of a canonical row: the question with its choices listed as "A. ...", its media, and
+        the row's own tool list when it has one (an empty list means no tools), else ``default_tools``."""
+        question = row.question
+        if row.choices:
+            question += "\n" + "\n".join(f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(row.choices))
+        tools = row.tools if row.tools is not None else default_tools
+        return cls(id=row.id, question=question, images=list(row.images), videos=list(row.videos), tools=list(tools))
 
 
 @dataclass
@@ -214,10 +225,7 @@ class _Engine:
             search=self.search,
             sandbox=self.sandbox,
         )
-        system = system_prompt(tool_schemas(task.tools))
-        question = _video_lines(task.videos) + task.question
-        user = Message("user", [ContentPart("image", image=img) for img in originals] + [ContentPart("text", question)])
-        messages = [Message.text("system", system), user]
+        messages = prompt_messages(task, originals)
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
         row.force(_segment(encode_prompt(policy.processor, messages, shown)))
         self.rows[key] = row
@@ -347,6 +355,22 @@ class _Engine:
         if self.progress:
             self.progress(trajectory)
         return trajectory
+
+
+def prompt_messages(task: Task, images: list[Image.Image | str] | None = None) -> list[Message]:
+    """The system and user messages an episode of ``task`` starts from: the system prompt with the schemas of
+    the offered tools, then the prompt images, the videos' names and lengths, and the question. SFT builds
+    its prompts here too, so the cold start trains on exactly the prompt the engine shows.
+
+    Args:
+        task: The episode.
+        images: The prompt images (default: ``task.images`` as given: paths or PIL images).
+    """
+    images = list(task.images if images is None else images)
+    parts = [ContentPart("image", image=img) if isinstance(img, Image.Image) else ContentPart("image", path=str(img))
+             for img in images]  # fmt: skip
+    user = Message("user", [*parts, ContentPart("text", _video_lines(task.videos) + task.question)])
+    return [Message.text("system", system_prompt(tool_schemas(task.tools))), user]
 
 
 def _video_lines(videos: list[str]) -> str:

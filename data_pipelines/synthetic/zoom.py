@@ -1,0 +1,153 @@
+"""Zoom tasks: a large cluttered image with one small tile whose digit is unreadable at the processor's global
+resolution but readable after a crop. Each row carries the tile as evidence and a gold trajectory.
+
+    python -m data_pipelines.synthetic.zoom --out data/zoom --rows 200 --seed 0
+
+Knobs: ``tile`` (original pixels; smaller = harder), ``clutter`` (shapes), ``distractors`` (tiles of
+other colors with other digits, so the question's color matters), ``direct_share`` (rows whose tile is
+drawn large enough to read without a tool: tool use should be adaptive, not reflexive).
+
+The gold trajectory's tool turn is what the rollout engine would show: the builder runs the real
+``crop`` tool on the image with the policy's pixel budget and renders its observation with
+``observation_content``, so SFT teaches exactly the tool round trip the policy meets in RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from vagent.chat import observation_content
+from vagent.data import Evidence, Row, write_rows
+from vagent.geometry import Convention, original_to_model
+from vagent.media import resize_to_budget
+from vagent.toolbox import ToolContext, call_tool
+from vagent.types import ToolCall
+
+__all__ = ["COLORS", "draw_task", "zoom_rows"]
+
+COLORS = {"red": (200, 30, 30), "blue": (30, 60, 200), "green": (20, 140, 40), "purple": (130, 40, 160)}
+_LOOK = [
+    "The {color} tile is too small to read at this resolution. I will crop it.",
+    "I can see a small {color} tile but not its digit. Let me zoom in on it.",
+    "The digit on the {color} square is unreadable here; cropping that region should help.",
+]
+_READ = [
+    "The crop shows the digit clearly: it is {digit}.",
+    "Now I can read it. The {color} tile shows {digit}.",
+    "After cropping, the digit is {digit}.",
+]
+_DIRECT = [
+    "The {color} tile is large enough to read directly: {digit}.",
+    "I can read the {color} tile without zooming; it shows {digit}.",
+]
+
+
+def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter: int, distractors: int,
+              color: str) -> tuple[Image.Image, int, tuple[int, int, int, int]]:  # fmt: skip
+    """Draw one task image. Returns (image, digit on the ``color`` tile, that tile's box in original pixels)."""
+    image = Image.new("RGB", (width, height), (235, 235, 228))
+    draw = ImageDraw.Draw(image)
+    for _ in range(clutter):  # shapes the global view can see, none of them the answer
+        x, y, size = rng.randrange(width), rng.randrange(height), rng.randint(10, 80)
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape((x, y, x + size, y + size), outline=tuple(rng.randint(40, 220) for _ in range(3)), width=3)
+    font = ImageFont.load_default(size=max(8, int(tile * 0.65)))
+    placed: list[tuple[int, int, int, int]] = []
+    others = [c for c in COLORS if c != color]
+    answer, target = 0, (0, 0, 0, 0)
+    for k in range(1 + distractors):
+        for _ in range(100):  # tiles do not overlap
+            x1, y1 = rng.randint(0, width - tile), rng.randint(0, height - tile)
+            box = (x1, y1, x1 + tile, y1 + tile)
+            if all(box[2] < p[0] or box[0] > p[2] or box[3] < p[1] or box[1] > p[3] for p in placed):
+                break
+        placed.append(box)
+        digit = rng.randint(0, 9)
+        draw.rectangle(box, fill=COLORS[color if k == 0 else others[(k - 1) % len(others)]])
+        draw.text((box[0] + tile * 0.28, box[1] + tile * 0.1), str(digit), fill=(255, 255, 255), font=font)
+        if k == 0:
+            answer, target = digit, box
+    return image, answer, target
+
+
+def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, int] = (896, 672), tile: int = 28,
+              clutter: int = 60, distractors: int = 1, direct_share: float = 0.2, min_pixels: int = 3136,
+              max_pixels: int = 200704, factor: int = 28, convention: Convention = "absolute") -> list[Row]:  # fmt: skip
+    """Build ``n`` zoom rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``).
+
+    ``min_pixels``/``max_pixels``/``factor``/``convention`` are the policy's (``Policy.pixel_budget``,
+    ``image_factor``, ``coord_convention``): the crop box in the gold call is written in the frame that
+    policy sees, and the crop observation is made with its budget.
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        color = rng.choice(list(COLORS))
+        direct = rng.random() < direct_share
+        image, digit, box = draw_task(*size, rng, tile=tile * 5 if direct else tile, clutter=clutter,
+                                      distractors=distractors, color=color)  # fmt: skip
+        image_path = out_dir / "images" / f"zoom-{seed}-{i}.png"
+        image.save(image_path)
+        words = {"color": color, "digit": digit}
+        if direct:
+            messages = [{"role": "assistant",
+                         "content": f"<think>{rng.choice(_DIRECT).format(**words)}</think>\n<answer>{digit}</answer>"}]  # fmt: skip
+        else:
+            messages = _crop_then_answer(image, box, rng, words, out_dir / "images" / f"zoom-{seed}-{i}-crop.png",
+                                         min_pixels, max_pixels, factor, convention)  # fmt: skip
+        rows.append(Row(
+            id=f"zoom-{seed}-{i}", source="synthetic/zoom", images=[str(image_path)],
+            question=f"What digit is written on the small {color} tile?", answer=str(digit), answer_type="exact",
+            evidence=Evidence(boxes=[[float(v) for v in box]]), tools=["crop"], messages=messages,
+            extra={"difficulty": {"tile": tile, "clutter": clutter, "distractors": distractors, "direct": direct}},
+        ))  # fmt: skip
+    return rows
+
+
+def _crop_then_answer(image, box, rng, words, crop_path, min_pixels, max_pixels, factor, convention):
+    margin = rng.randint(8, 24)  # original pixels of context around the tile, varied
+    region = (box[0] - margin, box[1] - margin, box[2] + margin, box[3] + margin)
+    seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor).size
+    bbox = [round(v) for v in original_to_model(region, convention, seen, image.size)]
+    context = ToolContext(images=[image], model_sizes=[seen], convention=convention, min_pixels=min_pixels,
+                          max_pixels=max_pixels, image_factor=factor)  # fmt: skip
+    observation = call_tool(ToolCall("crop", {"bbox": bbox}), context)
+    if observation.error:  # a builder bug, not a data property: fail loudly
+        raise RuntimeError(f"the gold crop failed: {observation.text}")
+    observation.images[0].save(crop_path)
+    content = []
+    for part in observation_content(observation):
+        content.append({"type": "image", "path": str(crop_path)} if part["type"] == "image" else part)
+    call = f'<tool_call>\n{{"name": "crop", "arguments": {{"bbox": {bbox}}}}}\n</tool_call>'
+    return [
+        {"role": "assistant", "content": f"<think>{rng.choice(_LOOK).format(**words)}</think>\n{call}"},
+        {"role": "tool", "content": content},
+        {"role": "assistant",
+         "content": f"<think>{rng.choice(_READ).format(**words)}</think>\n<answer>{words['digit']}</answer>"},
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output dir (rows.jsonl + images/)")
+    parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile", type=int, default=28, help="tile side in original pixels")
+    parser.add_argument("--distractors", type=int, default=1)
+    parser.add_argument("--direct-share", type=float, default=0.2)
+    args = parser.parse_args(argv)
+    rows = zoom_rows(args.out, args.rows, seed=args.seed, tile=args.tile, distractors=args.distractors,
+                     direct_share=args.direct_share)  # fmt: skip
+    path = write_rows(rows, Path(args.out) / "rows.jsonl")
+    print(f"wrote {len(rows)} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

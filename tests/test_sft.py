@@ -1,0 +1,235 @@
+"""SFT on a tiny checkpoint: learning, masking, distributed equivalence, exact resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipelines.synthetic.zoom import zoom_rows
+from vagent.algorithms import token_nll_sum
+from vagent.config import SFTConfig, load_config
+from vagent.data import load_rows, write_rows
+from vagent.data.batching import collate
+from vagent.data.encode import encode_messages, encoded_length
+from vagent.model import load_policy, policy_logits
+from vagent.recipes import sft
+from vagent.training.checkpoint import ResumeError
+from vagent.training.data import SFTDataset, gold_conversation
+from vagent.training.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "sft" / "qwen2_5_vl_tiny_cpu.yaml"  # the subprocess runs use the shipped tiny config
+# Small images keep each step ~0.1 s on CPU; the tile stays 28 px so the crop call is a real one.
+SIZE = (448, 336)
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory, policy):
+    out = tmp_path_factory.mktemp("sft-data")
+    min_pixels, max_pixels = policy.pixel_budget
+    budget = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+    write_rows(zoom_rows(out, 12, seed=0, size=SIZE, clutter=20, **budget), out / "train.jsonl")
+    write_rows(zoom_rows(out, 4, seed=1, size=SIZE, clutter=20, **budget), out / "val.jsonl")
+    return out / "train.jsonl"
+
+
+def _overrides(out_dir, model, rows_file, *extra):
+    return [f"out_dir={out_dir}", f"model.path={model}", "model.device=cpu", f"data.train={rows_file}",
+            f"data.val={rows_file.with_name('val.jsonl')}", "data.micro_batch_size=2", "optim.lr=2e-3",
+            "optim.grad_accum=2", "train.max_steps=6", "train.tensorboard=false", *extra]  # fmt: skip
+
+
+def _losses(out_dir):
+    return [r["loss"] for r in read_metrics(Path(out_dir) / "metrics.jsonl") if "loss" in r]
+
+
+def test_loss_decreases_and_parameters_change(tmp_path, tiny_qwen25, rows_file):
+    before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
+    model_dir = sft.train(load_config(SFTConfig, None, _overrides(tmp_path, tiny_qwen25, rows_file)))
+    losses = _losses(tmp_path)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    after = load_policy(model_dir, device="cpu").model.state_dict()  # the final dir loads with load_policy
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > 0.9 * len(before), f"only {len(changed)}/{len(before)} tensors changed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert {"lr", "grad_norm", "padding_waste", "tokens_per_s"} <= set(records[0])
+    assert any("eval_loss" in r for r in records)
+
+
+def test_only_assistant_tokens_get_gradient(policy, rows_file):
+    row = next(r for r in load_rows(rows_file) if len(r.messages) == 3)  # crop, tool turn, answer
+    conversation = gold_conversation(row, ["crop"])
+    assert [m.role for m in conversation] == ["system", "user", "assistant", "tool", "assistant"]
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(conversation, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    # mask: exactly the two assistant turns' content (+ <|im_end|>) is trained
+    trained = policy.tokenizer.decode(enc.input_ids[enc.loss_mask.bool()].tolist())
+    assert trained == "".join(m.plain_text + "<|im_end|>" for m in conversation if m.role == "assistant")
+    assert len(enc.image_grid_thw) == 2  # the prompt image and the crop
+    # gradient: the logits that predict prompt, tool-observation (image tokens too) and header tokens get 0
+    batch = collate([enc], policy.tokenizer.pad_token_id)
+    model = policy.model
+    model.zero_grad()
+    logits = policy_logits(model, batch)
+    logits.retain_grad()
+    token_nll_sum(logits, batch["input_ids"], batch["loss_mask"]).backward()
+    grad_norm = logits.grad[0, :-1].abs().sum(-1)  # (T-1,) position t predicts token t+1
+    target_trained = batch["loss_mask"][0, 1:].bool()
+    assert torch.all(grad_norm[~target_trained] == 0)
+    assert torch.all(grad_norm[target_trained] > 0)
+    image_token = model.config.image_token_id
+    assert (batch["input_ids"][0, 1:][~target_trained] == image_token).sum() > 0  # image tokens are among the masked
+    model.zero_grad()
+
+
+def test_encoded_length_is_exact_and_batches_hold_every_image(policy, rows_file):
+    rows = load_rows(rows_file)
+    min_pixels, max_pixels = policy.pixel_budget
+    budget = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+    for row in rows[:4]:
+        conversation = gold_conversation(row, ["crop"])
+        assert encoded_length(conversation, policy.processor, **budget) == len(
+            encode_messages(conversation, policy.processor, **budget).input_ids
+        )
+    data = SFTDataset(rows, policy.processor, default_tools=["crop"], max_length=4096, micro_batch_size=3, seed=0,
+                      group_by_length=True, group_batches=4, **budget)  # fmt: skip
+    batch = data[0]
+    n_images = int(batch["image_grid_thw"].shape[0])
+    conversations = [data.conversations[i] for i in data.batch(0)]
+    assert n_images == sum(1 for c in conversations for m in c for p in m.content if p.type == "image")
+    assert int(batch["pixel_values"].shape[0]) == int(batch["image_grid_thw"].prod(-1).sum())
+    # the placeholders match the patches (4 patches merge into one token)
+    assert int((batch["input_ids"] == policy.model.config.image_token_id).sum()) * 4 == batch["pixel_values"].shape[0]
+    # every epoch covers every conversation once
+    seen = sorted(i for g in range(data.batches_per_epoch) for i in data.batch(g))
+    assert seen == list(range(len(rows)))
+
+
+def test_a_long_row_is_skipped_with_its_reason(policy, rows_file):
+    min_pixels, max_pixels = policy.pixel_budget
+    kwargs = dict(default_tools=["crop"], micro_batch_size=2, seed=0, group_by_length=False, group_batches=1,
+                  min_pixels=min_pixels, max_pixels=max_pixels, factor=28)  # fmt: skip
+    lengths = sorted(SFTDataset(load_rows(rows_file), policy.processor, max_length=10**6, **kwargs).lengths)
+    limit = lengths[len(lengths) // 2]  # half the rows are longer
+    data = SFTDataset(load_rows(rows_file), policy.processor, max_length=limit, **kwargs)
+    assert data.skipped and all(f"data.max_length={limit}" in why for _, why in data.skipped)
+    assert len(data.conversations) + len(data.skipped) == 12 and max(data.lengths) <= limit
+    with pytest.raises(ValueError, match="no usable SFT rows"):
+        SFTDataset(load_rows(rows_file), policy.processor, max_length=10, **kwargs)
+
+
+def test_changed_config_or_data_is_reported_on_resume(tmp_path, tiny_qwen25, rows_file):
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.max_steps=2")
+    sft.train(load_config(SFTConfig, None, args))
+    with pytest.raises(ResumeError, match=r"config\.optim\.lr"):
+        sft.train(load_config(SFTConfig, None, [*args, "optim.lr=1e-4", "train.max_steps=3"]))
+    changed_rows = rows_file.with_name("train-changed.jsonl")  # next to the images it names
+    changed_rows.write_text(rows_file.read_text().replace('"source": "synthetic/zoom"', '"source": "other"'))
+    args2 = [a if not a.startswith("data.train=") else f"data.train={changed_rows}" for a in args]
+    with pytest.raises(ResumeError, match="train_data"):
+        sft.train(load_config(SFTConfig, None, args2))
+    # allowed explicitly: it resumes and warns
+    sft.train(load_config(SFTConfig, None, [*args2, "train.allow_changes=true", "train.max_steps=3"]))
+    assert len(_losses(tmp_path)) == 3
+
+
+def test_lora_trains_only_adapters_and_saves_a_merged_model(tmp_path, tiny_qwen25, rows_file):
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.max_steps=2", "train.lora.enabled=true",
+                      "train.lora.r=4", "train.freeze_vision=true", "train.gradient_checkpointing=true")  # fmt: skip
+    model_dir = sft.train(load_config(SFTConfig, None, args))
+    base = load_policy(tiny_qwen25, device="cpu").model.state_dict()
+    merged = load_policy(model_dir, device="cpu").model.state_dict()  # plain HF weights, no peft needed
+    assert set(merged) == set(base)
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all("visual" not in k and k.endswith("proj.weight") for k in changed), sorted(changed)[:5]
+    assert (tmp_path / "checkpoints" / "step-00000002" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_deepspeed_without_the_package_says_how_to_get_it(tmp_path, tiny_qwen25, rows_file):
+    try:
+        import deepspeed  # noqa: F401
+
+        pytest.skip("deepspeed is installed")
+    except ImportError:
+        pass
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json")
+    with pytest.raises(ImportError, match=r"vagent\[gpu\]"):
+        sft.train(load_config(SFTConfig, None, args))
+
+
+# -- multi-process: torchrun and SIGKILL -------------------------------------------------------------------
+
+# Runs the SFT recipe in a child process that SIGKILLs itself at a chosen point (fault injection lives in
+# the test, not in the library): "step N" right after step N's metrics are written, "checkpoint N" after
+# every file of checkpoint N is in its temp dir but before it is committed.
+FAULT = """
+import os, signal, sys
+from vagent.training import checkpoint, metrics
+mode, at = sys.argv[1], int(sys.argv[2])
+if mode == "step":
+    log = metrics.MetricsLogger.log
+    def killing_log(self, step, values):
+        log(self, step, values)
+        if step == at and "loss" in values:
+            os.kill(os.getpid(), signal.SIGKILL)
+    metrics.MetricsLogger.log = killing_log
+elif mode == "checkpoint":
+    commit = checkpoint.commit_checkpoint
+    def killing_commit(root, tmp, step, *args, **kwargs):
+        if step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(root, tmp, step, *args, **kwargs)
+    checkpoint.commit_checkpoint = killing_commit
+from vagent.recipes import sft
+sft.main(sys.argv[3:])
+"""
+
+
+def _run(args, fault=("none", 0)):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-c", FAULT, fault[0], str(fault[1]), "--config", str(CONFIG), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_qwen25, rows_file):
+    out = tmp_path_factory.mktemp("sft-full")
+    result = _run(_overrides(out, tiny_qwen25, rows_file, "train.save_every=2"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return _losses(out)
+
+
+def test_two_ranks_give_the_loss_curve_of_one_rank_with_twice_the_accumulation(tmp_path, tiny_qwen25, rows_file,
+                                                                                 uninterrupted):  # fmt: skip
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.save_every=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tools" / "train.py"), "--config", str(CONFIG), *args]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("fault", [("step", 5), ("checkpoint", 4)], ids=["mid-training", "mid-checkpoint"])
+def test_a_killed_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, rows_file, uninterrupted, fault):
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.save_every=2")
+    killed = _run(args, fault)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    checkpoints = tmp_path / "checkpoints"
+    if fault[0] == "checkpoint":  # the half-written checkpoint is there, but only as a temp dir
+        assert (checkpoints / ".tmp-step-00000004").is_dir() and not (checkpoints / "step-00000004").exists()
+        assert (checkpoints / "latest").read_text().strip() == "step-00000002"
+    resumed = _run(args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    expected_from = 4 if fault[0] == "step" else 2
+    assert f"at step {expected_from}" in resumed.stdout
+    assert _losses(tmp_path) == uninterrupted  # bit for bit, on CPU
+    assert not list(checkpoints.glob(".tmp-*"))
+    state = json.loads((checkpoints / "step-00000006" / "trainer_state.json").read_text())
+    assert state["step"] == 6

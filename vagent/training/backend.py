@@ -1,0 +1,228 @@
+"""Train backends: what differs between plain DDP and DeepSpeed ZeRO, behind one small interface.
+
+A recipe's step reads the same with either backend::
+
+    for micro in micro_batches:
+        with backend.accumulating(last=micro is micro_batches[-1]):
+            loss = step_sum_loss(backend.module, micro) / step_trained_tokens
+            backend.backward(loss)
+    grad_norm = backend.step()
+
+``backward`` takes the micro-batch's share of the *step's* mean loss (its summed token loss divided by
+the step's trained tokens over all ranks). The backends undo their own averaging so the gradient is
+exactly that of the step mean: DDP averages gradients over ranks (x world_size), DeepSpeed also divides
+each micro-batch's loss by its gradient accumulation steps (x world_size x grad_accum).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from vagent.training.distributed import DistEnv
+
+__all__ = ["DDPBackend", "DeepSpeedBackend", "TrainBackend", "build_optimizer", "warmup_cosine"]
+
+
+def build_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on biases and norm weights (1-D tensors)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    if not decay and not no_decay:
+        raise ValueError("the model has no trainable parameters")
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_ratio: float
+) -> LambdaLR:
+    """Linear warmup to the peak lr over ``warmup_steps``, then cosine decay to ``peak * min_ratio`` at
+    ``total_steps``. The factor for step s (0-based, the step about to run) is:
+
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    >>> sched = warmup_cosine(opt, warmup_steps=2, total_steps=6, min_ratio=0.0)
+    >>> [round(sched.lr_lambdas[0](s), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
+    """
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return LambdaLR(optimizer, factor)
+
+
+class TrainBackend(Protocol):
+    """One optimizer over one model, possibly sharded/replicated over ranks."""
+
+    model: torch.nn.Module  # the unwrapped model (peft or HF) for saving and eval
+    module: torch.nn.Module  # what to call forward on (DDP / DeepSpeed engine / the model itself)
+    loss_scale: float  # multiply the step-mean loss share by this before ``backward``
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> float: ...
+    def lr(self) -> float: ...
+    def save(self, directory: Path) -> None: ...
+    def load(self, directory: Path) -> None: ...
+
+
+class DDPBackend:
+    """Plain PyTorch: the model on ``env.device``, wrapped in DDP when world_size > 1 (gloo on CPU, nccl on
+    GPU); AdamW + warmup/cosine; bf16 autocast with fp32 master weights when ``bf16``. ``find_unused``: some
+    batches leave parameters without gradients (text-only rows and the vision tower).
+
+    Every rank holds the full optimizer state (identical on all ranks), so rank 0 alone saves it.
+    """
+
+    def __init__(self, model: torch.nn.Module, env: DistEnv, *, optimizer: torch.optim.Optimizer,
+                 scheduler: LambdaLR, max_grad_norm: float, bf16: bool, find_unused: bool = False) -> None:  # fmt: skip
+        self.model = model
+        self.env = env
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.bf16 = bf16
+        self.loss_scale = float(env.world_size)
+        if env.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            device_ids = [env.device.index] if env.device.type == "cuda" else None
+            # find_unused: a batch without images leaves the vision tower without gradients, which DDP must
+            # be told about (it costs a graph traversal per step, so only when the data has such rows)
+            self.module = DDP(model, device_ids=device_ids, find_unused_parameters=find_unused)
+        else:
+            self.module = model
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        """Forward/backward of one micro-batch; gradients are all-reduced only on the ``last`` one."""
+        sync = contextlib.nullcontext() if last or self.module is self.model else self.module.no_sync()
+        autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with sync, autocast:
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.loss_scale).backward()
+
+    def step(self) -> float:
+        """Clip, step, advance the schedule, zero the gradients. Returns the pre-clip global grad norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, directory: Path) -> None:
+        if self.env.is_main:
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            torch.save(state, directory / "optimizer.pt")
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(directory / "optimizer.pt", map_location=self.env.device, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class DeepSpeedBackend:
+    """DeepSpeed ZeRO-2/3 from a JSON config (``configs/deepspeed/``). The JSON's ``"auto"`` values are filled
+    from the recipe (micro-batch, accumulation, clipping, bf16); AdamW and the schedule are vagent's, so
+    both backends train the same way. Needs the ``gpu`` extra (``pip install 'vagent[gpu]'``).
+    """
+
+    def __init__(self, model: torch.nn.Module, env: DistEnv, *, config_path: str, optimizer: torch.optim.Optimizer,
+                 scheduler: LambdaLR, max_grad_norm: float, bf16: bool, micro_batch_size: int,
+                 grad_accum: int) -> None:  # fmt: skip
+        try:
+            import deepspeed
+        except ImportError:
+            raise ImportError(
+                f"train.deepspeed={config_path} needs DeepSpeed, which is not installed: "
+                "pip install 'vagent[gpu]' (or set train.deepspeed=null to train with DDP)"
+            ) from None
+        config = load_deepspeed_config(config_path, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                                       world_size=env.world_size, max_grad_norm=max_grad_norm, bf16=bf16)  # fmt: skip
+        self.config = config
+        self.model = model
+        self.env = env
+        self.scheduler = scheduler
+        self.module, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        self.zero_stage = int(config.get("zero_optimization", {}).get("stage", 0))
+        # DeepSpeed divides each micro-batch loss by its accumulation steps and averages over ranks.
+        self.loss_scale = float(env.world_size * grad_accum)
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # DeepSpeed counts micro-steps itself and syncs at the boundary
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.module.backward(loss * self.loss_scale)
+        self.module.step()  # a no-op until the accumulation boundary
+
+    def step(self) -> float:
+        norm = self.module.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, directory: Path) -> None:
+        self.module.save_checkpoint(str(directory / "deepspeed"), tag="state")  # every rank writes its shard
+
+    def load(self, directory: Path) -> None:
+        self.module.load_checkpoint(str(directory / "deepspeed"), tag="state")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (gathered from the shards under ZeRO-3), None elsewhere."""
+        if self.zero_stage == 3:
+            state = self.module._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.model.state_dict()
+        return state if self.env.is_main else None
+
+
+def load_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum: int, world_size: int,
+                          max_grad_norm: float, bf16: bool) -> dict[str, Any]:  # fmt: skip
+    """Read a DeepSpeed JSON and fill its ``"auto"`` values from the recipe; a value set in the JSON that
+    contradicts the recipe is an error (two sources of truth for the batch size train differently)."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the DeepSpeed config {path}: {e}") from None
+    wanted = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "gradient_clipping": max_grad_norm,
+    }
+    for key, value in wanted.items():
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+        elif config[key] != value:
+            raise ValueError(f'{path}: {key}={config[key]} contradicts the recipe\'s {value}; set it to "auto"')
+    config.setdefault("bf16", {})
+    if config["bf16"].get("enabled", "auto") == "auto":
+        config["bf16"]["enabled"] = bf16
+    if "optimizer" in config or "scheduler" in config:
+        raise ValueError(f"{path}: leave out 'optimizer' and 'scheduler'; vagent passes its AdamW and schedule")
+    return config

@@ -1,0 +1,140 @@
+"""SFT data: canonical rows with a gold ``messages`` trajectory -> encoded, length-grouped micro-batches.
+
+The conversation of a row is its gold turns after the prompt the rollout engine would show for that row
+(``vagent.rollout.prompt_messages``: the system prompt with the offered tools' schemas, the prompt images,
+the videos' lengths, the question with its choices). So the cold start trains on exactly the prompt the
+policy later sees in GRPO and eval. A row whose ``messages`` carry their own system/user turns is taken
+verbatim instead (converted third-party data).
+
+Micro-batches have global indices ``g = 0, 1, 2, ...`` over an endless stream of epochs (each epoch a
+fresh ``(seed, epoch)`` order), so the data position is one integer, every rank computes the same order,
+and optimizer step ``s`` consumes micro-batches ``[s*W*A, (s+1)*W*A)``: rank ``r`` takes ``s*W*A + r + k*W``
+for ``k < A``. The set a step trains on depends only on ``W*A``, which is why 2 ranks x 1 micro-batch
+and 1 rank x 2 micro-batches compute the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from PIL import UnidentifiedImageError
+
+from vagent.data.batching import collate, epoch_batches
+from vagent.data.encode import encode_messages, encoded_length
+from vagent.data.rows import Row, RowError
+from vagent.rollout.engine import Task, prompt_messages
+from vagent.types import ContentPart, Message
+
+__all__ = ["SFTDataset", "gold_conversation", "rank_micro_batches"]
+
+
+def gold_conversation(row: Row, default_tools: Sequence[str]) -> list[Message]:
+    """The full conversation SFT trains on for ``row`` (see the module docstring).
+
+    Raises:
+        RowError: the row has no ``messages``, or they hold a part SFT cannot encode.
+    """
+    if not row.messages:
+        raise RowError(f"row {row.id!r}: has no gold `messages` to train on")
+    prompt_images = iter(row.images)
+    turns = []
+    for i, message in enumerate(row.messages):
+        content = message["content"]
+        if isinstance(content, str):
+            turns.append(Message.text(message["role"], content))
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if part["type"] == "text":
+                parts.append(ContentPart("text", part["text"]))
+            elif part["type"] == "image":
+                path = part.get("path") or next(prompt_images, None)
+                if path is None:
+                    raise RowError(f"row {row.id!r}: messages[{i}].content[{j}] uses more images than the row has")
+                parts.append(ContentPart("image", path=path))
+            else:  # the engine shows videos only as frames returned by the video tools
+                raise RowError(
+                    f"row {row.id!r}: messages[{i}].content[{j}] is a video part; SFT rows show videos as the "
+                    "frames a sample_frames/crop_clip tool turn returned (image parts), as the rollout engine does"
+                )
+        turns.append(Message(message["role"], parts))
+    if any(m.role in ("system", "user") for m in turns):
+        if turns[0].role not in ("system", "user"):
+            raise RowError(f"row {row.id!r}: messages with their own prompt must start with a system or user turn")
+        return turns
+    return prompt_messages(Task.from_row(row, default_tools)) + turns
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Global micro-batch index -> collated micro-batch (see the module docstring).
+
+    Conversations are built and measured up front (``encoded_length``: text tokens plus each image's
+    visual tokens from its header, no pixels decoded), and encoded only when their batch is fetched.
+    Rows that cannot be built (unreadable image, bad parts) or exceed ``max_length`` are left out and
+    listed in ``skipped`` with the reason.
+    """
+
+    def __init__(self, rows: Sequence[Row], processor: Any, *, min_pixels: int, max_pixels: int, factor: int,
+                 default_tools: Sequence[str], max_length: int, micro_batch_size: int, seed: int,
+                 group_by_length: bool, group_batches: int) -> None:  # fmt: skip
+        self.processor = processor
+        self.budget = {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": factor}
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self.group_batches = group_batches
+        tokenizer = processor.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.conversations: list[list[Message]] = []
+        self.ids: list[str] = []
+        self.lengths: list[int] = []
+        self.skipped: list[tuple[str, str]] = []
+        for row in rows:
+            try:
+                conversation = gold_conversation(row, default_tools)
+                length = encoded_length(conversation, processor, **self.budget)
+            except (RowError, OSError, UnidentifiedImageError, ValueError) as e:
+                self.skipped.append((row.id, f"{type(e).__name__}: {e}"))
+                continue
+            if length > max_length:
+                self.skipped.append((row.id, f"{length} tokens > data.max_length={max_length}"))
+                continue
+            self.conversations.append(conversation)
+            self.ids.append(row.id)
+            self.lengths.append(length)
+        if not self.conversations:
+            reasons = "; ".join(f"{rid}: {why}" for rid, why in self.skipped[:3])
+            raise ValueError(f"no usable SFT rows ({len(self.skipped)} skipped: {reasons})")
+        self.batches_per_epoch = math.ceil(len(self.conversations) / micro_batch_size)
+        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+
+    def batch(self, g: int) -> list[int]:
+        """Conversation indices of global micro-batch ``g``."""
+        epoch, i = divmod(g, self.batches_per_epoch)
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            order = epoch_batches(self.lengths, self.micro_batch_size, seed=self.seed, epoch=epoch,
+                                  group_by_length=self.group_by_length, group_batches=self.group_batches)  # fmt: skip
+            self._epoch_cache = (epoch, order)
+        return self._epoch_cache[1][i]
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch  # one epoch; indices beyond it continue into the next epochs
+
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        encoded = [encode_messages(self.conversations[i], self.processor, **self.budget) for i in self.batch(g)]
+        return collate(encoded, self.pad_id)
+
+
+def rank_micro_batches(start_step: int, total_steps: int, rank: int, world_size: int, grad_accum: int) -> Iterator[int]:
+    """Global micro-batch indices rank ``rank`` trains on, steps ``start_step`` .. ``total_steps - 1``, in order.
+
+    >>> list(rank_micro_batches(1, 3, rank=1, world_size=2, grad_accum=2))
+    [5, 7, 9, 11]
+    """
+    per_step = world_size * grad_accum
+    for step in range(start_step, total_steps):
+        for k in range(grad_accum):
+            yield step * per_step + rank + k * world_size
