@@ -101,3 +101,29 @@ def test_exponent_without_a_dot_is_a_number_not_a_string():
     assert load_config(SFTConfig, None, ["optim.lr=2e-5"]).optim.lr == 2e-5
     with pytest.raises(ConfigError, match="optim.lr"):
         load_config(SFTConfig, None, ["optim.lr=fast"])
+
+
+def test_deepspeed_configs_fill_their_auto_values_and_every_reference_exists():
+    import json
+
+    from vagent.config import SFTConfig
+    from vagent.training.backend import load_deepspeed_config
+
+    jsons = sorted((CONFIG_DIR / "deepspeed").glob("*.json"))
+    assert {p.stem for p in jsons} >= {"zero2", "zero3"}
+    for path in jsons:
+        cfg = load_deepspeed_config(path, micro_batch_size=2, grad_accum=4, world_size=8, max_grad_norm=1.0, bf16=True)
+        assert cfg["train_batch_size"] == 64 and cfg["bf16"]["enabled"] is True
+        assert "auto" not in json.dumps(cfg)
+    for path in sorted((CONFIG_DIR / "sft").glob("*.yaml")):
+        ds = load_config(SFTConfig, path).train.deepspeed
+        assert ds is None or (CONFIG_DIR.parent / ds).is_file(), f"{path} names a missing {ds}"
+
+
+def test_deepspeed_config_that_contradicts_the_recipe_is_an_error(tmp_path):
+    from vagent.training.backend import load_deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 4}')
+    with pytest.raises(ValueError, match="contradicts"):
+        load_deepspeed_config(path, micro_batch_size=2, grad_accum=1, world_size=1, max_grad_norm=1.0, bf16=False)
