@@ -233,3 +233,49 @@ def test_a_killed_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, rows_fil
     assert not list(checkpoints.glob(".tmp-*"))
     state = json.loads((checkpoints / "step-00000006" / "trainer_state.json").read_text())
     assert state["step"] == 6
+
+
+def test_a_video_row_trains_on_the_frames_its_tool_turn_returned(tmp_path, policy):
+    """Videos reach the model as the frames a video tool returned (as in the rollout engine), so a video
+    SFT row is a multi-image conversation: the frames batch like any tool images, each after its time."""
+    from tests.videos import write_video
+    from vagent.chat import observation_content
+    from vagent.data import Row
+    from vagent.toolbox import ToolContext, call_tool
+    from vagent.types import ToolCall
+
+    video = write_video(tmp_path / "clip.mp4", frames=24, fps=8.0, size=(96, 64))
+    min_pixels, max_pixels = policy.pixel_budget
+    context = ToolContext(videos=[str(video)], min_pixels=min_pixels, max_pixels=max_pixels)
+    call = {"name": "sample_frames", "arguments": {"start": 0.5, "end": 2.5, "num_frames": 3}}
+    observation = call_tool(ToolCall(call["name"], call["arguments"]), context)
+    assert observation.error is None and len(observation.images) == 3
+    frames, content = iter(observation.images), []
+    for k, part in enumerate(observation_content(observation)):  # the tool turn as the engine renders it
+        if part["type"] == "image":
+            next(frames).save(tmp_path / f"frame{k}.png")
+            part = {"type": "image", "path": str(tmp_path / f"frame{k}.png")}
+        content.append(part)
+    row = Row.from_dict({
+        "id": "v0", "question": "When does it get bright?", "answer": [1.0, 2.0], "answer_type": "span",
+        "videos": [str(video)], "tools": ["sample_frames"],
+        "messages": [
+            {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+            {"role": "tool", "content": content},
+            {"role": "assistant", "content": "<answer>[1.0, 2.0]</answer>"},
+        ],
+    })  # fmt: skip
+    conversation = gold_conversation(row, ["crop"])
+    assert "Video 0: 3.0 s long." in conversation[1].plain_text  # the engine's prompt, with the row's tools
+    assert '"sample_frames"' in conversation[0].plain_text and '"crop"' not in conversation[0].plain_text
+    data = SFTDataset([row, row], policy.processor, default_tools=["crop"], max_length=10**5, micro_batch_size=2,
+                      seed=0, group_by_length=True, group_batches=1, min_pixels=min_pixels, max_pixels=max_pixels,
+                      factor=28)  # fmt: skip
+    batch = data[0]
+    assert batch["image_grid_thw"].shape[0] == 6  # 3 frames per conversation, in order
+    text = policy.tokenizer.decode(batch["input_ids"][0])
+    import re
+
+    assert len(re.findall(r"t=\d+\.\d\ds<\|vision_start\|>", text)) == 3  # each frame right after its time
+    trained = policy.tokenizer.decode(batch["input_ids"][0][batch["loss_mask"][0].bool()])
+    assert "sample_frames" in trained and "t=" not in trained
