@@ -86,11 +86,10 @@ def main() -> None:
     data = SFTDataset(load_rows(rows), policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
                       factor=policy.image_factor, default_tools=["crop"], max_length=10**6,
                       micro_batch_size=args.micro_batch, seed=0, group_by_length=True, group_batches=16)  # fmt: skip
-    waste = {
-        grouped: padding_waste(epoch_batches(data.lengths, args.micro_batch, seed=0, epoch=0,
-                                             group_by_length=grouped), data.lengths)  # fmt: skip
-        for grouped in (False, True)
-    }
+    waste = {}
+    for grouped in (False, True):
+        batches = epoch_batches(data.lengths, args.micro_batch, seed=0, epoch=0, group_by_length=grouped)
+        waste[grouped] = padding_waste(batches, data.lengths)
     del policy
 
     configs = {
