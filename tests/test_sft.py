@@ -216,6 +216,22 @@ def test_two_ranks_give_the_loss_curve_of_one_rank_with_twice_the_accumulation(t
     assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_zero_on_two_cpu_ranks_gives_the_same_loss_curve(tmp_path, tiny_qwen25, rows_file, uninterrupted,
+                                                                    stage):  # fmt: skip
+    """Runs where DeepSpeed is installed (the `gpu` extra; it also runs on CPU over gloo); skipped in CI."""
+    pytest.importorskip("deepspeed")
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.save_every=2",
+                      f"train.deepspeed={ROOT}/configs/deepspeed/{stage}.json")  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tools" / "train.py"), "--config", str(CONFIG), *args]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+    load_policy(tmp_path / "model", device="cpu")  # ZeRO-3 shards were gathered into a loadable HF dir
+
+
 @pytest.mark.parametrize("fault", [("step", 5), ("checkpoint", 4)], ids=["mid-training", "mid-checkpoint"])
 def test_a_killed_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, rows_file, uninterrupted, fault):
     args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.save_every=2")
