@@ -72,6 +72,9 @@ def test_bad_tool_calls_become_observations_and_the_episode_goes_on(policy):
     assert traj.metrics["tool_error/bad_json"] == 1 and traj.metrics["parse_error/bad_json"] == 1
     assert traj.messages[3].plain_text.startswith("Error:") and "outside the image" in traj.messages[3].plain_text
     assert "not valid JSON" in traj.messages[7].plain_text
+    # one record per call, in order, for the rewards: the unparseable one has no name
+    assert [(r["name"], r["error"]) for r in traj.tool_results] == [
+        ("crop", "bad_box"), ("teleport", "unknown_tool"), (None, "bad_json")]  # fmt: skip
 
 
 def test_limits_are_recorded_as_stop_reasons(policy):
@@ -105,6 +108,7 @@ def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
     traj = rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"]),
                    RolloutLimits(max_turns=3))  # fmt: skip
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
+    assert traj.tool_results[0]["name"] == "sample_frames" and traj.tool_results[0]["metadata"]["span"] == [1.0, 2.0]
     out = traj.messages[3].images[0]
     assert out.width % 32 == 0 and out.height % 32 == 0
 
@@ -211,6 +215,7 @@ def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
     frames = traj.messages[3]
     assert len(frames.images) == 2 and [p.timestamps for p in frames.content if p.type == "image"] == [[1.2], [1.7]]
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
+    assert traj.tool_results[0]["name"] == "sample_frames" and traj.tool_results[0]["metadata"]["span"] == [1.0, 2.0]
     from vagent.data.encode import encode_messages
 
     min_pixels, max_pixels = policy.pixel_budget

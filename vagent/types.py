@@ -145,6 +145,13 @@ class Trajectory:
         answer: Text inside the final ``<answer>`` tag, or None.
         stop_reason: Why the episode ended.
         metrics: Counters (turns, tool calls, tool errors by kind, ...).
+        tool_results: One entry per tool call, in order: ``{"name", "arguments", "error", "metadata"}``
+            (``name``/``arguments`` None for a call that could not be parsed; ``metadata`` is the
+            Observation's, e.g. a crop's ``box_original`` and ``image_index``, a video tool's ``span``).
+            Grounding rewards read what the policy looked at from here.
+        frames: Per prompt image, the frame the policy saw: ``{"original_size": [w, h], "model_size": [w, h],
+            "convention": "absolute" | "norm1000"}``, so a box the policy answers with can be mapped back
+            to original pixels (``geometry.model_to_original``) without reopening the image.
         reward: Filled in by the trainer or eval, never by the rollout.
     """
 
@@ -156,6 +163,8 @@ class Trajectory:
     answer: str | None = None
     stop_reason: StopReason = "failed"
     metrics: dict[str, Any] = field(default_factory=dict)
+    tool_results: list[dict[str, Any]] = field(default_factory=list)
+    frames: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
 
     def __post_init__(self) -> None:
@@ -203,6 +212,8 @@ class Trajectory:
             "answer": self.answer,
             "stop_reason": self.stop_reason,
             "metrics": self.metrics,
+            "tool_results": self.tool_results,
+            "frames": self.frames,
             "reward": self.reward,
         }
 
@@ -231,5 +242,7 @@ class Trajectory:
             answer=data.get("answer"),
             stop_reason=data.get("stop_reason", "failed"),
             metrics=dict(data.get("metrics", {})),
+            tool_results=list(data.get("tool_results", [])),
+            frames=list(data.get("frames", [])),
             reward=data.get("reward"),
         )

@@ -38,7 +38,7 @@ from vagent.media import MediaError, load_image, probe_video
 from vagent.model import Policy
 from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
-from vagent.types import ContentPart, Message, Observation, Trajectory
+from vagent.types import ContentPart, Message, Observation, ToolCall, Trajectory
 
 if TYPE_CHECKING:
     from vagent.toolbox.sandbox import Sandbox
@@ -145,6 +145,9 @@ class _Row:
     future: Future | None = None
     deadline: float = 0.0
     pending_calls: int = 0
+    pending_actions: list[ToolCall | ParseError] = field(default_factory=list)
+    tool_results: list[dict] = field(default_factory=list)  # Trajectory.tool_results
+    frames: list[dict] = field(default_factory=list)  # Trajectory.frames
     answer: str | None = None
     stop: str | None = None
 
@@ -227,6 +230,8 @@ class _Engine:
         )
         messages = prompt_messages(task, originals)
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
+        row.frames = [{"original_size": list(o.size), "model_size": list(v.size), "convention": policy.coord_convention}
+                      for o, v in zip(originals, shown, strict=True)]  # fmt: skip
         row.force(_segment(encode_prompt(policy.processor, messages, shown)))
         self.rows[key] = row
         self._next_turn(row)
@@ -284,6 +289,7 @@ class _Engine:
             row.stop = "max_tokens" if result.stop == "length" else "no_action"
         else:
             row.pending_calls = len(parsed.actions)
+            row.pending_actions = list(parsed.actions)
             row.deadline = time.monotonic() + self.tool_timeout_s
             row.future = self.pool.submit(self._call_tools, parsed, row.context, row.task.tools)
 
@@ -320,10 +326,13 @@ class _Engine:
             outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
                                    observations, out_of_images=False)  # fmt: skip
         row.context = outcome.context
-        for observation in outcome.observations:
+        for action, observation in zip(row.pending_actions, outcome.observations, strict=False):
             row.metrics["tool_calls"] += 1
             if observation.error:
                 row.metrics[f"tool_error/{observation.error}"] += 1
+            call = action if isinstance(action, ToolCall) else None
+            row.tool_results.append({"name": call and call.name, "arguments": call and call.arguments,
+                                     "error": observation.error, "metadata": observation.metadata})  # fmt: skip
         for message, segment in zip(outcome.messages, outcome.segments, strict=True):
             row.force(segment)
             self._emit(row, message)
@@ -351,6 +360,8 @@ class _Engine:
             answer=row.answer,
             stop_reason=row.stop,
             metrics=dict(row.metrics),
+            tool_results=row.tool_results,
+            frames=row.frames,
         )
         if self.progress:
             self.progress(trajectory)
