@@ -1,14 +1,56 @@
-"""Pieces every recipe builds the same way from its config."""
+"""Pieces every recipe builds the same way from its config: tool services, the tiny default checkpoint,
+and the training scaffolding SFT and GRPO share (resume decision, model preparation, optimizer and
+backend, atomic checkpoints)."""
 
 from __future__ import annotations
 
 import json
+import resource
 from pathlib import Path
 from typing import Any
 
-from vagent.config import ModelConfig, ToolboxConfig
+import torch
 
-__all__ = ["tiny_checkpoint", "tool_services"]
+from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig
+from vagent.model import Policy, apply_lora, freeze_vision
+from vagent.training import checkpoint as ckpt
+from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
+from vagent.training.distributed import DistEnv, broadcast_object
+
+__all__ = [
+    "FREE_KEYS",
+    "build_backend",
+    "check_resume",
+    "peak_memory_gb",
+    "prepare_model",
+    "resume_point",
+    "save_checkpoint",
+    "say",
+    "tiny_checkpoint",
+    "to_device",
+    "tool_services",
+]
+
+# Keys that may change between a checkpoint and its resume without changing what is trained.
+FREE_KEYS = {"out_dir", "train.resume", "train.allow_changes", "train.log_every", "train.eval_every",
+             "train.save_every", "train.keep_last", "train.tensorboard", "train.wandb_project",
+             "data.num_workers", "model.device"}  # fmt: skip
+
+
+def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:
+    """The ``search`` backend and ``code`` sandbox a rollout needs, as keyword arguments of ``rollout``/``run``."""
+    from vagent.toolbox.sandbox import Sandbox
+    from vagent.toolbox.search import BM25Backend, HTTPBackend
+
+    search = None
+    if cfg.search_corpus:
+        search = BM25Backend(cfg.search_corpus)
+    elif cfg.search_url:
+        search = HTTPBackend(cfg.search_url, cache_dir=cfg.search_cache_dir)
+    sandbox = Sandbox(
+        timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb, allow_unsandboxed=cfg.allow_unsandboxed_code
+    )
+    return {"search": search, "sandbox": sandbox}
 
 
 def tiny_checkpoint(cfg: ModelConfig, out_dir: str | Path, build: bool = True) -> Path:
@@ -29,17 +71,101 @@ def tiny_checkpoint(cfg: ModelConfig, out_dir: str | Path, build: bool = True) -
     return out
 
 
-def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:
-    """The ``search`` backend and ``code`` sandbox a rollout needs, as keyword arguments of ``rollout``/``run``."""
-    from vagent.toolbox.sandbox import Sandbox
-    from vagent.toolbox.search import BM25Backend, HTTPBackend
+def say(env: DistEnv, message: str) -> None:
+    """Print on rank 0 only."""
+    if env.is_main:
+        print(message, flush=True)
 
-    search = None
-    if cfg.search_corpus:
-        search = BM25Backend(cfg.search_corpus)
-    elif cfg.search_url:
-        search = HTTPBackend(cfg.search_url, cache_dir=cfg.search_cache_dir)
-    sandbox = Sandbox(
-        timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb, allow_unsandboxed=cfg.allow_unsandboxed_code
-    )
-    return {"search": search, "sandbox": sandbox}
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def peak_memory_gb(env: DistEnv) -> float:
+    """Peak GPU memory allocated, or on CPU the process's max RSS."""
+    if env.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(env.device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+
+
+def resume_point(resume: str, env: DistEnv, root: Path) -> Path | None:
+    """Rank 0 picks the checkpoint (``train.resume``: auto | none | a dir) and every rank follows it."""
+    choice = None
+    if env.is_main:
+        if resume == "auto":
+            choice = ckpt.find_resume(root)
+        elif resume != "none":
+            choice = Path(resume)
+            ckpt.read_state(choice)  # raises ResumeError if incomplete
+    choice = broadcast_object(str(choice) if choice else None)
+    return Path(choice) if choice else None
+
+
+def check_resume(saved: dict[str, Any], current: dict[str, Any], allow_changes: bool) -> list[str]:
+    """Keys of the config and data fingerprint that changed since the checkpoint (FREE_KEYS aside).
+
+    Raises:
+        ckpt.ResumeError: something changed and ``allow_changes`` is off.
+    """
+    changed = [k for k in ckpt.changed_keys(saved, current) if k.removeprefix("config.") not in FREE_KEYS]
+    if changed and not allow_changes:
+        raise ckpt.ResumeError(
+            "the checkpoint was trained with different settings: " + ", ".join(changed)
+            + ". Set train.allow_changes=true to resume anyway, train.resume=none to start over, "
+            "or use another out_dir."
+        )  # fmt: skip
+    return changed
+
+
+def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, env: DistEnv) -> torch.nn.Module:
+    """Freeze the vision tower, turn on gradient checkpointing, wrap with LoRA (restoring a resumed adapter)
+    as configured. ``policy.model`` becomes the trained module (the peft model with LoRA)."""
+    model = policy.model
+    if cfg.freeze_vision:
+        frozen = freeze_vision(model)
+        say(env, f"froze {frozen:,} vision tower parameters")
+    if cfg.gradient_checkpointing:
+        # non-reentrant: works with frozen inputs (LoRA, frozen vision) without enable_input_require_grads
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.enabled:
+        lora = cfg.lora
+        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+        if resume_from is not None and not cfg.deepspeed:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors")))
+        policy.model = model
+    return model
+
+
+def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module, env: DistEnv, *,
+                  total_steps: int, micro_batch_size: int, grad_accum: int, bf16: bool,
+                  find_unused: bool) -> TrainBackend:  # fmt: skip
+    """AdamW + warmup/cosine over ``model``'s trainable parameters, under DDP or DeepSpeed (``train.deepspeed``)."""
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+                                eps=optim.eps)  # fmt: skip
+    scheduler = warmup_cosine(optimizer, warmup_steps=optim.warmup_steps, total_steps=total_steps,
+                              min_ratio=optim.min_lr_ratio)  # fmt: skip
+    if train.deepspeed:
+        return DeepSpeedBackend(model, env, config_path=train.deepspeed, optimizer=optimizer, scheduler=scheduler,
+                                max_grad_norm=optim.max_grad_norm, bf16=bf16, micro_batch_size=micro_batch_size,
+                                grad_accum=grad_accum)  # fmt: skip
+    return DDPBackend(model, env, optimizer=optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm,
+                      bf16=bf16, find_unused=find_unused)  # fmt: skip
+
+
+def save_checkpoint(backend: TrainBackend, processor: Any, root: Path, step: int, state: dict[str, Any],
+                    env: DistEnv, keep_last: int) -> Path:  # fmt: skip
+    """Write checkpoint ``step`` atomically (see ``vagent.training.checkpoint``); every rank calls it."""
+    tmp = ckpt.begin_checkpoint(root, step, env)
+    state_dict = backend.full_state_dict() if isinstance(backend, DeepSpeedBackend) else None  # ZeRO-3 gather
+    if env.is_main:
+        ckpt.save_model(backend.model, processor, tmp / "model", state_dict=state_dict)
+    backend.save(tmp)
+    ckpt.save_rng(tmp, env.rank)
+    return ckpt.commit_checkpoint(root, tmp, step, {"step": step, "world_size": env.world_size, **state}, env,
+                                  keep_last)  # fmt: skip

@@ -16,11 +16,10 @@ bit for bit on CPU.
 from __future__ import annotations
 
 import math
-import resource
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -28,19 +27,24 @@ from tqdm import tqdm
 from vagent.algorithms import token_nll_sum, trained_token_count
 from vagent.config import SFTConfig, config_to_dict, load_config
 from vagent.data import load_rows
-from vagent.model import Policy, apply_lora, freeze_vision, load_policy, policy_logits
-from vagent.recipes.common import tiny_checkpoint
+from vagent.model import Policy, load_policy, policy_logits
+from vagent.recipes.common import (
+    build_backend,
+    check_resume,
+    peak_memory_gb,
+    prepare_model,
+    resume_point,
+    save_checkpoint,
+    say,
+    tiny_checkpoint,
+    to_device,
+)
 from vagent.toolbox import TOOLS
 from vagent.training import checkpoint as ckpt
-from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
+from vagent.training.backend import TrainBackend
 from vagent.training.data import SFTDataset, rank_micro_batches
-from vagent.training.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object, init_distributed, shutdown
+from vagent.training.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
 from vagent.training.metrics import MetricsLogger
-
-# Keys that may change between a checkpoint and its resume without changing what is trained.
-FREE_KEYS = {"out_dir", "train.resume", "train.allow_changes", "train.log_every", "train.eval_every",
-             "train.save_every", "train.keep_last", "train.tensorboard", "train.wandb_project",
-             "data.num_workers", "model.device"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,15 +66,10 @@ def train(cfg: SFTConfig) -> Path:
         shutdown()
 
 
-def _say(env: DistEnv, message: str) -> None:
-    if env.is_main:
-        print(message, flush=True)
-
-
 def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     t_start = time.perf_counter()
     root = out / "checkpoints"
-    resume_from = _resume_point(cfg, env, root)
+    resume_from = resume_point(cfg.train.resume, env, root)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and env.device.type == "cuda")
 
     # -- model ------------------------------------------------------------------------------------------
@@ -83,7 +82,8 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     policy = load_policy(resume_from / "model" if full_weights else model_path, device=env.device,
                          dtype="float32", attn_implementation=cfg.model.attn_implementation)  # fmt: skip
     torch.manual_seed(cfg.seed)  # LoRA init, dropout: the same on every rank
-    model = _prepare_model(cfg, policy, resume_from, env)
+    policy.model.config.use_cache = False
+    model = prepare_model(cfg.train, policy, resume_from, env)
 
     # -- data -------------------------------------------------------------------------------------------
     train_path, val_path = _data_paths(cfg, env, out, policy)
@@ -98,27 +98,17 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
         val_set = SFTDataset(load_rows(val_path, known_tools=TOOLS), policy.processor, seed=cfg.seed,
                              group_by_length=True, **common)  # fmt: skip
     for rid, why in train_set.skipped:
-        _say(env, f"skipped row {rid}: {why}")
+        say(env, f"skipped row {rid}: {why}")
     accum, world = cfg.optim.grad_accum, env.world_size
     total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * train_set.batches_per_epoch / (world * accum))
-    _say(env, f"sft: {len(train_set.lengths)} conversations ({len(train_set.skipped)} skipped), "
+    say(env, f"sft: {len(train_set.lengths)} conversations ({len(train_set.skipped)} skipped), "
               f"{train_set.batches_per_epoch} micro-batches/epoch, {world} rank(s) x {accum} accum -> "
               f"{total_steps} steps; {sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable params")  # fmt: skip
 
     # -- optimizer, schedule, backend -----------------------------------------------------------------------
-    optimizer = build_optimizer(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)  # fmt: skip
-    scheduler = warmup_cosine(optimizer, warmup_steps=cfg.optim.warmup_steps, total_steps=total_steps,
-                              min_ratio=cfg.optim.min_lr_ratio)  # fmt: skip
-    backend: TrainBackend
-    if cfg.train.deepspeed:
-        backend = DeepSpeedBackend(model, env, config_path=cfg.train.deepspeed, optimizer=optimizer,
-                                   scheduler=scheduler, max_grad_norm=cfg.optim.max_grad_norm, bf16=bf16,
-                                   micro_batch_size=cfg.data.micro_batch_size, grad_accum=accum)  # fmt: skip
-    else:
-        text_only = any(not any(p.type == "image" for m in c for p in m.content) for c in train_set.conversations)
-        backend = DDPBackend(model, env, optimizer=optimizer, scheduler=scheduler,
-                             max_grad_norm=cfg.optim.max_grad_norm, bf16=bf16, find_unused=text_only)  # fmt: skip
+    text_only = any(not any(p.type == "image" for m in c for p in m.content) for c in train_set.conversations)
+    backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=total_steps, bf16=bf16,
+                            micro_batch_size=cfg.data.micro_batch_size, grad_accum=accum, find_unused=text_only)  # fmt: skip
 
     start_step = 0
     fingerprint = {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path),
@@ -126,12 +116,12 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     if resume_from is not None:
         state = ckpt.read_state(resume_from)
         for key in check_resume({k: state.get(k) for k in fingerprint}, fingerprint, cfg.train.allow_changes):
-            _say(env, f"warning: {key} changed since {resume_from} (train.allow_changes=true)")
+            say(env, f"warning: {key} changed since {resume_from} (train.allow_changes=true)")
         backend.load(resume_from)
         if not ckpt.load_rng(resume_from, env.rank):
-            _say(env, f"note: {resume_from} has no RNG state for rank {env.rank} (world size changed)")
+            say(env, f"note: {resume_from} has no RNG state for rank {env.rank} (world size changed)")
         start_step = state["step"]
-        _say(env, f"resumed from {resume_from} at step {start_step}")
+        say(env, f"resumed from {resume_from} at step {start_step}")
     logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
                            wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
 
@@ -145,7 +135,7 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     model.train()
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
-        micro = [_to_device(next(batches), env.device) for _ in range(accum)]
+        micro = [to_device(next(batches), env.device) for _ in range(accum)]
         # counts over the whole step (all micro-batches, all ranks): the loss is the step's token mean
         counts = torch.tensor([float(trained_token_count(b["loss_mask"])) for b in micro], device=env.device)
         padded = sum(b["attention_mask"].numel() for b in micro)
@@ -170,70 +160,31 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "trained_tokens": int(totals[0]),
                 "tokens": int(totals[1]), "padding_waste": 1 - float(totals[1]) / float(totals[2]),
                 "tokens_per_s": float(totals[1]) / elapsed, "step_s": elapsed,
-                "epoch": done * world * accum / train_set.batches_per_epoch, "peak_mem_gb": _peak_memory_gb(env),
+                "epoch": done * world * accum / train_set.batches_per_epoch, "peak_mem_gb": peak_memory_gb(env),
             })  # fmt: skip
         if val_set is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total_steps:
             logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env)})
         if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
-            _save(cfg, backend, policy, root, done, fingerprint, env)
+            save_checkpoint(backend, policy.processor, root, done, fingerprint, env, cfg.train.keep_last)
     bar.close()
 
     # -- final eval and save -------------------------------------------------------------------------------
     if val_set is not None:
         eval_loss = _eval_loss(backend, val_set, env)
         logger.log(total_steps, {"eval_loss": eval_loss})
-        _say(env, f"eval loss {eval_loss:.4f}")
-    final = _save(cfg, backend, policy, root, total_steps, fingerprint, env)
+        say(env, f"eval loss {eval_loss:.4f}")
+    final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
     logger.close()
     model_dir = out / "model"
     if env.is_main:  # the final model at a stable path, replaced atomically
-        import shutil
-
         tmp = out / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(final / "model", tmp)
         shutil.rmtree(model_dir, ignore_errors=True)
         tmp.rename(model_dir)
     barrier()
-    _say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
+    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
     return model_dir
-
-
-def _resume_point(cfg: SFTConfig, env: DistEnv, root: Path) -> Path | None:
-    """Rank 0 picks the checkpoint (``train.resume``) and every rank follows it."""
-    choice = None
-    if env.is_main:
-        if cfg.train.resume == "auto":
-            choice = ckpt.find_resume(root)
-        elif cfg.train.resume != "none":
-            choice = Path(cfg.train.resume)
-            ckpt.read_state(choice)  # raises ResumeError if incomplete
-    choice = broadcast_object(str(choice) if choice else None)
-    return Path(choice) if choice else None
-
-
-def _prepare_model(cfg: SFTConfig, policy: Policy, resume_from: Path | None, env: DistEnv) -> torch.nn.Module:
-    model = policy.model
-    model.config.use_cache = False
-    if cfg.train.freeze_vision:
-        frozen = freeze_vision(model)
-        _say(env, f"froze {frozen:,} vision tower parameters")
-    if cfg.train.gradient_checkpointing:
-        # non-reentrant: works with frozen inputs (LoRA, frozen vision) without enable_input_require_grads
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.train.lora.enabled:
-        lora = cfg.train.lora
-        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
-        if resume_from is not None and not cfg.train.deepspeed:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors")))
-        policy.model = model
-    return model
 
 
 def _data_paths(cfg: SFTConfig, env: DistEnv, out: Path, policy: Policy) -> tuple[str, str | None]:
@@ -251,13 +202,9 @@ def _data_paths(cfg: SFTConfig, env: DistEnv, out: Path, policy: Policy) -> tupl
         n = cfg.data.synthetic_rows
         write_rows(zoom_rows(synthetic, max(4, n // 4), seed=cfg.seed + 1, **budget), synthetic / "val.jsonl")
         write_rows(zoom_rows(synthetic, n, seed=cfg.seed, **budget), synthetic / "train.jsonl")  # last: the marker
-        _say(env, f"wrote a synthetic zoom set to {synthetic} ({n} train rows)")
+        say(env, f"wrote a synthetic zoom set to {synthetic} ({n} train rows)")
     barrier()
     return str(synthetic / "train.jsonl"), str(synthetic / "val.jsonl")
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv) -> float:
@@ -266,47 +213,13 @@ def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv) -> floa
     sums = torch.zeros(2, device=env.device)
     with torch.no_grad():
         for g in range(env.rank, val_set.batches_per_epoch, env.world_size):
-            batch = _to_device(val_set[g], env.device)
+            batch = to_device(val_set[g], env.device)
             with backend.accumulating(last=True):
                 sums[0] += token_nll_sum(policy_logits(backend.module, batch), batch["input_ids"], batch["loss_mask"])
             sums[1] += trained_token_count(batch["loss_mask"])
     backend.module.train()
     all_reduce_sum(sums)
     return float(sums[0] / sums[1].clamp(min=1))
-
-
-def _save(cfg: SFTConfig, backend: TrainBackend, policy: Policy, root: Path, step: int,
-          fingerprint: dict[str, Any], env: DistEnv) -> Path:  # fmt: skip
-    tmp = ckpt.begin_checkpoint(root, step, env)
-    state_dict = backend.full_state_dict() if isinstance(backend, DeepSpeedBackend) else None
-    if env.is_main:
-        ckpt.save_model(backend.model, policy.processor, tmp / "model", state_dict=state_dict)
-    backend.save(tmp)
-    ckpt.save_rng(tmp, env.rank)
-    state = {"step": step, "world_size": env.world_size, **fingerprint}
-    return ckpt.commit_checkpoint(root, tmp, step, state, env, cfg.train.keep_last)
-
-
-def check_resume(saved: dict[str, Any], current: dict[str, Any], allow_changes: bool) -> list[str]:
-    """Keys of the config and data fingerprint that changed since the checkpoint (FREE_KEYS aside).
-
-    Raises:
-        ckpt.ResumeError: something changed and ``allow_changes`` is off.
-    """
-    changed = [k for k in ckpt.changed_keys(saved, current) if k.removeprefix("config.") not in FREE_KEYS]
-    if changed and not allow_changes:
-        raise ckpt.ResumeError(
-            "the checkpoint was trained with different settings: " + ", ".join(changed)
-            + ". Set train.allow_changes=true to resume anyway, train.resume=none to start over, "
-            "or use another out_dir."
-        )  # fmt: skip
-    return changed
-
-
-def _peak_memory_gb(env: DistEnv) -> float:
-    if env.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(env.device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB (process RSS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""GRPO math: group-normalized advantages, the clipped policy loss, KL, entropy. Pure tensor functions.
+
+Shapes: N trajectories = n_groups x group_size, consecutive per group (as ``rollout.run`` returns them);
+B x T token tensors where position t holds the log-prob of token t given the tokens before it, and the
+mask is 1 on tokens the policy sampled (0 on prompt, tool output, padding).
+
+Loss aggregation over a step that spans micro-batches and ranks: ``policy_loss`` returns per-token terms
+and ``aggregate`` divides their sum by a normalizer the caller computes over the whole mini-batch (all
+ranks): the number of sampled tokens (``"token"``: every token weighs the same, DAPO) or, for
+``"sequence"``, the number of sequences after a per-sequence token mean (GRPO's original form).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["aggregate", "group_advantages", "informative_groups", "kl_k3", "policy_loss", "token_entropy"]
+
+Aggregation = Literal["token", "sequence"]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+    """A_i = (r_i - mean(group)) / (std(group) + eps); without ``scale_by_std`` only the mean is removed
+    (Dr. GRPO: dividing by the std up-weights groups that are nearly solved or nearly failed).
+
+    Args:
+        rewards: (N,) with N = n_groups * group_size, groups consecutive.
+
+    Returns:
+        (N,) advantages; a group whose rewards are all equal gets 0 everywhere.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4)  # mean 0.25, std sqrt(0.1875)
+    tensor([ 1.7320, -0.5773, -0.5773, -0.5773])
+    >>> group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, scale_by_std=False)
+    tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be (n_groups * {group_size},), got {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size).float()  # (G, n)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        # population std (unbiased=False): a group of 2 with rewards {1, 0} gives advantages +-1
+        centered = centered / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centered.view(-1)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """(n_groups,) bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these:
+    a group with one reward value has zero advantage and only dilutes the batch).
+
+    >>> informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2)
+    tensor([False,  True])
+    """
+    grouped = rewards.view(-1, group_size)
+    return (grouped.max(dim=1).values - grouped.min(dim=1).values) > eps
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                *, clip_low: float = 0.2, clip_high: float = 0.28) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """PPO-clip per token with asymmetric clipping (DAPO's clip-higher): the ratio is kept in
+    ``[1 - clip_low, 1 + clip_high]`` where clipping lowers the objective.
+
+    Args:
+        logprobs: (B, T) log-probs of the current policy (with gradient).
+        old_logprobs: (B, T) log-probs of the policy that sampled (no gradient).
+        advantages: (B,) one per sequence, broadcast over its tokens.
+        mask: (B, T) 1 = sampled token (trained), 0 = prompt, tool output, padding.
+
+    Returns:
+        per_token: (B, T) -min(r A, clip(r) A) on sampled tokens, exactly 0 elsewhere (so masked tokens get
+            no gradient), to be reduced with ``aggregate``;
+        stats: ``clip_frac`` (share of sampled tokens where the clipped term was chosen), ``ratio_max_dev``
+            (max |ratio - 1|: ~0 on the first update of a batch), ``approx_kl`` (k3 of old vs new), as
+            sums/maxima over sampled tokens (``clip_frac``/``approx_kl`` as sums: divide by token count).
+
+    >>> lp = torch.zeros(1, 3); adv = torch.tensor([2.0]); m = torch.tensor([[0, 1, 1]])
+    >>> loss, stats = policy_loss(lp, lp, adv, m)
+    >>> loss.abs().tolist(), float(stats["ratio_max_dev"])  # ratio 1: the loss is -A on sampled tokens
+    ([[0.0, 2.0, 2.0]], 0.0)
+    """
+    mask = mask.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs) * mask  # 0 on masked tokens: ratio 1, no NaN from padding
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped) * mask
+    with torch.no_grad():
+        stats = {
+            "clip_frac": ((clipped < unclipped).to(mask.dtype) * mask).sum(),
+            "ratio_max_dev": ((ratio - 1).abs() * mask).max() if mask.any() else torch.zeros(()),
+            "approx_kl": ((torch.exp(-log_ratio) + log_ratio - 1) * mask).sum(),
+        }
+    return per_token, stats
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference): exp(ref - lp) - (ref - lp) - 1 >= 0, 0 where masked.
+
+    >>> kl_k3(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)).tolist()
+    [[0.0, 0.0]]
+    """
+    diff = (ref_logprobs - logprobs) * mask.to(logprobs.dtype)
+    return (torch.exp(diff) - diff - 1) * mask.to(logprobs.dtype)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normalizer: float) -> torch.Tensor:
+    """Reduce (B, T) per-token terms to this micro-batch's share of the mini-batch loss.
+
+    ``"token"``: sum over sampled tokens / ``normalizer`` (the mini-batch's sampled tokens, all ranks).
+    ``"sequence"``: sum over sequences of each sequence's token mean / ``normalizer`` (its sequences).
+
+    >>> t = torch.tensor([[1.0, 1.0, 0.0], [3.0, 0.0, 0.0]]); m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    >>> round(float(aggregate(t, m, "token", 3)), 4), float(aggregate(t, m, "sequence", 2))
+    (1.6667, 2.0)
+    """
+    if mode == "token":
+        return per_token.sum() / normalizer
+    if mode == "sequence":
+        counts = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # (B,)
+        return (per_token.sum(dim=1) / counts).sum() / normalizer
+    raise ValueError(f"aggregation must be 'token' or 'sequence', got {mode!r}")
+
+
+def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """(B, T, V) logits -> (B, T) entropy of the next-token distribution at each position, in fp32 chunks."""
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[1], chunk_size):
+        lp = torch.log_softmax(logits[:, start : start + chunk_size].float(), dim=-1)
+        out[:, start : start + chunk_size] = -(lp.exp() * lp).sum(-1)
+    return out
