@@ -57,6 +57,12 @@ def _sft(args: argparse.Namespace) -> int:
     return sft.main((["--config", args.config] if args.config else []) + args.overrides)
 
 
+def _grpo(args: argparse.Namespace) -> int:
+    from vagent.recipes import grpo
+
+    return grpo.main((["--config", args.config] if args.config else []) + args.overrides)
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     from vagent.recipes import quickstart
 
@@ -327,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with SFTConfig fields (configs/sft/).")
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_sft)
+
+    p = sub.add_parser("grpo", help="GRPO with verifiable rewards (one process, or under torchrun).")
+    p.add_argument("--config", help="YAML with GRPOConfig fields (configs/grpo/).")
+    p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
+    p.set_defaults(func=_grpo)
 
     p = sub.add_parser("rollout", help="Run the policy on canonical rows with tools; write trajectories (JSONL, HTML).")
     p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).")

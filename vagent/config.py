@@ -27,10 +27,14 @@ import yaml
 __all__ = [
     "CONFIGS",
     "ConfigError",
+    "GRPOAlgoConfig",
+    "GRPOConfig",
+    "GRPODataConfig",
     "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "QuickstartConfig",
+    "RewardConfig",
     "RolloutConfig",
     "SFTConfig",
     "SFTDataConfig",
@@ -391,8 +395,85 @@ class SFTConfig:
     train: TrainConfig = option(TrainConfig(), "Loop length, precision, distribution, checkpoints, logging.")
 
 
+@dataclass
+class GRPODataConfig:
+    train: str | None = option(
+        None, "Canonical rows (JSONL) to roll out. None: a synthetic zoom set is written under out_dir/data."
+    )
+    tools: list[str] = option(["crop"], "Tools offered to rows without their own `tools` list.")
+    synthetic_rows: int = option(64, "Rows of the synthetic set written when train is None.")
+
+    def validate(self) -> None:
+        if self.synthetic_rows <= 0:
+            raise ValueError(f"data.synthetic_rows must be positive, got {self.synthetic_rows}")
+
+
+@dataclass
+class GRPOAlgoConfig:
+    group_size: int = option(4, "Samples per prompt (a GRPO group).")
+    prompts_per_step: int = option(4, "Prompts each rank rolls out per step (groups kept after dynamic sampling).")
+    rollout_batch_size: int = option(16, "Episodes the rollout engine keeps in flight at once.")
+    inner_updates: int = option(1, "Passes over each rollout batch (PPO epochs); > 1 makes the ratio move off 1.")
+    mini_batches: int = option(1, "Optimizer steps per pass: the batch is split into this many mini-batches.")
+    micro_batch_size: int = option(4, "Trajectories per forward pass.")
+    scale_by_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO, mean-centering only).")
+    clip_low: float = option(0.2, "PPO clip below: ratio >= 1 - clip_low.")
+    clip_high: float = option(0.28, "PPO clip above (DAPO clip-higher): ratio <= 1 + clip_high.")
+    aggregation: Literal["token", "sequence"] = option(
+        "token", "token: mean over all sampled tokens of the mini-batch (DAPO); sequence: mean of sequence means."
+    )
+    kl_coef: float = option(0.0, "Weight of the k3 KL to the frozen initial policy; 0 = no reference model.")
+    dynamic_sampling: bool = option(True, "Drop groups whose rewards are all equal and roll out more prompts (DAPO).")
+    max_refill_rounds: int = option(2, "Extra rollout rounds dynamic sampling may run per step to refill.")
+
+    def validate(self) -> None:
+        for name in ("group_size", "prompts_per_step", "rollout_batch_size", "inner_updates", "mini_batches",
+                     "micro_batch_size"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"grpo.{name} must be positive, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError("grpo.group_size must be >= 2 (advantages compare samples of one prompt)")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.kl_coef >= 0 and self.max_refill_rounds >= 0):
+            raise ValueError("need 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, max_refill_rounds >= 0")
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = option(
+        {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2, "overlong": 0.5},
+        "Reward name (vagent.rewards.REWARDS) -> weight in the total; each component is logged on its own.",
+    )
+    options: dict[str, dict[str, Any]] = option(
+        {"overlong": {"max_tokens": 192, "buffer": 48}}, "Reward name -> keyword arguments of that reward."
+    )
+
+
+@dataclass
+class GRPOConfig:
+    out_dir: str = option("runs/grpo", "Checkpoints, metrics.jsonl, tensorboard/, rollouts/ and model/ go here.")
+    seed: int = option(0, "Seed of the prompt order, sampling and LoRA init.")
+    model: ModelConfig = option(ModelConfig(), "Policy to train (usually the SFT model dir).")
+    data: GRPODataConfig = option(GRPODataConfig(), "Prompts.")
+    rollout: RolloutConfig = option(RolloutConfig(), "Episode limits and sampling.")
+    grpo: GRPOAlgoConfig = option(GRPOAlgoConfig(), "Group size, batch shapes, clipping, KL, dynamic sampling.")
+    rewards: RewardConfig = option(RewardConfig(), "Reward weights and options.")
+    optim: OptimConfig = option(OptimConfig(), "Optimizer and schedule (grad_accum is unused: see grpo.mini_batches).")
+    train: TrainConfig = option(
+        TrainConfig(), "Loop length (steps = rollout batches), precision, checkpoints, logging."
+    )
+    toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
+
+    def validate(self) -> None:
+        if self.train.deepspeed:
+            raise ValueError(
+                "GRPO trains with DDP (train.deepspeed must be null): rollouts need whole weights on every rank, "
+                "and dynamic sampling makes the number of micro-batches per step vary"
+            )
+
+
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.
 CONFIGS: dict[str, type] = {
+    "grpo": GRPOConfig,
     "quickstart": QuickstartConfig,
     "sft": SFTConfig,
     "tiny": TinyModelConfig,

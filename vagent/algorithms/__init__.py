@@ -6,7 +6,7 @@ from vagent.algorithms.grpo import (
     informative_groups,
     kl_k3,
     policy_loss,
-    token_entropy,
+    sampled_logprobs,
 )
 from vagent.algorithms.sft import token_nll_sum, trained_token_count
 
@@ -16,7 +16,7 @@ __all__ = [
     "informative_groups",
     "kl_k3",
     "policy_loss",
-    "token_entropy",
+    "sampled_logprobs",
     "token_nll_sum",
     "trained_token_count",
 ]

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["aggregate", "group_advantages", "informative_groups", "kl_k3", "policy_loss", "token_entropy"]
+__all__ = ["aggregate", "group_advantages", "informative_groups", "kl_k3", "policy_loss", "sampled_logprobs"]
 
 Aggregation = Literal["token", "sequence"]
 
@@ -125,10 +125,34 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, no
     raise ValueError(f"aggregation must be 'token' or 'sequence', got {mode!r}")
 
 
-def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """(B, T, V) logits -> (B, T) entropy of the next-token distribution at each position, in fp32 chunks."""
-    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[1], chunk_size):
-        lp = torch.log_softmax(logits[:, start : start + chunk_size].float(), dim=-1)
-        out[:, start : start + chunk_size] = -(lp.exp() * lp).sum(-1)
-    return out
+def sampled_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (with gradient) of the sampled tokens, and the entropy of the distributions they came from.
+
+    Only the sampled positions' logits are upcast to fp32 and normalized, so memory is (sampled tokens, V),
+    not (B, T, V).
+
+    Args:
+        logits: (B, T, V); position t predicts token t + 1.
+        input_ids: (B, T).
+        mask: (B, T) 1 = sampled token.
+
+    Returns:
+        logprobs: (B, T) float32; log p(x_t | x_<t) at sampled tokens, 0 elsewhere (position 0 is never sampled).
+        entropy_sum: () float32, no gradient: the summed entropy of the next-token distributions at the
+            sampled positions (divide by the number of sampled tokens for the mean).
+
+    >>> lp, ent = sampled_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]]), torch.tensor([[0, 1, 1]]))
+    >>> [round(v, 4) for v in lp[0].tolist()], round(float(ent), 4)  # uniform over 4: log(1/4), entropy log 4
+    ([0.0, -1.3863, -1.3863], 2.7726)
+    """
+    selected = mask[:, 1:].bool()  # (B, T-1) 1 = the token at t+1 was sampled
+    x = logits[:, :-1][selected].float()  # (N, V)
+    log_norm = torch.logsumexp(x, dim=-1)  # (N,)
+    picked = x.gather(-1, input_ids[:, 1:][selected].unsqueeze(-1)).squeeze(-1) - log_norm
+    shifted = torch.zeros(selected.shape, dtype=torch.float32, device=logits.device).masked_scatter(selected, picked)
+    with torch.no_grad():
+        lp_all = x - log_norm.unsqueeze(-1)
+        entropy_sum = -(lp_all.exp() * lp_all).sum()
+    return torch.nn.functional.pad(shifted, (1, 0)), entropy_sum

@@ -148,6 +148,7 @@ class _Row:
     pending_actions: list[ToolCall | ParseError] = field(default_factory=list)
     tool_results: list[dict] = field(default_factory=list)  # Trajectory.tool_results
     frames: list[dict] = field(default_factory=list)  # Trajectory.frames
+    tool_started: float = 0.0
     answer: str | None = None
     stop: str | None = None
 
@@ -290,6 +291,7 @@ class _Engine:
         else:
             row.pending_calls = len(parsed.actions)
             row.pending_actions = list(parsed.actions)
+            row.tool_started = time.monotonic()
             row.deadline = time.monotonic() + self.tool_timeout_s
             row.future = self.pool.submit(self._call_tools, parsed, row.context, row.task.tools)
 
@@ -326,6 +328,7 @@ class _Engine:
             outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
                                    observations, out_of_images=False)  # fmt: skip
         row.context = outcome.context
+        row.metrics["tool_wait_s"] += time.monotonic() - row.tool_started  # in the calling-tools state
         for action, observation in zip(row.pending_actions, outcome.observations, strict=False):
             row.metrics["tool_calls"] += 1
             if observation.error:

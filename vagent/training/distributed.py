@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "all_reduce_sum", "barrier", "broadcast_object", "init_distributed", "shutdown"]
+__all__ = ["DistEnv", "all_reduce_min", "all_reduce_sum", "barrier", "broadcast_object", "init_distributed", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over ranks, in place; returns it."""
     if _active():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """Minimum of ``tensor`` over ranks, in place; returns it."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return tensor
 
 

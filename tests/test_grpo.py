@@ -1,0 +1,159 @@
+"""GRPO: the math against hand-worked examples, masking, and the recipe end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
+from vagent.config import ConfigError, GRPOConfig, load_config
+from vagent.data.batching import collate
+from vagent.data.encode import encode_messages
+from vagent.model import load_policy, policy_logits
+from vagent.recipes import grpo
+from vagent.training.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "grpo" / "qwen2_5_vl_tiny_cpu.yaml"
+
+
+def test_group_advantages_by_hand():
+    # group 1: rewards (1, 0): mean 0.5, population std 0.5 -> (+1, -1); group 2 all equal -> 0
+    adv = group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2)
+    assert adv.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+    # Dr. GRPO: no std scaling: (3, 1, 2) -> mean 2 -> (1, -1, 0)
+    assert group_advantages(torch.tensor([3.0, 1.0, 2.0]), 3, scale_by_std=False).tolist() == [1.0, -1.0, 0.0]
+    assert informative_groups(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2).tolist() == [True, False]
+    with pytest.raises(ValueError):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), 2)
+
+
+def test_clipped_loss_by_hand_with_clip_higher():
+    # one sequence, tokens 1..3 sampled; ratios e^0.5=1.65, e^-0.5=0.61, 1.0 against old log-probs 0
+    lp = torch.tensor([[0.0, 0.5, -0.5, 0.0]], requires_grad=True)
+    old = torch.zeros(1, 4)
+    mask = torch.tensor([[0, 1, 1, 1]])
+    # A = +1: token 1 ratio 1.65 > 1 + 0.28 -> clipped to 1.28 (no gradient); token 2: 0.61 < 0.8 but for A > 0
+    # min(r A, clip(r) A) = r A (unclipped, keeps its gradient); token 3: 1
+    per_token, stats = policy_loss(lp, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert per_token[0].tolist() == pytest.approx([0.0, -1.28, -math.exp(-0.5), -1.0])
+    assert float(stats["clip_frac"]) == 1.0  # one token clipped
+    assert float(stats["ratio_max_dev"]) == pytest.approx(math.exp(0.5) - 1)
+    aggregate(per_token, mask, "token", 3).backward()
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.0, -math.exp(-0.5) / 3, -1 / 3])
+    # A = -1: the symmetric case clips token 2 at 1 - 0.2 (ratio 0.61 -> 0.8 wins the min of -r A)
+    per_token, _ = policy_loss(lp.detach(), old, torch.tensor([-1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert per_token[0].tolist() == pytest.approx([0.0, math.exp(0.5), 0.8, 1.0])
+
+
+def test_aggregation_and_k3():
+    per_token = torch.tensor([[0.0, 2.0, 4.0], [0.0, 6.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    assert float(aggregate(per_token, mask, "token", 3)) == pytest.approx(4.0)  # (2 + 4 + 6) / 3
+    assert float(aggregate(per_token, mask, "sequence", 2)) == pytest.approx(4.5)  # (3 + 6) / 2
+    # k3 at ref - lp = log 2: 2 - log 2 - 1
+    kl = kl_k3(torch.zeros(1, 2), torch.full((1, 2), math.log(2)), torch.tensor([[0, 1]]))
+    assert kl[0].tolist() == pytest.approx([0.0, 1 - math.log(2)])
+
+
+def test_observation_and_prompt_tokens_get_zero_gradient_in_the_policy_loss(policy):
+    from PIL import Image
+
+    from vagent.rollout import RolloutLimits, Task, rollout
+
+    image = Image.new("RGB", (448, 336), (30, 120, 200))
+    call = '<tool_call>{"name": "crop", "arguments": {"bbox": [10, 10, 120, 120]}}</tool_call>'
+    torch.manual_seed(0)
+    t = rollout(policy, Task(id="t", question="What?", images=[image], scripted_turns=[call, None]),
+                RolloutLimits(max_turns=2, max_new_tokens=12, temperature=1.0))  # fmt: skip
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    assert enc.input_ids.tolist() == t.token_ids and enc.loss_mask.tolist() == t.loss_mask
+    batch = collate([enc], policy.tokenizer.pad_token_id)
+    mask = batch["loss_mask"]
+    assert (
+        int(mask.sum()) > 0 and int((batch["input_ids"][mask.bool()] == policy.model.config.image_token_id).sum()) == 0
+    )
+    logits = policy_logits(policy.model, batch)
+    logits.retain_grad()
+    lp, _ = sampled_logprobs(logits, batch["input_ids"], mask)
+    per_token, _ = policy_loss(lp, lp.detach() - 0.1, torch.tensor([1.0]), mask)  # ratio e^0.1: inside the clip
+    aggregate(per_token, mask, "token", float(mask.sum())).backward()
+    grad = logits.grad[0, :-1].abs().sum(-1)  # position t scores token t + 1
+    trained = mask[0, 1:].bool()
+    assert torch.all(grad[~trained] == 0) and torch.all(grad[trained] > 0)
+    policy.model.zero_grad()
+
+
+def test_unknown_reward_names_and_deepspeed_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="containment"):
+        grpo.train(load_config(GRPOConfig, CONFIG, [f"out_dir={tmp_path}", "rewards.weights={containment: 1.0}"]))
+    with pytest.raises(ConfigError, match="DDP"):
+        load_config(GRPOConfig, CONFIG, ["train.deepspeed=configs/deepspeed/zero2.json"])
+
+
+def _overrides(out_dir, model):
+    return [f"out_dir={out_dir}", f"model.path={model}", "train.max_steps=4", "train.save_every=2",
+            "train.tensorboard=false", "data.synthetic_rows=16"]  # fmt: skip
+
+
+def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, tiny_qwen25):
+    before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
+    model_dir = grpo.train(
+        load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path, tiny_qwen25), "grpo.inner_updates=2"])
+    )
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    updated = [r for r in records if "ratio_check" in r]
+    assert updated, "no step had an informative group"
+    for r in updated:
+        assert r["ratio_check"] < 1e-5  # the first update's ratio is 1 (old log-probs from the same weights)
+        assert r["sampler_logprob_gap"] < 1e-3  # the engine's log-probs agree with the training forward
+    for key in ("reward", "accuracy", "reward/crop_iou", "reward/format", "tool_calls_per_traj", "tool_failure_rate",
+                "response_len", "kept_groups", "time/gen", "time/tools", "time/reward", "time/logprob", "time/update"):  # fmt: skip
+        assert key in records[0], key
+    for key in ("entropy", "clip_frac", "approx_kl", "grad_norm"):
+        assert key in updated[0], key
+    after = load_policy(model_dir, device="cpu").model.state_dict()
+    assert sum(not torch.equal(before[k], after[k]) for k in before) > 0.5 * len(before)
+    assert list((tmp_path / "rollouts").glob("*.html")), "the rollouts of a checkpointed step are written to look at"
+
+
+KILL_AT_STEP = """
+import os, signal, sys
+from vagent.training import metrics
+log = metrics.MetricsLogger.log
+def killing_log(self, step, values):
+    log(self, step, values)
+    if step == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
+metrics.MetricsLogger.log = killing_log
+from vagent.recipes import grpo
+grpo.main(sys.argv[2:])
+"""
+
+
+def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def run(out, kill_at=0):
+        cmd = [sys.executable, "-c", KILL_AT_STEP, str(kill_at), "--config", str(CONFIG), *_overrides(out, tiny_qwen25)]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+    full = run(tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = run(tmp_path / "killed", kill_at=3)
+    assert killed.returncode == -9
+    resumed = run(tmp_path / "killed")
+    assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr[-2000:]
+
+    def curve(out):
+        return [(r["step"], r["reward"], r["response_len"]) for r in read_metrics(out / "metrics.jsonl")]
+
+    assert curve(tmp_path / "killed") == curve(tmp_path / "full")

@@ -1,0 +1,379 @@
+"""GRPO with verifiable multimodal rewards: turn a cold-started policy into one that uses tools well.
+
+    torchrun --nproc_per_node N tools/train.py --config configs/grpo/<name>.yaml [key=value ...]
+    vagent grpo --config configs/grpo/<name>.yaml [key=value ...]
+
+Each step reads top to bottom in timed stages (verl's driver loop):
+
+    gen      the rollout engine runs ``prompts_per_step`` prompts x ``group_size`` samples on each rank
+             (tools run inside it, concurrently with generation; ``tools`` reports the time rows spent
+             waiting on them)
+    reward   the configured rewards (``vagent.rewards``), each component kept for the log
+    (dynamic sampling: groups whose rewards are all equal carry no signal; they are dropped and more
+             prompts rolled out, up to ``max_refill_rounds``; all ranks keep the same number of groups)
+    logprob  the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked), and a
+             forward pass scores them with the current weights: the "old" log-probs (the sampler's own
+             log-probs differ by batching/cache numerics, so the ratio is taken against these; the
+             first update's ratio is then exactly 1, which is checked and logged as ``ratio_check``)
+    update   ``inner_updates`` passes of ``mini_batches`` optimizer steps each: PPO-clip with
+             clip-higher, token- or sequence-level aggregation over the whole mini-batch on all ranks,
+             optional k3 KL to the frozen initial policy
+
+Checkpoints and ``resume=auto`` work as in SFT (the data position is the number of prompts consumed).
+Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
+from vagent.config import ConfigError, GRPOConfig, config_to_dict, load_config
+from vagent.data import Row, encode_messages, load_rows, write_rows
+from vagent.data.batching import collate
+from vagent.model import Policy, load_policy, policy_logits
+from vagent.recipes.common import (
+    build_backend,
+    check_resume,
+    peak_memory_gb,
+    prepare_model,
+    resume_point,
+    save_checkpoint,
+    say,
+    tiny_checkpoint,
+    to_device,
+    tool_services,
+)
+from vagent.rewards import REWARDS, combine
+from vagent.rollout import RolloutLimits, Task, run
+from vagent.rollout.export import write_html, write_jsonl
+from vagent.toolbox import TOOLS
+from vagent.training import checkpoint as ckpt
+from vagent.training.distributed import DistEnv, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
+from vagent.training.metrics import MetricsLogger
+from vagent.types import Trajectory
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path = None
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        config_path, argv = argv[1], argv[2:]
+    train(load_config(GRPOConfig, config_path, argv))
+    return 0
+
+
+def train(cfg: GRPOConfig) -> Path:
+    """Run GRPO; returns the final HF model dir (``out_dir/model``)."""
+    unknown = sorted(set(cfg.rewards.weights) - set(REWARDS))
+    if unknown:
+        raise ConfigError(f"rewards.weights names unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+    env = init_distributed(cfg.model.device)
+    try:
+        return _train(cfg, env, Path(cfg.out_dir))
+    finally:
+        shutdown()
+
+
+def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
+    t_start = time.perf_counter()
+    root = out / "checkpoints"
+    resume_from = resume_point(cfg.train.resume, env, root)
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and env.device.type == "cuda")
+    algo = cfg.grpo
+
+    # -- model (and the frozen reference for the KL term) ------------------------------------------------
+    if env.is_main:
+        tiny_checkpoint(cfg.model, out)
+    barrier()
+    model_path = tiny_checkpoint(cfg.model, out, build=False)
+    full_weights = resume_from is not None and not cfg.train.lora.enabled
+    policy = load_policy(resume_from / "model" if full_weights else model_path, device=env.device,
+                         dtype="float32", attn_implementation=cfg.model.attn_implementation)  # fmt: skip
+    torch.manual_seed(cfg.seed)
+    model = prepare_model(cfg.train, policy, resume_from, env)
+    reference = None
+    if algo.kl_coef > 0 and not cfg.train.lora.enabled:  # with LoRA the reference is the model, adapters off
+        reference = load_policy(model_path, device=env.device, dtype="float32").model.requires_grad_(False)
+
+    # -- prompts ------------------------------------------------------------------------------------------
+    train_path = _prompts(cfg, env, out, policy)
+    rows = load_rows(train_path, known_tools=TOOLS)
+    per_round = algo.prompts_per_step * env.world_size
+    total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * len(rows) / per_round)
+    optimizer_steps = total_steps * algo.inner_updates * algo.mini_batches
+    backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
+                            micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
+    services = tool_services(cfg.toolbox)
+    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "tools"})
+    say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
+             f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)")  # fmt: skip
+
+    start_step, consumed = 0, 0
+    fingerprint = {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path)}
+    if resume_from is not None:
+        state = ckpt.read_state(resume_from)
+        for key in check_resume({k: state.get(k) for k in fingerprint}, fingerprint, cfg.train.allow_changes):
+            say(env, f"warning: {key} changed since {resume_from} (train.allow_changes=true)")
+        backend.load(resume_from)
+        ckpt.load_rng(resume_from, env.rank)
+        start_step, consumed = state["step"], state["prompts_consumed"]
+        say(env, f"resumed from {resume_from} at step {start_step}")
+    logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
+                           wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
+
+    # -- loop -----------------------------------------------------------------------------------------------
+    bar = tqdm(total=total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
+    last: list[Trajectory] = []
+    for step in range(start_step, total_steps):
+        timer: dict[str, float] = defaultdict(float)
+        t_step = time.perf_counter()
+
+        # gen + reward, with dynamic sampling refills
+        kept: list[tuple[list[Trajectory], Row, list[float]]] = []  # per group: samples, row, rewards
+        seen: list[Trajectory] = []
+        components: dict[str, list[float]] = defaultdict(list)
+        rounds = 0
+        while True:
+            batch_rows = _rows_for(rows, consumed, env, algo.prompts_per_step, cfg.seed)
+            consumed += per_round
+            tasks = [Task.from_row(row, cfg.data.tools) for row in batch_rows]
+            model.eval()
+            t0 = time.perf_counter()
+            with torch.no_grad(), _autocast(env, bf16):
+                trajectories = run(policy, tasks, algo.group_size, limits, batch_size=algo.rollout_batch_size,
+                                   **services)  # fmt: skip
+            timer["gen"] += time.perf_counter() - t0
+            timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
+            t0 = time.perf_counter()
+            per_sample_rows = [row for row in batch_rows for _ in range(algo.group_size)]
+            totals, parts = combine(trajectories, per_sample_rows, cfg.rewards.weights, cfg.rewards.options)
+            timer["reward"] += time.perf_counter() - t0
+            for t, total in zip(trajectories, totals, strict=True):
+                t.reward = total
+            seen += trajectories
+            for name, values in parts.items():
+                components[f"reward/{name}"] += values
+            components["accuracy"] += REWARDS["accuracy"](trajectories, per_sample_rows)  # logged even if unweighted
+            rewards = torch.tensor(totals)
+            keep = informative_groups(rewards, algo.group_size) if algo.dynamic_sampling else None
+            for g, row in enumerate(batch_rows):
+                if keep is None or keep[g]:
+                    group = trajectories[g * algo.group_size : (g + 1) * algo.group_size]
+                    kept.append((group, row, totals[g * algo.group_size : (g + 1) * algo.group_size]))
+            rounds += 1
+            enough = all_reduce_min(torch.tensor([len(kept)], device=env.device)).item()
+            if not algo.dynamic_sampling or enough >= algo.prompts_per_step or rounds > algo.max_refill_rounds:
+                break
+        n_groups = min(int(enough), algo.prompts_per_step)  # the same on every rank (DDP steps in lockstep)
+        kept = kept[:n_groups]
+        last = seen
+
+        update_stats: dict[str, float] = {}
+        if n_groups:
+            update_stats = _update(cfg, policy, backend, reference, kept, env, bf16, timer, step)
+        timer["step"] = time.perf_counter() - t_step
+        done = step + 1
+        bar.update(1)
+        record = _metrics(seen, components, kept, n_groups, rounds, update_stats, timer, env)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
+        if done % cfg.train.log_every == 0 or done == total_steps:
+            logger.log(done, {**record, "lr": backend.lr(), "peak_mem_gb": peak_memory_gb(env)})
+        if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
+            _save(cfg, backend, policy, root, done, consumed, fingerprint, env, last, out)
+    bar.close()
+
+    final = _save(cfg, backend, policy, root, total_steps, consumed, fingerprint, env, last, out)
+    logger.close()
+    model_dir = out / "model"
+    if env.is_main:  # the final model at a stable path, replaced atomically
+        tmp = out / ".tmp-model"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(final / "model", tmp)
+        shutil.rmtree(model_dir, ignore_errors=True)
+        tmp.rename(model_dir)
+    barrier()
+    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
+    return model_dir
+
+
+def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed: int) -> list[Row]:
+    """This rank's prompts of the round starting at global position ``consumed`` in an endless stream of
+    epochs, each a fresh (seed, epoch) permutation."""
+    out = []
+    for k in range(per_rank):
+        position = consumed + env.rank * per_rank + k
+        epoch, i = divmod(position, len(rows))
+        out.append(rows[int(np.random.default_rng([seed, epoch]).permutation(len(rows))[i])])
+    return out
+
+
+def _autocast(env: DistEnv, bf16: bool):
+    import contextlib
+
+    return torch.autocast(env.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: DistEnv, bf16: bool,
+            timer: dict[str, float], step: int) -> dict[str, float]:  # fmt: skip
+    """logprob + update stages on the kept groups. Returns summed statistics for the log."""
+    algo = cfg.grpo
+    t0 = time.perf_counter()
+    trajectories = [t for group, _, _ in kept for t in group]
+    rewards = torch.tensor([r for _, _, group_rewards in kept for r in group_rewards])
+    advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std)  # (N,)
+    min_pixels, max_pixels = policy.pixel_budget
+    encoded = []
+    for t in trajectories:
+        enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                              factor=policy.image_factor)  # fmt: skip
+        if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
+            raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
+        encoded.append(enc)
+    pad_id = policy.tokenizer.pad_token_id or 0
+    module = backend.module
+    policy.model.train()
+
+    def batches(order: list[int]):
+        for start in range(0, len(order), algo.micro_batch_size):
+            idx = order[start : start + algo.micro_batch_size]
+            yield idx, to_device(collate([encoded[i] for i in idx], pad_id), env.device)
+
+    # old (and reference) log-probs with the weights that sampled, in the mode the update runs in
+    old: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
+    ref: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
+    sampler_gap, sampled_total = 0.0, 0
+    with torch.no_grad(), _autocast(env, bf16):
+        for idx, batch in batches(list(range(len(encoded)))):
+            lp, _ = sampled_logprobs(policy_logits(module, batch), batch["input_ids"], batch["loss_mask"])
+            ref_lp = None
+            if reference is not None:
+                ref_lp, _ = sampled_logprobs(policy_logits(reference, batch), batch["input_ids"], batch["loss_mask"])
+            elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
+                with policy.model.disable_adapter():
+                    ref_lp, _ = sampled_logprobs(policy_logits(policy.model, batch), batch["input_ids"],
+                                                 batch["loss_mask"])  # fmt: skip
+            for row, i in enumerate(idx):
+                n = len(encoded[i].input_ids)
+                old[i] = lp[row, :n].detach()
+                ref[i] = ref_lp[row, :n] if ref_lp is not None else old[i]
+                mask = encoded[i].loss_mask.bool()
+                sampler = torch.tensor(trajectories[i].logprobs, device=env.device)
+                sampler_gap += float((old[i] - sampler)[mask.to(env.device)].abs().sum())
+                sampled_total += int(mask.sum())
+    timer["logprob"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    stats: Counter[str] = Counter()
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    n = len(encoded)
+    for inner in range(algo.inner_updates):
+        order = torch.randperm(n, generator=generator).tolist() if algo.inner_updates > 1 else list(range(n))
+        size = math.ceil(n / algo.mini_batches)
+        for m, start in enumerate(range(0, n, size)):
+            members = order[start : start + size]
+            local = (
+                sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
+            )
+            normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
+            micro = list(batches(members))
+            for k, (idx, batch) in enumerate(micro):
+                mask = batch["loss_mask"]
+                width = mask.shape[1]
+                old_lp = torch.stack([torch.nn.functional.pad(old[i], (0, width - len(old[i]))) for i in idx])
+                adv = advantages[idx].to(env.device)
+                with backend.accumulating(last=k == len(micro) - 1):
+                    logits = policy_logits(module, batch)
+                    lp, entropy = sampled_logprobs(logits, batch["input_ids"], mask)
+                    per_token, st = policy_loss(lp, old_lp, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
+                    if algo.kl_coef > 0:
+                        ref_lp = torch.stack([torch.nn.functional.pad(ref[i], (0, width - len(ref[i]))) for i in idx])
+                        kl = kl_k3(lp, ref_lp, mask)
+                        per_token = per_token + algo.kl_coef * kl
+                        stats["kl"] += float(kl.sum())
+                    backend.backward(aggregate(per_token, mask, algo.aggregation, normalizer))
+                stats["entropy"] += float(entropy)
+                stats["clip_frac"] += float(st["clip_frac"])
+                stats["approx_kl"] += float(st["approx_kl"])
+                stats["tokens"] += float(mask[:, 1:].sum())
+                if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1
+                    stats["ratio_check"] = max(stats["ratio_check"], float(st["ratio_max_dev"]))
+            stats["grad_norm"] += backend.step()
+            stats["optimizer_steps"] += 1
+    timer["update"] = time.perf_counter() - t0
+    stats["sampler_logprob_gap"] = sampler_gap / max(1, sampled_total)
+    return dict(stats)
+
+
+def _metrics(seen: list[Trajectory], components: dict[str, list[float]], kept, n_groups: int, rounds: int,
+             update: dict[str, float], timer: dict[str, float], env: DistEnv) -> dict[str, Any]:  # fmt: skip
+    """Per-step means over every trajectory rolled out on every rank (kept or not)."""
+    calls = sum(len(t.tool_results) for t in seen)
+    sums = {
+        "reward": sum(t.reward or 0.0 for t in seen),
+        **{name: sum(values) for name, values in components.items()},
+        "tool_calls_per_traj": calls,
+        "response_len": sum(sum(t.loss_mask) for t in seen),
+        "answered": sum(t.stop_reason == "answered" for t in seen),
+    }
+    keys = sorted(sums)
+    totals = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(len(seen)), float(calls),
+                            float(sum(1 for t in seen for r in t.tool_results if r["error"]))], device=env.device))  # fmt: skip
+    count, all_calls, failed = float(totals[-3]), float(totals[-2]), float(totals[-1])
+    record: dict[str, Any] = {k: float(v) / max(count, 1.0) for k, v in zip(keys, totals[:-3].tolist(), strict=True)}
+    record["tool_failure_rate"] = failed / all_calls if all_calls else 0.0
+    record["kept_groups"] = n_groups
+    record["refill_rounds"] = rounds - 1
+    if update:
+        tokens = max(update["tokens"], 1.0)
+        for key in ("entropy", "clip_frac", "approx_kl", "kl"):
+            if key in update:
+                record[key] = update[key] / tokens
+        record["grad_norm"] = update["grad_norm"] / max(update["optimizer_steps"], 1.0)
+        record["ratio_check"] = update["ratio_check"]
+        record["sampler_logprob_gap"] = update["sampler_logprob_gap"]
+    for stage in ("gen", "tools", "reward", "logprob", "update", "step"):
+        record[f"time/{stage}"] = timer.get(stage, 0.0)
+    return record
+
+
+def _prompts(cfg: GRPOConfig, env: DistEnv, out: Path, policy: Policy) -> str:
+    """The configured rows, or (data.train = None) a synthetic zoom set written once by rank 0."""
+    if cfg.data.train:
+        return cfg.data.train
+    path = out / "data" / "prompts.jsonl"
+    if env.is_main and not path.is_file():
+        from data_pipelines.synthetic.zoom import zoom_rows
+
+        min_pixels, max_pixels = policy.pixel_budget
+        rows = zoom_rows(path.parent, cfg.data.synthetic_rows, seed=cfg.seed + 1000, min_pixels=min_pixels,
+                         max_pixels=max_pixels, factor=policy.image_factor, convention=policy.coord_convention)  # fmt: skip
+        write_rows(rows, path)
+        say(env, f"wrote {len(rows)} synthetic zoom prompts to {path}")
+    barrier()
+    return str(path)
+
+
+def _save(cfg: GRPOConfig, backend, policy: Policy, root: Path, step: int, consumed: int,
+          fingerprint: dict[str, Any], env: DistEnv, last: list[Trajectory], out: Path) -> Path:  # fmt: skip
+    final = save_checkpoint(backend, policy.processor, root, step, {**fingerprint, "prompts_consumed": consumed}, env,
+                            cfg.train.keep_last)  # fmt: skip
+    if env.is_main and last:  # what the policy did at this step, to look at
+        write_jsonl(last, out / "rollouts" / f"step-{step:08d}.jsonl")
+        write_html(last, out / "rollouts" / f"step-{step:08d}.html", title=f"GRPO step {step} (rank 0)")
+    return final
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
