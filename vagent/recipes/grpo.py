@@ -180,16 +180,22 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
         kept = kept[:n_groups]
         last = seen
 
+        lr = backend.lr()  # the rate this step's updates use
         update_stats: dict[str, float] = {}
         if n_groups:
             update_stats = _update(cfg, policy, backend, reference, kept, env, bf16, timer, step)
+        if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
+            say(
+                env,
+                f"warning: step {step + 1}: first-update ratio deviates from 1 by {update_stats['ratio_check']:.2e}",
+            )
         timer["step"] = time.perf_counter() - t_step
         done = step + 1
         bar.update(1)
         record = _metrics(seen, components, kept, n_groups, rounds, update_stats, timer, env)
         bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
         if done % cfg.train.log_every == 0 or done == total_steps:
-            logger.log(done, {**record, "lr": backend.lr(), "peak_mem_gb": peak_memory_gb(env)})
+            logger.log(done, {**record, "lr": lr, "peak_mem_gb": peak_memory_gb(env)})
         if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
             _save(cfg, backend, policy, root, done, consumed, fingerprint, env, last, out)
     bar.close()
