@@ -108,7 +108,6 @@ def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
     traj = rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"]),
                    RolloutLimits(max_turns=3))  # fmt: skip
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
-    assert traj.tool_results[0]["name"] == "sample_frames" and traj.tool_results[0]["metadata"]["span"] == [1.0, 2.0]
     out = traj.messages[3].images[0]
     assert out.width % 32 == 0 and out.height % 32 == 0
 
