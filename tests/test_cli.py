@@ -21,7 +21,17 @@ def _run(*args, cwd=None):
 
 def test_only_working_subcommands_are_listed():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["generate", "grpo", "make-tiny-model", "quickstart", "rollout", "sft", "tools"]
+    assert sorted(sub.choices) == [
+        "eval",
+        "eval-report",
+        "generate",
+        "grpo",
+        "make-tiny-model",
+        "quickstart",
+        "rollout",
+        "sft",
+        "tools",
+    ]
 
 
 def test_make_tiny_model_script_then_plain_transformers_then_vagent_generate(tmp_path):

@@ -63,6 +63,18 @@ def _grpo(args: argparse.Namespace) -> int:
     return grpo.main((["--config", args.config] if args.config else []) + args.overrides)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from vagent.recipes import evaluate
+
+    return evaluate.run_eval(args)
+
+
+def _eval_report(args: argparse.Namespace) -> int:
+    from vagent.recipes import evaluate
+
+    return evaluate.run_report(args)
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     from vagent.recipes import quickstart
 
@@ -339,6 +351,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_grpo)
 
+    from vagent.eval.benchmarks import BENCHMARKS
+
+    p = sub.add_parser("eval", help="Evaluate a checkpoint on a benchmark (resumable; torchrun splits the rows).")
+    p.add_argument("--model", required=True, help="HF checkpoint dir.")
+    p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
+    p.add_argument("--data", required=True, help="The benchmark file in its published format.")
+    p.add_argument("--image-root", help="Folder the records' image/video paths are relative to (default: the file's).")
+    p.add_argument("--out", required=True, help="Run dir: samples.jsonl, metrics.json/.md, trajectories.html.")
+    p.add_argument("--tools", type=_tool_names, default=None,
+                   help="Comma-separated tools, or 'none' for the no-tool baseline. Default: the benchmark's.")  # fmt: skip
+    p.add_argument("--samples", type=_positive, default=1, help="Samples per record (pass@k with temperature > 0).")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-turns", type=_positive, default=4)
+    p.add_argument("--max-new-tokens", type=_positive, default=512)
+    p.add_argument("--max-total-tokens", type=_positive, default=8192)
+    p.add_argument("--max-images", type=_positive, default=8)
+    p.add_argument("--batch-size", type=_positive, default=8)
+    p.add_argument("--limit", type=_positive, help="Only the first K records.")
+    p.add_argument("--skip-bad", action="store_true", help="Report bad records and go on (default: fail the run).")
+    p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool (mat-search).")
+    p.add_argument("--search-url", help="HTTP search endpoint for `search`.")
+    p.add_argument("--unsandboxed", action="store_true", help="Run `code` without bubblewrap (trusted input only).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("eval-report", help="Side-by-side table and bar chart of several eval runs.")
+    p.add_argument("runs", nargs="+", help="Eval run dirs (each with metrics.json).")
+    p.add_argument("--out", help="Write comparison.md and comparison.png here.")
+    p.set_defaults(func=_eval_report)
+
     p = sub.add_parser("rollout", help="Run the policy on canonical rows with tools; write trajectories (JSONL, HTML).")
     p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).")
     p.add_argument("--data", required=True, help="Canonical rows (JSONL; paths relative to the file).")
@@ -395,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from vagent.config import ConfigError
     from vagent.data import RowError
+    from vagent.eval import BenchmarkError
     from vagent.media import MediaError
     from vagent.model import PolicyLoadError
     from vagent.training.checkpoint import ResumeError
@@ -405,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown the trajectory print-out
     try:
         return args.func(args)
-    except (ConfigError, PolicyLoadError, MediaError, RowError, ResumeError, UsageError) as e:
+    except (ConfigError, PolicyLoadError, MediaError, RowError, ResumeError, BenchmarkError, UsageError) as e:
         print(f"vagent {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,33 @@
+"""The repo's own synthetic benchmarks (``data_pipelines/synthetic``): canonical rows JSONL.
+
+Metrics: ``accuracy`` by the row's answer type (the reward's scorer), ``crop_iou`` (best IoU of a crop
+with the evidence box: did it look in the right place), and ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vagent.data import Row, RowError, load_rows
+from vagent.eval.benchmarks import Benchmark
+from vagent.rewards import accuracy, crop_iou
+from vagent.toolbox import TOOLS
+from vagent.types import Trajectory
+
+
+def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str, str]]]:
+    try:
+        return load_rows(path, known_tools=TOOLS), []
+    except RowError as e:  # load_rows stops at the first bad row and names it
+        return [], [(str(path), str(e))]
+
+
+def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
+    return {
+        "accuracy": accuracy([trajectory], [row])[0],
+        "crop_iou": crop_iou([trajectory], [row])[0],
+        "tool_calls": float(len(trajectory.tool_results)),
+    }
+
+
+BENCHMARK = Benchmark("synthetic", load, score, ("accuracy", "crop_iou", "tool_calls"), ("crop",))

@@ -1,0 +1,156 @@
+"""Run a policy over a benchmark through the rollout engine: resumable, sharded over ranks, with outputs
+people read (a markdown table, the HTML trajectory viewer) and programs read (samples.jsonl, metrics.json).
+
+Layout of ``out_dir``::
+
+    samples.rank{r}.jsonl        one line per finished sample, appended as it finishes (the resume log)
+    trajectories.rank{r}.jsonl   the matching trajectories (export.JsonlWriter: images saved as PNG)
+    samples.jsonl                all ranks' samples in benchmark order (rank 0 writes it at the end)
+    metrics.json, metrics.md     overall / pass@k / per-type metrics, tool use, what was skipped
+    trajectories.html            the viewer of the first trajectories with their crops and frames inline
+
+A rerun with the same ``out_dir`` reads the samples logs and runs only what is missing, so an
+interrupted evaluation finishes without repeating finished samples.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from vagent.data import Row
+from vagent.eval.benchmarks import Benchmark
+from vagent.eval.metrics import summarize
+from vagent.model import Policy
+from vagent.rollout import RolloutLimits, Task, run
+from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
+from vagent.training.distributed import DistEnv, barrier
+
+__all__ = ["evaluate", "read_samples", "write_table"]
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """Records of a samples log; a line torn by a kill is skipped (that sample runs again)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,
+             limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: dict[str, Any] | None = None,
+             env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
+             progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
+
+    Args:
+        tools: Tools offered to every row (``[]`` = the no-tool baseline); None = each row's own list, else
+            the benchmark's defaults.
+        n_samples: Samples per row (pass@k); greedy decoding needs ``limits.temperature = 0``.
+        env: This process's place among ranks (rows are split round-robin); None = a single process.
+        skipped: Records the loader could not read, reported in the metrics.
+    """
+    rank, world = (env.rank, env.world_size) if env else (0, 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / f"samples.rank{rank}.jsonl"
+    done = {(s["id"], s["sample"]) for s in read_samples(log)}
+    mine = [row for i, row in enumerate(rows) if i % world == rank]
+    todo = [row for row in mine if any((row.id, k) not in done for k in range(n_samples))]
+    by_id = {row.id: row for row in rows}
+    default_tools = list(benchmark.tools)
+
+    def task(row: Row) -> Task:
+        t = Task.from_row(row, default_tools)
+        if tools is not None:
+            t.tools = list(tools)
+        return t
+
+    bar = tqdm(total=len(mine) * n_samples, initial=len(done), desc=label or benchmark.name, disable=not progress,
+               dynamic_ncols=True)  # fmt: skip
+    counters = {"sample": 0}
+    with JsonlWriter(out_dir / f"trajectories.rank{rank}.jsonl", extra=lambda t: {"sample": counters["sample"]}) as tw, \
+            open(log, "a") as samples_log:  # fmt: skip
+        seen: dict[str, int] = {}
+
+        def finished(trajectory) -> None:
+            k = seen.get(trajectory.task_id, 0)
+            seen[trajectory.task_id] = k + 1
+            if (trajectory.task_id, k) in done:  # a finished sample of a partially done row
+                return
+            row = by_id[trajectory.task_id]
+            counters["sample"] = k
+            tw.write(trajectory)
+            record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": _gold(row),
+                      **benchmark.score(row, trajectory), "tool_calls": [r["name"] for r in trajectory.tool_results],
+                      "tool_errors": sum(1 for r in trajectory.tool_results if r["error"]),
+                      "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
+                      "type": row.extra.get("type") or []}  # fmt: skip
+            samples_log.write(json.dumps(record, ensure_ascii=False) + "\n")
+            samples_log.flush()
+            bar.update(1)
+
+        # rows in chunks so finished samples reach the log while the run goes on
+        chunk = max(1, batch_size)
+        for start in range(0, len(todo), chunk):
+            run(policy, [task(r) for r in todo[start : start + chunk]], n_samples, limits, batch_size=batch_size,
+                progress=finished, **(services or {}))  # fmt: skip
+    bar.close()
+    barrier()
+    if rank != 0:
+        return {}
+    return _merge(benchmark, rows, out_dir, world, skipped, tools)
+
+
+def _gold(row: Row) -> list[Any]:
+    return list(row.answer) if isinstance(row.answer, list) and row.answer_type in ("exact", "f1") else [row.answer]
+
+
+def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int, skipped, tools) -> dict[str, Any]:
+    samples = {
+        (s["id"], s["sample"]): s for r in range(world) for s in read_samples(out_dir / f"samples.rank{r}.jsonl")
+    }
+    order = {row.id: i for i, row in enumerate(rows)}
+    merged = sorted((s for s in samples.values() if s["id"] in order), key=lambda s: (order[s["id"]], s["sample"]))
+    with open(out_dir / "samples.jsonl", "w") as f:
+        f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in merged)
+    metrics = summarize(merged, benchmark.metrics)
+    calls = [len(s["tool_calls"]) for s in merged]
+    metrics["tool_calls_per_sample"] = sum(calls) / len(calls) if calls else 0.0
+    metrics["tool_use_rate"] = sum(1 for c in calls if c) / len(calls) if calls else 0.0
+    metrics["tool_error_rate"] = sum(s["tool_errors"] for s in merged) / sum(calls) if sum(calls) else 0.0
+    metrics["answered"] = sum(1 for s in merged if s["prediction"] is not None) / len(merged) if merged else 0.0
+    metrics["benchmark"] = benchmark.name
+    metrics["tools"] = "none" if tools == [] else ",".join(tools) if tools else ",".join(benchmark.tools) + " (default)"
+    metrics["skipped"] = [{"record": r, "reason": why} for r, why in skipped]
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
+    write_table([metrics], out_dir / "metrics.md", [out_dir.name])
+    trajectories = [t for r in range(world) for t in read_jsonl(out_dir / f"trajectories.rank{r}.jsonl")]
+    rewards = {(s["id"], s["sample"]): s.get(benchmark.metrics[0]) for s in merged}
+    counts: dict[str, int] = {}
+    for t in trajectories:  # show the primary metric as the trajectory's score in the viewer
+        k = counts.get(t.task_id, 0)
+        counts[t.task_id] = k + 1
+        t.reward = rewards.get((t.task_id, k))
+    write_html(trajectories, out_dir / "trajectories.html", title=f"{benchmark.name}: {out_dir.name}")
+    return metrics
+
+
+def write_table(runs: Sequence[dict[str, Any]], path: Path | None, names: Sequence[str]) -> str:
+    """A markdown table of one or more runs' metrics (one row per run), written to ``path`` if given."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k not in ("n", "samples")]
+    lines = ["| run | n | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
+    for name, m in zip(names, runs, strict=True):
+        cells = [f"{m.get(k, float('nan')):.3f}" if isinstance(m.get(k), float) else str(m.get(k, "")) for k in keys]
+        lines.append(f"| {name} | {m.get('n', '')} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    if path is not None:
+        path.write_text(table)
+    return table
