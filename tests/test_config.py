@@ -127,3 +127,11 @@ def test_deepspeed_config_that_contradicts_the_recipe_is_an_error(tmp_path):
     path.write_text('{"train_micro_batch_size_per_gpu": 4}')
     with pytest.raises(ValueError, match="contradicts"):
         load_deepspeed_config(path, micro_batch_size=2, grad_accum=1, world_size=1, max_grad_norm=1.0, bf16=False)
+
+
+def test_a_partly_given_section_keeps_the_parents_defaults_for_the_rest():
+    # QuickstartConfig's model section defaults to a smaller pixel budget than ModelConfig's own defaults
+    cfg = load_config(QuickstartConfig, None, ["model.device=cpu", "model.tiny.seed=3"])
+    default = load_config(QuickstartConfig)
+    assert cfg.model.max_pixels == default.model.max_pixels and cfg.model.tiny.size == default.model.tiny.size
+    assert cfg.model.device == "cpu" and cfg.model.tiny.seed == 3

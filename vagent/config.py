@@ -123,6 +123,13 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: key '{key}' has an unsupported annotation {tp!r}")  # a schema bug, not user error
 
 
+def _merge(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in given.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def _build(cls: type[T], data: dict[str, Any], source: str, prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -132,6 +139,13 @@ def _build(cls: type[T], data: dict[str, Any], source: str, prefix: str = "") ->
             f"{source}: unknown key '{prefix}{unknown[0]}' (valid keys{' in ' + prefix[:-1] if prefix else ''}: "
             f"{', '.join(names)})"
         )
+    data = dict(data)
+    for f in dataclasses.fields(cls):
+        # A section given in part keeps the parent's defaults for the rest (e.g. QuickstartConfig's own
+        # ModelConfig pixel budget), not the section class's: merge the given keys onto the field default.
+        if f.name in data and isinstance(data[f.name], dict) and dataclasses.is_dataclass(hints[f.name]):
+            if f.default_factory is not dataclasses.MISSING:
+                data[f.name] = _merge(dataclasses.asdict(f.default_factory()), data[f.name])
     kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
@@ -276,20 +290,6 @@ class ToolboxConfig:
             raise ValueError("code_timeout_s and code_memory_mb must be positive")
         if self.search_corpus and self.search_url:
             raise ValueError("set search_corpus or search_url, not both")
-
-
-@dataclass
-class QuickstartConfig:
-    out_dir: str = option("runs/quickstart", "Where the tiny checkpoint, images and trajectory are written.")
-    seed: int = option(0, "Seed for the generated image and sampling.")
-    image_size: list[int] = option([896, 672], "Width and height of the generated task image (original pixels).")
-    model: ModelConfig = option(ModelConfig(), "Policy to load.")
-    rollout: RolloutConfig = option(RolloutConfig(), "Limits and sampling of the rollout.")
-    toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
-
-    def validate(self) -> None:
-        if len(self.image_size) != 2 or min(self.image_size) < 64:
-            raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
 
 
 @dataclass
@@ -469,6 +469,37 @@ class GRPOConfig:
                 "GRPO trains with DDP (train.deepspeed must be null): rollouts need whole weights on every rank, "
                 "and dynamic sampling makes the number of micro-batches per step vary"
             )
+
+
+@dataclass
+class QuickstartConfig:
+    out_dir: str = option("runs/quickstart", "Everything the quickstart writes: data, checkpoints, evals, report.md.")
+    seed: int = option(0, "Seed of the data, the training order and sampling.")
+    model: ModelConfig = option(
+        ModelConfig(min_pixels=3136, max_pixels=50176, tiny=TinyModelConfig(size="small")),
+        "Policy to start from (the tiny random one by default).",
+    )
+    train_rows: int = option(384, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
+    test_rows: int = option(48, "Held-out rows the policies are evaluated on.")
+    image_size: list[int] = option([448, 336], "Original image size: larger than the model's view, so the digit blurs.")
+    grid: int = option(3, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
+    direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
+    sft_epochs: float = option(4.0, "SFT passes over the training rows (the no-tool baseline gets the same steps).")
+    sft_lr: float = option(2e-3, "SFT peak learning rate.")
+    grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
+    grpo_lr: float = option(2e-4, "GRPO learning rate.")
+    group_size: int = option(4, "GRPO samples per prompt.")
+    prompts_per_step: int = option(4, "GRPO prompts per step.")
+    rollout: RolloutConfig = option(
+        RolloutConfig(max_turns=3, max_new_tokens=64, max_images=4), "Episode limits for GRPO and the evaluations."
+    )
+    toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
+
+    def validate(self) -> None:
+        if len(self.image_size) != 2 or min(self.image_size) < 64:
+            raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
+        if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
+            raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
 
 
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.

@@ -114,7 +114,9 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
         "the a an of in on at to is are what which where how many color colour digit letter number object image "
         "picture video frame second left right top bottom small large red green blue yellow black white crop zoom "
         "rotate flip look closer region box answer question think tool call see read text sign shape count person "
-        "car tree sky between above below first then finally because so need detail cannot clearly visible"
+        "car tree sky between above below first then finally because so need detail cannot clearly visible "
+        "tile square written shows unreadable now can read directly without zooming after cropping here "
+        "resolution it its this let me should help purple enough"
     ).split()
     tools = ["crop", "zoom_in", "rotate", "flip", "enhance", "sample_frames", "crop_clip", "code", "search"]
     lines = []
@@ -129,7 +131,13 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
             lines.append(f"<think>{sentence}</think>\n<tool_call>\n{json.dumps(call)}\n</tool_call>")
         else:
             lines.append(f"<think>{sentence}</think>\n<answer>{rng.choice([*words, str(rng.randint(0, 99))])}</answer>")
-    return lines
+    # The system prompts the engine writes (one per tool, and all tools): without them in the corpus the
+    # boilerplate costs ~3x the tokens, which dominates sequence length (and step time) for a tiny model.
+    from vagent.chat import system_prompt
+    from vagent.toolbox import TOOLS, tool_schemas
+
+    prompts = [system_prompt(tool_schemas([name])) for name in TOOLS] + [system_prompt(tool_schemas(list(TOOLS)))]
+    return lines + prompts * 20
 
 
 def train_tokenizer(vocab_size: int = 2048, seed: int = 0):

@@ -47,8 +47,9 @@ _DIRECT = [
 
 
 def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter: int, distractors: int,
-              color: str) -> tuple[Image.Image, int, tuple[int, int, int, int]]:  # fmt: skip
-    """Draw one task image. Returns (image, digit on the ``color`` tile, that tile's box in original pixels)."""
+              color: str, grid: int | None = None) -> tuple[Image.Image, int, tuple[int, int, int, int]]:  # fmt: skip
+    """Draw one task image. Returns (image, digit on the ``color`` tile, that tile's box in original pixels).
+    With ``grid``, the target tile sits at the center of one of ``grid x grid`` cells (an easier layout)."""
     image = Image.new("RGB", (width, height), (235, 235, 228))
     draw = ImageDraw.Draw(image)
     for _ in range(clutter):  # shapes the global view can see, none of them the answer
@@ -62,6 +63,9 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
     for k in range(1 + distractors):
         for _ in range(100):  # tiles do not overlap
             x1, y1 = rng.randint(0, width - tile), rng.randint(0, height - tile)
+            if grid and k == 0:
+                cx, cy = (rng.randrange(grid) + 0.5) * width / grid, (rng.randrange(grid) + 0.5) * height / grid
+                x1, y1 = int(cx - tile / 2), int(cy - tile / 2)
             box = (x1, y1, x1 + tile, y1 + tile)
             if all(box[2] < p[0] or box[0] > p[2] or box[3] < p[1] or box[1] > p[3] for p in placed):
                 break
@@ -75,11 +79,14 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
 
 
 def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, int] = (896, 672), tile: int = 28,
-              clutter: int = 60, distractors: int = 1, direct_share: float = 0.2, min_pixels: int = 3136,
-              max_pixels: int = 200704, factor: int = 28, convention: Convention = "absolute") -> list[Row]:  # fmt: skip
+              clutter: int = 60, distractors: int = 1, direct_share: float = 0.2, grid: int | None = None,
+              margin: int | None = None, min_pixels: int = 3136, max_pixels: int = 200704, factor: int = 28,
+              convention: Convention = "absolute") -> list[Row]:  # fmt: skip
     """Build ``n`` zoom rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``).
 
-    ``min_pixels``/``max_pixels``/``factor``/``convention`` are the policy's (``Policy.pixel_budget``,
+    ``grid``: tiles on a grid x grid layout (see ``draw_task``); ``margin``: fixed context (original pixels)
+    around the tile in the gold crop, else 8-24 at random. ``min_pixels``/``max_pixels``/``factor``/``convention``
+    are the policy's (``Policy.pixel_budget``,
     ``image_factor``, ``coord_convention``): the crop box in the gold call is written in the frame that
     policy sees, and the crop observation is made with its budget.
     """
@@ -91,7 +98,7 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
         color = rng.choice(list(COLORS))
         direct = rng.random() < direct_share
         image, digit, box = draw_task(*size, rng, tile=tile * 5 if direct else tile, clutter=clutter,
-                                      distractors=distractors, color=color)  # fmt: skip
+                                      distractors=distractors, color=color, grid=None if direct else grid)  # fmt: skip
         image_path = out_dir / "images" / f"zoom-{seed}-{i}.png"
         image.save(image_path)
         words = {"color": color, "digit": digit}
@@ -100,7 +107,7 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
                          "content": f"<think>{rng.choice(_DIRECT).format(**words)}</think>\n<answer>{digit}</answer>"}]  # fmt: skip
         else:
             messages = _crop_then_answer(image, box, rng, words, out_dir / "images" / f"zoom-{seed}-{i}-crop.png",
-                                         min_pixels, max_pixels, factor, convention)  # fmt: skip
+                                         margin, min_pixels, max_pixels, factor, convention)  # fmt: skip
         rows.append(Row(
             id=f"zoom-{seed}-{i}", source="synthetic/zoom", images=[str(image_path)],
             question=f"What digit is written on the small {color} tile?", answer=str(digit), answer_type="exact",
@@ -110,8 +117,8 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
     return rows
 
 
-def _crop_then_answer(image, box, rng, words, crop_path, min_pixels, max_pixels, factor, convention):
-    margin = rng.randint(8, 24)  # original pixels of context around the tile, varied
+def _crop_then_answer(image, box, rng, words, crop_path, margin, min_pixels, max_pixels, factor, convention):
+    margin = margin if margin is not None else rng.randint(8, 24)  # original pixels of context around the tile
     region = (box[0] - margin, box[1] - margin, box[2] + margin, box[3] + margin)
     seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor).size
     bbox = [round(v) for v in original_to_model(region, convention, seen, image.size)]

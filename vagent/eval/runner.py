@@ -88,11 +88,14 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
             row = by_id[trajectory.task_id]
             counters["sample"] = k
             tw.write(trajectory)
+            scores = benchmark.score(row, trajectory)
             record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": _gold(row),
-                      **benchmark.score(row, trajectory), "tool_calls": [r["name"] for r in trajectory.tool_results],
+                      **scores, "tool_calls": [r["name"] for r in trajectory.tool_results],
                       "tool_errors": sum(1 for r in trajectory.tool_results if r["error"]),
                       "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
                       "type": row.extra.get("type") or []}  # fmt: skip
+            if clash := [key for key in scores if record[key] != scores[key]]:
+                raise ValueError(f"{benchmark.name} metric names {clash} clash with sample fields")
             samples_log.write(json.dumps(record, ensure_ascii=False) + "\n")
             samples_log.flush()
             bar.update(1)

@@ -1,69 +1,45 @@
-"""The built-in default job: tiny local Qwen2.5-VL + a generated image + one multi-turn rollout.
+"""The built-in default job: prove, on a laptop-class CPU with no downloads, that an agent learns to look closer.
 
-    vagent quickstart [--config configs/quickstart/tiny_cpu.yaml] [key=value ...]
+    vagent quickstart [--config configs/quickstart/tiny_cpu.yaml] [key=value ...]      (`make run`)
 
-Steps: build (or reuse) a random tiny checkpoint, draw a cluttered image with one small digit
-tile, run an episode in which the first assistant turn is scripted (a crop of the tile, since a
-random model cannot yet call tools) and the policy samples the rest, then print the trajectory and
-write it (JSONL + PNGs of every image) under ``out_dir``. The tiny model is untrained, so what it
-samples is noise; everything around it (template, tool call, full-resolution crop, image tokens
-of the tool turn, masks) is the real machinery.
+Stages (each with its own progress bar; times are reported):
+
+1. a tiny random Qwen2.5-VL checkpoint, built locally;
+2. synthetic zoom tasks: a cluttered image with one small colored tile whose digit blurs at the model's
+   global resolution but is readable after a crop (some tiles are drawn large: no tool needed), split
+   into train and a held-out test set, with gold crop-then-answer trajectories (the crop is the real
+   tool's output);
+3. SFT cold start on the gold trajectories, and a no-tool baseline SFT on the same rows answered
+   directly, for the same number of steps;
+4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
+   when the answer is right;
+5. evaluation on the test split: the SFT and GRPO policies with the crop tool, the no-tool baseline,
+   and the SFT policy with its tool taken away;
+6. ``report.md``: the results table, tool-use statistics (also split into rows that need the tool and
+   rows that do not), loss and reward curves (PNG), and links to the HTML viewers of the trajectories
+   with their crops.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import sys
+import time
 from pathlib import Path
-
-from PIL import Image, ImageDraw, ImageFont
+from typing import Any
 
 from vagent.config import QuickstartConfig, config_to_dict, load_config
-from vagent.geometry import original_to_model
+from vagent.data import load_rows, write_rows
+from vagent.eval import BENCHMARKS
+from vagent.eval.runner import evaluate, read_samples, write_table
 from vagent.model import load_policy
+from vagent.recipes import grpo, sft
 from vagent.recipes.common import tiny_checkpoint, tool_services
-from vagent.rollout import RolloutLimits, Task, rollout
-from vagent.rollout.export import read_jsonl, write_html, write_jsonl
-from vagent.types import Trajectory
+from vagent.recipes.evaluate import bar_chart
+from vagent.rollout import RolloutLimits
+from vagent.training.metrics import read_metrics
 
-
-def make_task_image(width: int, height: int, seed: int) -> tuple[Image.Image, int, tuple[int, int, int, int]]:
-    """A cluttered canvas with one small tile showing a digit. Returns (image, digit, tile box)."""
-    rng = random.Random(seed)
-    image = Image.new("RGB", (width, height), (235, 235, 228))
-    draw = ImageDraw.Draw(image)
-    for _ in range(60):  # clutter: shapes the global view can see, none of them the answer
-        x, y = rng.randrange(width), rng.randrange(height)
-        size = rng.randint(10, 80)
-        color = tuple(rng.randint(40, 220) for _ in range(3))
-        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
-        shape((x, y, x + size, y + size), outline=color, width=3)
-    tile = 28
-    x1, y1 = rng.randint(0, width - tile), rng.randint(0, height - tile)
-    digit = rng.randint(0, 9)
-    draw.rectangle((x1, y1, x1 + tile, y1 + tile), fill=(200, 30, 30))
-    draw.text((x1 + 8, y1 + 4), str(digit), fill=(255, 255, 255), font=ImageFont.load_default(size=18))
-    return image, digit, (x1, y1, x1 + tile, y1 + tile)
-
-
-def print_trajectory(trajectory: Trajectory) -> None:
-    """Print a trajectory read back from its JSONL (images as paths on disk)."""
-    sampled = sum(trajectory.loss_mask)
-    print(f"\n=== trajectory {trajectory.task_id}: stop={trajectory.stop_reason} answer={trajectory.answer!r}")
-    print(
-        f"    tokens: {len(trajectory.token_ids)} total, {sampled} sampled (mask 1), "
-        f"{len(trajectory.token_ids) - sampled} forced (mask 0); metrics {trajectory.metrics}"
-    )
-    for message in trajectory.messages:
-        if message.role == "system":
-            print(f"\n[system] {message.plain_text[:160]}...")
-            continue
-        images = [str(part.path) for part in message.content if part.type == "image"]
-        print(f"\n[{message.role}]" + (f" images: {', '.join(images)}" if images else ""))
-        print("  " + message.plain_text.replace("\n", "\n  "))
-        for call in message.tool_calls:
-            print(f"  -> tool call {call.name}({json.dumps(call.arguments)})")
+REWARDS = "{accuracy: 1.0, format: 0.2, crop_iou: 0.5, tool_bonus: 0.2, invalid_calls: 0.2}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,61 +48,196 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--config"] and len(argv) > 1:
         config_path, argv = argv[1], argv[2:]
     cfg = load_config(QuickstartConfig, config_path, argv)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t_start = time.perf_counter()
 
-    policy = load_policy(
-        tiny_checkpoint(cfg.model, cfg.out_dir),
-        device=cfg.model.device,
-        dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation,
-    )
-    print(
-        f"policy: {policy.family} from {policy.path} on {policy.device} ({policy.dtype}), "
-        f"boxes in {policy.coord_convention} coordinates"
-    )
+    def stage(n: int, name: str) -> float:
+        print(f"\n[{n}/6] {name}  ({time.perf_counter() - t_start:.0f}s so far)", flush=True)
+        return time.perf_counter()
 
-    width, height = cfg.image_size
-    image, digit, tile = make_task_image(width, height, cfg.seed)
-    image_path = out_dir / "task.png"
-    image.save(image_path)
-    seen = policy.model_view(image).size
-    margin = 20  # original pixels around the tile, so the crop shows some context
-    box = (tile[0] - margin, tile[1] - margin, tile[2] + margin, tile[3] + margin)
-    model_box = [round(v) for v in original_to_model(box, policy.coord_convention, seen, image.size)]
-    scripted = (
-        "<think>The red tile is too small to read at this resolution. I will crop it.</think>\n"
-        f'<tool_call>\n{{"name": "crop", "arguments": {{"bbox": {model_box}}}}}\n</tool_call>'
-    )
-    task = Task(
-        id=f"quickstart-{cfg.seed}",
-        question="What digit is written on the small red tile?",
-        images=[image],
-        tools=cfg.rollout.tools,
-        scripted_turns=[scripted],
-    )
-    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "tools"})
-    print(
-        f"task: {task.question} (gold answer {digit}; image {width}x{height}, model sees {seen[0]}x{seen[1]}; "
-        f"first turn scripted: crop {model_box})"
-    )
+    t = stage(1, "tiny checkpoint")
+    base = tiny_checkpoint(cfg.model, out)
+    policy = load_policy(base, device=cfg.model.device or "cpu")  # its pixel budget and coordinate convention
+    times["checkpoint"] = time.perf_counter() - t
 
-    import torch
+    t = stage(2, "synthetic zoom tasks")
+    data = _data(cfg, out / "data", policy)
+    times["data"] = time.perf_counter() - t
+    del policy
 
-    torch.manual_seed(cfg.seed)
-    trajectory = rollout(policy, task, limits, **tool_services(cfg.toolbox))
+    t = stage(3, "SFT cold start (with the crop tool), then the no-tool baseline on the same rows and steps")
+    common = [f"model.path={base}", f"model.device={cfg.model.device or 'cpu'}", f"seed={cfg.seed}",
+              "data.micro_batch_size=8", f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05",
+              f"train.epochs={cfg.sft_epochs}", "train.precision=fp32", "train.save_every=0", "train.resume=auto"]  # fmt: skip
+    sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['train']}",
+                                                            *common]))  # fmt: skip
+    notool_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft-notool'}", "data.tools=[]",
+                                                               f"data.train={data['train_notool']}", *common]))  # fmt: skip
+    times["sft"] = time.perf_counter() - t
 
-    jsonl = write_jsonl([trajectory], out_dir / "trajectory.jsonl", extra=lambda t: {"gold": str(digit)})
-    html = write_html([trajectory], out_dir / "trajectory.html", title=f"vagent quickstart (gold answer {digit})")
-    saved = read_jsonl(jsonl)[0]  # what is on disk: the same turns, images as the PNGs written
-    print_trajectory(saved)
-    print(f"\nwrote {jsonl}, {len(saved.images)} image(s) under {jsonl.parent}/, and {html}")
-    print(f"open {html} in a browser to see the turns with the crop inline")
-    print(
-        "note: the tiny model has random weights, so its sampled turns are noise; "
-        "point model.path=DIR at a real Qwen2.5-VL checkpoint to see real reasoning."
-    )
+    t = stage(4, "GRPO from the SFT policy")
+    rollout = config_to_dict(cfg.rollout)
+    grpo_model = None
+    if cfg.grpo_steps:
+        grpo_model = grpo.train(load_config(grpo.GRPOConfig, None, [
+            f"out_dir={out / 'grpo'}", f"model.path={sft_model}", f"model.device={cfg.model.device or 'cpu'}",
+            f"seed={cfg.seed}", f"data.train={data['train']}", f"train.max_steps={cfg.grpo_steps}",
+            f"grpo.group_size={cfg.group_size}", f"grpo.prompts_per_step={cfg.prompts_per_step}",
+            "grpo.micro_batch_size=8", f"grpo.rollout_batch_size={cfg.group_size * cfg.prompts_per_step}",
+            f"optim.lr={cfg.grpo_lr}", "train.precision=fp32", "train.save_every=0", "train.resume=auto",
+            f"rewards.weights={REWARDS}", *(f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()),
+        ]))  # fmt: skip
+    times["grpo"] = time.perf_counter() - t
+
+    t = stage(5, "evaluation on the held-out test split")
+    runs = {"sft + crop": (sft_model, ["crop"]), "no-tool baseline": (notool_model, []),
+            "sft, tool taken away": (sft_model, [])}  # fmt: skip
+    if grpo_model is not None:
+        runs = {"grpo + crop": (grpo_model, ["crop"]), **runs}
+    test_rows = load_rows(data["test"])
+    limits = RolloutLimits(**{k: v for k, v in rollout.items() if k != "tools"} | {"temperature": 0.0})
+    results = {}
+    for name, (model_dir, tools) in runs.items():
+        policy = load_policy(model_dir, device=cfg.model.device or "cpu")
+        run_dir = out / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
+        results[name] = (run_dir, evaluate(policy, BENCHMARKS["synthetic"], test_rows, run_dir, tools=tools,
+                                           limits=limits, batch_size=16, services=tool_services(cfg.toolbox),
+                                           label=name))  # fmt: skip
+    times["eval"] = time.perf_counter() - t
+
+    t = stage(6, "report")
+    times["report"] = 0.0
+    report = _report(cfg, out, results, test_rows, times, time.perf_counter() - t_start)
+    times["report"] = time.perf_counter() - t
+    print(report)
+    print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see the crops.")
     return 0
+
+
+def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
+    """train (gold crop-then-answer / direct), train_notool (same rows, answered directly, no tools), test."""
+    from data_pipelines.synthetic.zoom import zoom_rows
+
+    paths = {name: out / f"{name}.jsonl" for name in ("train", "train_notool", "test")}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    min_pixels, max_pixels = policy.pixel_budget
+    knobs = dict(size=tuple(cfg.image_size), clutter=30, distractors=0, direct_share=cfg.direct_share,
+                 grid=cfg.grid or None, margin=12, min_pixels=min_pixels, max_pixels=max_pixels,
+                 factor=policy.image_factor, convention=policy.coord_convention)  # fmt: skip
+    train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
+    test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
+    notool = []
+    for row in train:  # the same images and answers, answered without looking closer
+        answer = f"<think>The {row.question.split('small ')[1].split(' tile')[0]} tile shows {row.answer}.</think>\n"
+        notool.append(row.__class__(**{**row.__dict__, "tools": [],
+                                       "messages": [{"role": "assistant", "content": f"{answer}<answer>{row.answer}</answer>"}]}))  # fmt: skip
+    write_rows(test, paths["test"])
+    write_rows(notool, paths["train_notool"])
+    write_rows(train, paths["train"])
+    print(f"{len(train)} train rows ({sum(r.extra['difficulty']['direct'] for r in train)} readable without a tool), "
+          f"{len(test)} test rows, images {cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
+    return paths
+
+
+def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dict[str, Any]]], test_rows,
+            times: dict[str, float], total: float) -> str:  # fmt: skip
+    names = list(results)
+    metrics = [m for _, m in results.values()]
+    bar_chart(metrics, names, out / "results.png", title="held-out test split")
+    _curves(out)
+    direct = {r.id for r in test_rows if r.extra.get("difficulty", {}).get("direct")}
+    split_lines = []
+    for name, (run_dir, _) in results.items():
+        samples = read_samples(run_dir / "samples.jsonl")
+        small = [s for s in samples if s["id"] not in direct]
+        large = [s for s in samples if s["id"] in direct]
+
+        def rate(group):
+            return f"{sum(1 for s in group if s['tool_calls']) / len(group):.2f}" if group else "-"
+
+        def acc(group):
+            return f"{sum(s['accuracy'] for s in group) / len(group):.2f}" if group else "-"
+
+        split_lines.append(f"| {name} | {acc(small)} | {rate(small)} | {acc(large)} | {rate(large)} |")
+    best = max(names, key=lambda n: results[n][1]["accuracy"])
+    baseline = results["no-tool baseline"][1]["accuracy"]
+    lines = [
+        "# vagent quickstart report",
+        "",
+        f"Total time **{total / 60:.1f} min** on this machine ({', '.join(f'{k} {v:.0f}s' for k, v in times.items())}).",
+        f"Policy: a random tiny Qwen2.5-VL ({cfg.model.tiny.size} preset) trained from scratch on "
+        f"{cfg.train_rows} synthetic zoom rows; {len(test_rows)} held-out test rows ({len(direct)} with a large, "
+        "readable tile). Greedy decoding.",
+        "",
+        "## Results on the held-out test split",
+        "",
+        write_table(metrics, None, names),
+        "![results](results.png)",
+        "",
+        f"Best: **{best}** (accuracy {results[best][1]['accuracy']:.2f}) vs the no-tool baseline {baseline:.2f} "
+        f"(chance is 0.10 for a digit).",
+        "",
+        "## Does the agent look closer when it needs to?",
+        "",
+        "| policy | accuracy, small tile | tool use, small tile | accuracy, large tile | tool use, large tile |",
+        "|---|---:|---:|---:|---:|",
+        *split_lines,
+        "",
+        "## Training curves",
+        "",
+        "![SFT loss](sft_loss.png)",
+        "",
+        "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
+        "",
+        "## Trajectories",
+        "",
+        *[
+            f"- {name}: [{run_dir.relative_to(out)}/trajectories.html]({run_dir.relative_to(out)}/trajectories.html)"
+            for name, (run_dir, _) in results.items()
+        ],
+        "",
+        "Metrics: `accuracy` = exact digit; `crop_iou` = best IoU of a crop with the tile (0 without a crop); "
+        "`tool_calls` = calls per sample. Per-sample records are in each run's `samples.jsonl`.",
+        "",
+    ]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def _curves(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in ("sft", "sft-notool"):
+        records = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (trained tokens)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("SFT")
+    fig.tight_layout()
+    fig.savefig(out / "sft_loss.png", dpi=110)
+    plt.close(fig)
+    records = read_metrics(out / "grpo" / "metrics.jsonl")
+    if records:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        steps = [r["step"] for r in records]
+        for key in ("reward", "accuracy", "reward/crop_iou", "tool_calls_per_traj"):
+            ax.plot(steps, [r.get(key, float("nan")) for r in records], label=key, marker=".")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.set_title("GRPO (mean over each step's rollouts)")
+        fig.tight_layout()
+        fig.savefig(out / "grpo.png", dpi=110)
+        plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The repo's own synthetic benchmarks (``data_pipelines/synthetic``): canonical rows JSONL.
 
-Metrics: ``accuracy`` by the row's answer type (the reward's scorer), ``crop_iou`` (best IoU of a crop
-with the evidence box: did it look in the right place), and ``tool_calls``.
+Metrics: ``accuracy`` by the row's answer type (the reward's scorer) and ``crop_iou`` (best IoU of a crop
+with the evidence box: did it look in the right place); the runner adds the tool-use statistics.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
     return {
         "accuracy": accuracy([trajectory], [row])[0],
         "crop_iou": crop_iou([trajectory], [row])[0],
-        "tool_calls": float(len(trajectory.tool_results)),
     }
 
 
-BENCHMARK = Benchmark("synthetic", load, score, ("accuracy", "crop_iou", "tool_calls"), ("crop",))
+BENCHMARK = Benchmark("synthetic", load, score, ("accuracy", "crop_iou"), ("crop",))
