@@ -157,3 +157,29 @@ def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25):
         return [(r["step"], r["reward"], r["response_len"]) for r in read_metrics(out / "metrics.jsonl")]
 
     assert curve(tmp_path / "killed") == curve(tmp_path / "full")
+
+
+def _digit_share(trajectories, rows):
+    """Toy reward: the share of the sampled text that is digits (random tokens make it vary within a group)."""
+    out = []
+    for t in trajectories:
+        text = "".join(m.plain_text for m in t.messages if m.role == "assistant")
+        out.append(sum(ch.isdigit() for ch in text) / max(1, len(text)))
+    return out
+
+
+def test_grpo_raises_the_mean_reward_on_a_toy_task(tmp_path, tiny_qwen25, monkeypatch):
+    import vagent.rewards as rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "digit_share", _digit_share)
+    steps = 10
+    cfg = load_config(GRPOConfig, CONFIG, [
+        f"out_dir={tmp_path}", f"model.path={tiny_qwen25}", f"train.max_steps={steps}", "train.save_every=0",
+        "train.tensorboard=false", "data.synthetic_rows=16", "rewards.weights={digit_share: 1.0}", "rewards.options={}",
+        "rollout.max_turns=1", "rollout.max_new_tokens=16", "grpo.prompts_per_step=4", "grpo.group_size=4",
+        "grpo.dynamic_sampling=false", "optim.lr=3e-3", "seed=1",
+    ])  # fmt: skip
+    grpo.train(cfg)
+    rewards_per_step = [r["reward"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    first, last = sum(rewards_per_step[:3]) / 3, sum(rewards_per_step[-3:]) / 3
+    assert last > first + 0.05, rewards_per_step  # the policy learned to write digits

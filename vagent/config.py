@@ -482,7 +482,10 @@ class QuickstartConfig:
     train_rows: int = option(384, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
     test_rows: int = option(48, "Held-out rows the policies are evaluated on.")
     image_size: list[int] = option([448, 336], "Original image size: larger than the model's view, so the digit blurs.")
-    grid: int = option(3, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
+    grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
+    glyph: Literal["stripes", "digit"] = option(
+        "stripes", "What the tile shows: 1-px stripes (horizontal/vertical; learnable from scratch) or a digit."
+    )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
     sft_epochs: float = option(4.0, "SFT passes over the training rows (the no-tool baseline gets the same steps).")
     sft_lr: float = option(2e-3, "SFT peak learning rate.")

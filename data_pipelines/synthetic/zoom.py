@@ -27,27 +27,35 @@ from vagent.media import resize_to_budget
 from vagent.toolbox import ToolContext, call_tool
 from vagent.types import ToolCall
 
-__all__ = ["COLORS", "draw_task", "zoom_rows"]
+__all__ = ["COLORS", "GLYPHS", "draw_task", "zoom_rows"]
 
 COLORS = {"red": (200, 30, 30), "blue": (30, 60, 200), "green": (20, 140, 40), "purple": (130, 40, 160)}
 _LOOK = [
     "The {color} tile is too small to read at this resolution. I will crop it.",
-    "I can see a small {color} tile but not its digit. Let me zoom in on it.",
-    "The digit on the {color} square is unreadable here; cropping that region should help.",
+    "I can see a small {color} tile but not its {what}. Let me zoom in on it.",
+    "The {what} on the {color} square is unreadable here; cropping that region should help.",
 ]
 _READ = [
-    "The crop shows the digit clearly: it is {digit}.",
+    "The crop shows the {what} clearly: {digit}.",
     "Now I can read it. The {color} tile shows {digit}.",
-    "After cropping, the digit is {digit}.",
+    "After cropping, the {what} is {digit}.",
 ]
 _DIRECT = [
     "The {color} tile is large enough to read directly: {digit}.",
     "I can read the {color} tile without zooming; it shows {digit}.",
 ]
+# glyph -> (what the question asks about, the question)
+GLYPHS = {
+    "digit": ("digit", "What digit is written on the small {color} tile?"),
+    # 1-px stripes average to flat grey when the image is downscaled, so only a crop tells them apart; an
+    # easy visual read for a model trained from scratch (the quickstart's), unlike digit shapes.
+    "stripes": ("stripes", "Are the stripes on the small {color} tile horizontal or vertical?"),
+}
 
 
 def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter: int, distractors: int,
-              color: str, grid: int | None = None) -> tuple[Image.Image, int, tuple[int, int, int, int]]:  # fmt: skip
+              color: str, grid: int | None = None,
+              glyph: str = "digit") -> tuple[Image.Image, int | str, tuple[int, int, int, int]]:  # fmt: skip
     """Draw one task image. Returns (image, digit on the ``color`` tile, that tile's box in original pixels).
     With ``grid``, the target tile sits at the center of one of ``grid x grid`` cells (an easier layout)."""
     image = Image.new("RGB", (width, height), (235, 235, 228))
@@ -70,9 +78,16 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
             if all(box[2] < p[0] or box[0] > p[2] or box[3] < p[1] or box[1] > p[3] for p in placed):
                 break
         placed.append(box)
-        digit = rng.randint(0, 9)
+        digit = rng.randint(0, 9) if glyph == "digit" else rng.choice(["horizontal", "vertical"])
         draw.rectangle(box, fill=COLORS[color if k == 0 else others[(k - 1) % len(others)]])
-        draw.text((box[0] + tile * 0.28, box[1] + tile * 0.1), str(digit), fill=(255, 255, 255), font=font)
+        if glyph == "digit":
+            draw.text((box[0] + tile * 0.28, box[1] + tile * 0.1), str(digit), fill=(255, 255, 255), font=font)
+        else:  # white 1-px stripes inside a 3-px border of the tile's color
+            inner = (box[0] + 3, box[1] + 3, box[2] - 3, box[3] - 3)
+            for v in range(0, inner[2] - inner[0] if digit == "vertical" else inner[3] - inner[1], 2):
+                line = ((inner[0] + v, inner[1], inner[0] + v, inner[3]) if digit == "vertical"
+                        else (inner[0], inner[1] + v, inner[2], inner[1] + v))  # fmt: skip
+                draw.line(line, fill=(255, 255, 255), width=1)
         if k == 0:
             answer, target = digit, box
     return image, answer, target
@@ -80,12 +95,12 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
 
 def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, int] = (896, 672), tile: int = 28,
               clutter: int = 60, distractors: int = 1, direct_share: float = 0.2, grid: int | None = None,
-              margin: int | None = None, min_pixels: int = 3136, max_pixels: int = 200704, factor: int = 28,
-              convention: Convention = "absolute") -> list[Row]:  # fmt: skip
+              margin: int | None = None, glyph: str = "digit", min_pixels: int = 3136, max_pixels: int = 200704,
+              factor: int = 28, convention: Convention = "absolute") -> list[Row]:  # fmt: skip
     """Build ``n`` zoom rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``).
 
     ``grid``: tiles on a grid x grid layout (see ``draw_task``); ``margin``: fixed context (original pixels)
-    around the tile in the gold crop, else 8-24 at random. ``min_pixels``/``max_pixels``/``factor``/``convention``
+    around the tile in the gold crop, else 8-24 at random; ``glyph``: what the tile shows (``GLYPHS``). ``min_pixels``/``max_pixels``/``factor``/``convention``
     are the policy's (``Policy.pixel_budget``,
     ``image_factor``, ``coord_convention``): the crop box in the gold call is written in the frame that
     policy sees, and the crop observation is made with its budget.
@@ -98,10 +113,12 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
         color = rng.choice(list(COLORS))
         direct = rng.random() < direct_share
         image, digit, box = draw_task(*size, rng, tile=tile * 5 if direct else tile, clutter=clutter,
-                                      distractors=distractors, color=color, grid=None if direct else grid)  # fmt: skip
+                                      distractors=distractors, color=color, grid=None if direct else grid,
+                                      glyph=glyph)  # fmt: skip
         image_path = out_dir / "images" / f"zoom-{seed}-{i}.png"
         image.save(image_path)
-        words = {"color": color, "digit": digit}
+        what, question = GLYPHS[glyph]
+        words = {"color": color, "digit": digit, "what": what}
         if direct:
             messages = [{"role": "assistant",
                          "content": f"<think>{rng.choice(_DIRECT).format(**words)}</think>\n<answer>{digit}</answer>"}]  # fmt: skip
@@ -110,9 +127,10 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
                                          margin, min_pixels, max_pixels, factor, convention)  # fmt: skip
         rows.append(Row(
             id=f"zoom-{seed}-{i}", source="synthetic/zoom", images=[str(image_path)],
-            question=f"What digit is written on the small {color} tile?", answer=str(digit), answer_type="exact",
+            question=question.format(color=color), answer=str(digit), answer_type="exact",
             evidence=Evidence(boxes=[[float(v) for v in box]]), tools=["crop"], messages=messages,
-            extra={"difficulty": {"tile": tile, "clutter": clutter, "distractors": distractors, "direct": direct}},
+            extra={"difficulty": {"tile": tile, "clutter": clutter, "distractors": distractors, "direct": direct,
+                                  "glyph": glyph}},
         ))  # fmt: skip
     return rows
 

@@ -125,7 +125,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         return paths
     min_pixels, max_pixels = policy.pixel_budget
     knobs = dict(size=tuple(cfg.image_size), clutter=30, distractors=0, direct_share=cfg.direct_share,
-                 grid=cfg.grid or None, margin=12, min_pixels=min_pixels, max_pixels=max_pixels,
+                 grid=cfg.grid or None, margin=12, glyph=cfg.glyph, min_pixels=min_pixels, max_pixels=max_pixels,
                  factor=policy.image_factor, convention=policy.coord_convention)  # fmt: skip
     train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
@@ -178,7 +178,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         "![results](results.png)",
         "",
         f"Best: **{best}** (accuracy {results[best][1]['accuracy']:.2f}) vs the no-tool baseline {baseline:.2f} "
-        f"(chance is 0.10 for a digit).",
+        f"(chance is {'0.50 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
         "",
         "## Does the agent look closer when it needs to?",
         "",
