@@ -487,7 +487,7 @@ class QuickstartConfig:
         "stripes", "What the tile shows: 1-px stripes (horizontal/vertical; learnable from scratch) or a digit."
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    sft_epochs: float = option(4.0, "SFT passes over the training rows (the no-tool baseline gets the same steps).")
+    sft_epochs: float = option(3.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
     sft_lr: float = option(2e-3, "SFT peak learning rate.")
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(2e-4, "GRPO learning rate.")

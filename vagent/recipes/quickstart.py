@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from vagent.config import QuickstartConfig, config_to_dict, load_config
 from vagent.data import load_rows, write_rows
 from vagent.eval import BENCHMARKS
@@ -71,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"model.path={base}", f"model.device={cfg.model.device or 'cpu'}", f"seed={cfg.seed}",
               "data.micro_batch_size=8", f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05",
               f"train.epochs={cfg.sft_epochs}", "train.precision=fp32", "train.save_every=0", "train.resume=auto"]  # fmt: skip
-    sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['train']}",
+    sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
                                                             *common]))  # fmt: skip
     notool_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft-notool'}", "data.tools=[]",
-                                                               f"data.train={data['train_notool']}", *common]))  # fmt: skip
+                                                               f"data.train={data['sft_mix_notool']}", *common]))  # fmt: skip
     times["sft"] = time.perf_counter() - t
 
     t = stage(4, "GRPO from the SFT policy")
@@ -120,7 +122,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct), train_notool (same rows, answered directly, no tools), test."""
     from data_pipelines.synthetic.zoom import zoom_rows
 
-    paths = {name: out / f"{name}.jsonl" for name in ("train", "train_notool", "test")}
+    paths = {name: out / f"{name}.jsonl" for name in ("train", "sft_mix", "sft_mix_notool", "test")}
     if all(p.is_file() for p in paths.values()):
         return paths
     min_pixels, max_pixels = policy.pixel_budget
@@ -134,12 +136,45 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         answer = f"<think>The {row.question.split('small ')[1].split(' tile')[0]} tile shows {row.answer}.</think>\n"
         notool.append(row.__class__(**{**row.__dict__, "tools": [],
                                        "messages": [{"role": "assistant", "content": f"{answer}<answer>{row.answer}</answer>"}]}))  # fmt: skip
+    support = _support_rows(train, policy)
     write_rows(test, paths["test"])
-    write_rows(notool, paths["train_notool"])
+    write_rows(notool + support, paths["sft_mix_notool"])
+    write_rows(train + support, paths["sft_mix"])
     write_rows(train, paths["train"])
-    print(f"{len(train)} train rows ({sum(r.extra['difficulty']['direct'] for r in train)} readable without a tool), "
-          f"{len(test)} test rows, images {cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
+    print(f"{len(train)} train rows ({sum(r.extra['difficulty']['direct'] for r in train)} readable without a tool) "
+          f"+ {len(support)} perception and grounding rows for both SFT mixes, {len(test)} test rows, images "
+          f"{cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
     return paths
+
+
+def _support_rows(train, policy) -> list:
+    """Short single-turn rows both SFT mixes share, the way VLM SFT mixes carry perception and grounding data
+    next to agent trajectories: read the glyph from a gold crop (the skill a crop is for), and give the tile's
+    box on the global view (the skill of choosing where to crop). A model trained from scratch learns to use
+    its image tokens from these far sooner than from the one answer token of a long trajectory."""
+    from vagent.geometry import original_to_model
+    from vagent.media import smart_resize
+
+    min_pixels, max_pixels = policy.pixel_budget
+    rows = []
+    for row in train:
+        if row.extra["difficulty"]["direct"]:
+            continue
+        crop = next(p["path"] for p in row.messages[1]["content"] if p["type"] == "image")
+        rows.append(row.__class__(id=f"{row.id}-read", question=row.question, answer=row.answer, answer_type="exact",
+                                  images=[crop], tools=[], source="synthetic/zoom-perception",
+                                  messages=[{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]))  # fmt: skip
+        tile = row.evidence.boxes[0]
+        with Image.open(row.images[0]) as image:
+            size = image.size
+        h, w = smart_resize(size[1], size[0], min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+        box = [round(v) for v in original_to_model(tile, policy.coord_convention, (w, h), size)]
+        color = row.question.split("small ")[1].split(" tile")[0]
+        rows.append(row.__class__(id=f"{row.id}-ground", question=f"Where is the small {color} tile? Give its box.",
+                                  answer=tile, answer_type="box", images=list(row.images), tools=[],
+                                  source="synthetic/zoom-grounding",
+                                  messages=[{"role": "assistant", "content": f"<answer>{box}</answer>"}]))  # fmt: skip
+    return rows
 
 
 def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dict[str, Any]]], test_rows,
