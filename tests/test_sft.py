@@ -191,6 +191,13 @@ sft.main(sys.argv[3:])
 """
 
 
+def _torchrun(args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tools" / "train.py"), "--config", str(CONFIG), *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
 def _run(args, fault=("none", 0)):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-c", FAULT, fault[0], str(fault[1]), "--config", str(CONFIG), *args]
@@ -208,10 +215,7 @@ def uninterrupted(tmp_path_factory, tiny_qwen25, rows_file):
 def test_two_ranks_give_the_loss_curve_of_one_rank_with_twice_the_accumulation(tmp_path, tiny_qwen25, rows_file,
                                                                                  uninterrupted):  # fmt: skip
     args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.save_every=2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools" / "train.py"), "--config", str(CONFIG), *args]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    result = _torchrun(args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
 
@@ -223,10 +227,7 @@ def test_deepspeed_zero_on_two_cpu_ranks_gives_the_same_loss_curve(tmp_path, tin
     pytest.importorskip("deepspeed")
     args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.save_every=2",
                       f"train.deepspeed={ROOT}/configs/deepspeed/{stage}.json")  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools" / "train.py"), "--config", str(CONFIG), *args]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    result = _torchrun(args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
     load_policy(tmp_path / "model", device="cpu")  # ZeRO-3 shards were gathered into a loadable HF dir

@@ -29,20 +29,14 @@ from vagent.model import Policy
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
 from vagent.training.distributed import DistEnv, barrier
+from vagent.training.metrics import read_metrics
 
 __all__ = ["evaluate", "read_samples", "write_table"]
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
     """Records of a samples log; a line torn by a kill is skipped (that sample runs again)."""
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return read_metrics(path)
 
 
 def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,

@@ -6,23 +6,27 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig
+from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, load_config
 from vagent.model import Policy, apply_lora, freeze_vision
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
-from vagent.training.distributed import DistEnv, broadcast_object
+from vagent.training.distributed import DistEnv, barrier, broadcast_object
 
 __all__ = [
     "FREE_KEYS",
     "build_backend",
     "check_resume",
+    "config_from_argv",
     "peak_memory_gb",
     "prepare_model",
+    "publish_model",
     "resume_point",
     "save_checkpoint",
     "say",
@@ -169,3 +173,25 @@ def save_checkpoint(backend: TrainBackend, processor: Any, root: Path, step: int
     ckpt.save_rng(tmp, env.rank)
     return ckpt.commit_checkpoint(root, tmp, step, {"step": step, "world_size": env.world_size, **state}, env,
                                   keep_last)  # fmt: skip
+
+
+def config_from_argv(cls: type, argv: Sequence[str]) -> Any:
+    """``[--config FILE] [key=value ...]`` -> a validated ``cls`` config (the recipes' command line)."""
+    argv = list(argv)
+    config_path = None
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        config_path, argv = argv[1], argv[2:]
+    return load_config(cls, config_path, argv)
+
+
+def publish_model(checkpoint: Path, out: Path, env: DistEnv) -> Path:
+    """Copy the final checkpoint's HF model dir to ``out/model``, replacing an older one atomically."""
+    model_dir = out / "model"
+    if env.is_main:
+        tmp = out / ".tmp-model"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(checkpoint / "model", tmp)
+        shutil.rmtree(model_dir, ignore_errors=True)
+        tmp.rename(model_dir)
+    barrier()
+    return model_dir

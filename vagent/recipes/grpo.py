@@ -27,7 +27,6 @@ checkpoint.
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from collections import Counter, defaultdict
@@ -39,15 +38,17 @@ import torch
 from tqdm import tqdm
 
 from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
-from vagent.config import ConfigError, GRPOConfig, config_to_dict, load_config
+from vagent.config import ConfigError, GRPOConfig, config_to_dict
 from vagent.data import Row, encode_messages, load_rows, write_rows
 from vagent.data.batching import collate
 from vagent.model import Policy, load_policy, policy_logits
 from vagent.recipes.common import (
     build_backend,
     check_resume,
+    config_from_argv,
     peak_memory_gb,
     prepare_model,
+    publish_model,
     resume_point,
     save_checkpoint,
     say,
@@ -66,11 +67,7 @@ from vagent.types import Trajectory
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config_path = None
-    if argv[:1] == ["--config"] and len(argv) > 1:
-        config_path, argv = argv[1], argv[2:]
-    train(load_config(GRPOConfig, config_path, argv))
+    train(config_from_argv(GRPOConfig, sys.argv[1:] if argv is None else argv))
     return 0
 
 
@@ -202,14 +199,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
 
     final = _save(cfg, backend, policy, root, total_steps, consumed, fingerprint, env, last, out)
     logger.close()
-    model_dir = out / "model"
-    if env.is_main:  # the final model at a stable path, replaced atomically
-        tmp = out / ".tmp-model"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(final / "model", tmp)
-        shutil.rmtree(model_dir, ignore_errors=True)
-        tmp.rename(model_dir)
-    barrier()
+    model_dir = publish_model(final, out, env)  # the final model at a stable path
     say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
     return model_dir
 

@@ -16,7 +16,6 @@ bit for bit on CPU.
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,14 +24,16 @@ import torch
 from tqdm import tqdm
 
 from vagent.algorithms import token_nll_sum, trained_token_count
-from vagent.config import SFTConfig, config_to_dict, load_config
+from vagent.config import SFTConfig, config_to_dict
 from vagent.data import load_rows
 from vagent.model import Policy, load_policy, policy_logits
 from vagent.recipes.common import (
     build_backend,
     check_resume,
+    config_from_argv,
     peak_memory_gb,
     prepare_model,
+    publish_model,
     resume_point,
     save_checkpoint,
     say,
@@ -48,11 +49,7 @@ from vagent.training.metrics import MetricsLogger
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config_path = None
-    if argv[:1] == ["--config"] and len(argv) > 1:
-        config_path, argv = argv[1], argv[2:]
-    train(load_config(SFTConfig, config_path, argv))
+    train(config_from_argv(SFTConfig, sys.argv[1:] if argv is None else argv))
     return 0
 
 
@@ -175,14 +172,7 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
         say(env, f"eval loss {eval_loss:.4f}")
     final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
     logger.close()
-    model_dir = out / "model"
-    if env.is_main:  # the final model at a stable path, replaced atomically
-        tmp = out / ".tmp-model"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(final / "model", tmp)
-        shutil.rmtree(model_dir, ignore_errors=True)
-        tmp.rename(model_dir)
-    barrier()
+    model_dir = publish_model(final, out, env)  # the final model at a stable path
     say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
     return model_dir
 
