@@ -14,7 +14,9 @@ Each step reads top to bottom in timed stages (verl's driver loop):
     logprob  the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked), and a
              forward pass scores them with the current weights: the "old" log-probs (the sampler's own
              log-probs differ by batching/cache numerics, so the ratio is taken against these; the
-             first update's ratio is then exactly 1, which is checked and logged as ``ratio_check``)
+             first update's ratio is then exactly 1, which is checked and logged as ``ratio_check``); fully
+             on-policy (one pass, one mini-batch, no KL) this pass is skipped and the update's own detached
+             log-probs serve as the old ones
     update   ``inner_updates`` passes of ``mini_batches`` optimizer steps each: PPO-clip with
              clip-higher, token- or sequence-level aggregation over the whole mini-batch on all ranks,
              optional k3 KL to the frozen initial policy
@@ -246,12 +248,16 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
             idx = order[start : start + algo.micro_batch_size]
             yield idx, to_device(collate([encoded[i] for i in idx], pad_id), env.device)
 
-    # old (and reference) log-probs with the weights that sampled, in the mode the update runs in
+    # old (and reference) log-probs with the weights that sampled, in the mode the update runs in. On-policy
+    # (one pass, one optimizer step, no KL) the update's own detached log-probs are the old ones: the same
+    # weights, the same forward, so the ratio is 1 by construction and this whole pass is skipped (as TRL
+    # does). Otherwise the ratio check below is a real test of that equality.
+    on_policy = algo.inner_updates == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
     old: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
     ref: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
     sampler_gap, sampled_total = 0.0, 0
     with torch.no_grad(), _autocast(env, bf16):
-        for idx, batch in batches(list(range(len(encoded)))):
+        for idx, batch in batches([] if on_policy else list(range(len(encoded)))):
             lp, _ = sampled_logprobs(policy_logits(module, batch), batch["input_ids"], batch["loss_mask"])
             ref_lp = None
             if reference is not None:
@@ -287,11 +293,14 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
             for k, (idx, batch) in enumerate(micro):
                 mask = batch["loss_mask"]
                 width = mask.shape[1]
-                old_lp = torch.stack([torch.nn.functional.pad(old[i], (0, width - len(old[i]))) for i in idx])
                 adv = advantages[idx].to(env.device)
                 with backend.accumulating(last=k == len(micro) - 1):
                     logits = policy_logits(module, batch)
                     lp, entropy = sampled_logprobs(logits, batch["input_ids"], mask)
+                    if on_policy:
+                        for row, i in enumerate(idx):
+                            old[i] = lp[row, : len(encoded[i].input_ids)].detach()
+                    old_lp = torch.stack([torch.nn.functional.pad(old[i], (0, width - len(old[i]))) for i in idx])
                     per_token, st = policy_loss(lp, old_lp, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
                     if algo.kl_coef > 0:
                         ref_lp = torch.stack([torch.nn.functional.pad(ref[i], (0, width - len(ref[i]))) for i in idx])
@@ -308,6 +317,11 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
             stats["grad_norm"] += backend.step()
             stats["optimizer_steps"] += 1
     timer["update"] = time.perf_counter() - t0
+    if on_policy:  # the training-vs-sampler gap, from the update's own log-probs
+        for i, t in enumerate(trajectories):
+            mask = encoded[i].loss_mask.bool().to(env.device)
+            sampler_gap += float((old[i] - torch.tensor(t.logprobs, device=env.device))[mask].abs().sum())
+            sampled_total += int(mask.sum())
     stats["sampler_logprob_gap"] = sampler_gap / max(1, sampled_total)
     return dict(stats)
 
