@@ -89,6 +89,12 @@ def test_observation_and_prompt_tokens_get_zero_gradient_in_the_policy_loss(poli
     trained = mask[0, 1:].bool()
     assert torch.all(grad[~trained] == 0) and torch.all(grad[trained] > 0)
     policy.model.zero_grad()
+    # the update's scorer keeps only the logits from the first sampled token on, with the same log-probs
+    from vagent.recipes.grpo import _scored_logprobs
+
+    with torch.no_grad():
+        kept, _ = _scored_logprobs(policy.model, batch)
+    assert torch.allclose(kept, lp.detach(), atol=1e-5) and kept.shape == lp.shape
 
 
 def test_unknown_reward_names_and_deepspeed_are_config_errors(tmp_path):

@@ -257,7 +257,7 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     return types
 
 
-def policy_logits(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+def policy_logits(model: torch.nn.Module, batch: dict[str, Any], logits_to_keep: int = 0) -> torch.Tensor:
     """One full forward (no cache) of a multimodal batch with fresh multimodal RoPE positions.
 
     Args:
@@ -267,8 +267,11 @@ def policy_logits(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor
             ``mm_token_type_ids``. Images must appear in ``pixel_values`` in the order their
             placeholders appear in the flattened batch. Other keys (``loss_mask``, ...) are ignored.
 
+        logits_to_keep: Only the last ``logits_to_keep`` positions' logits (0 = all): the language-model head
+            and its output memory then cover only the part of the sequence a loss reads (the completion).
+
     Returns:
-        (B, T, V) logits; position t predicts token t + 1.
+        (B, T, V) logits (``(B, logits_to_keep, V)`` when set); position t predicts token t + 1.
     """
     config = _unwrap(model).config
     inputs = {k: v for k, v in batch.items() if v is not None and k in _FORWARD_KEYS}
@@ -278,7 +281,8 @@ def policy_logits(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor
             inputs["input_ids"], config.image_token_id, config.video_token_id
         )
     reset_rope_deltas(model)  # generate() may have cached deltas of another batch on the model
-    logits = model(**inputs, use_cache=False).logits
+    extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    logits = model(**inputs, use_cache=False, **extra).logits
     reset_rope_deltas(model)
     return logits
 

@@ -217,6 +217,18 @@ def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed:
     return out
 
 
+def _scored_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampled_logprobs`` with logits only from the position that predicts the batch's first sampled token
+    on: the prompt (system, images, question) needs no language-model head. Returns (B, T) log-probs."""
+    mask = batch["loss_mask"]
+    width = mask.shape[1]
+    first = int(mask.float().argmax(dim=1).min()) if mask.any() else width - 1  # earliest sampled token
+    start = max(first - 1, 0)  # position start predicts token start + 1
+    logits = policy_logits(model, batch, logits_to_keep=width - start)  # (B, width - start, V)
+    lp, entropy = sampled_logprobs(logits, batch["input_ids"][:, start:], mask[:, start:])
+    return torch.nn.functional.pad(lp, (start, 0)), entropy
+
+
 def _autocast(env: DistEnv, bf16: bool):
     import contextlib
 
@@ -258,14 +270,13 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
     sampler_gap, sampled_total = 0.0, 0
     with torch.no_grad(), _autocast(env, bf16):
         for idx, batch in batches([] if on_policy else list(range(len(encoded)))):
-            lp, _ = sampled_logprobs(policy_logits(module, batch), batch["input_ids"], batch["loss_mask"])
+            lp, _ = _scored_logprobs(module, batch)
             ref_lp = None
             if reference is not None:
-                ref_lp, _ = sampled_logprobs(policy_logits(reference, batch), batch["input_ids"], batch["loss_mask"])
+                ref_lp, _ = _scored_logprobs(reference, batch)
             elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
                 with policy.model.disable_adapter():
-                    ref_lp, _ = sampled_logprobs(policy_logits(policy.model, batch), batch["input_ids"],
-                                                 batch["loss_mask"])  # fmt: skip
+                    ref_lp, _ = _scored_logprobs(policy.model, batch)
             for row, i in enumerate(idx):
                 n = len(encoded[i].input_ids)
                 old[i] = lp[row, :n].detach()
@@ -295,8 +306,7 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
                 width = mask.shape[1]
                 adv = advantages[idx].to(env.device)
                 with backend.accumulating(last=k == len(micro) - 1):
-                    logits = policy_logits(module, batch)
-                    lp, entropy = sampled_logprobs(logits, batch["input_ids"], mask)
+                    lp, entropy = _scored_logprobs(module, batch)
                     if on_policy:
                         for row, i in enumerate(idx):
                             old[i] = lp[row, : len(encoded[i].input_ids)].detach()
