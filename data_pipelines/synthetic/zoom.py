@@ -20,12 +20,9 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from vagent.chat import observation_content
+from data_pipelines.gold import crop_then_answer
 from vagent.data import Evidence, Row, write_rows
-from vagent.geometry import Convention, original_to_model
-from vagent.media import resize_to_budget
-from vagent.toolbox import ToolContext, call_tool
-from vagent.types import ToolCall
+from vagent.geometry import Convention
 
 __all__ = ["COLORS", "GLYPHS", "draw_task", "zoom_rows"]
 
@@ -136,26 +133,10 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
 
 
 def _crop_then_answer(image, box, rng, words, crop_path, margin, min_pixels, max_pixels, factor, convention):
-    margin = margin if margin is not None else rng.randint(8, 24)  # original pixels of context around the tile
-    region = (box[0] - margin, box[1] - margin, box[2] + margin, box[3] + margin)
-    seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor).size
-    bbox = [round(v) for v in original_to_model(region, convention, seen, image.size)]
-    context = ToolContext(images=[image], model_sizes=[seen], convention=convention, min_pixels=min_pixels,
-                          max_pixels=max_pixels, image_factor=factor)  # fmt: skip
-    observation = call_tool(ToolCall("crop", {"bbox": bbox}), context)
-    if observation.error:  # a builder bug, not a data property: fail loudly
-        raise RuntimeError(f"the gold crop failed: {observation.text}")
-    observation.images[0].save(crop_path)
-    content = []
-    for part in observation_content(observation):
-        content.append({"type": "image", "path": str(crop_path)} if part["type"] == "image" else part)
-    call = f'<tool_call>\n{{"name": "crop", "arguments": {{"bbox": {bbox}}}}}\n</tool_call>'
-    return [
-        {"role": "assistant", "content": f"<think>{rng.choice(_LOOK).format(**words)}</think>\n{call}"},
-        {"role": "tool", "content": content},
-        {"role": "assistant",
-         "content": f"<think>{rng.choice(_READ).format(**words)}</think>\n<answer>{words['digit']}</answer>"},
-    ]  # fmt: skip
+    return crop_then_answer(image, box, crop_path, look=rng.choice(_LOOK).format(**words),
+                            read=rng.choice(_READ).format(**words), answer=str(words["digit"]),
+                            margin=margin if margin is not None else rng.randint(8, 24),  # context, varied
+                            min_pixels=min_pixels, max_pixels=max_pixels, factor=factor, convention=convention)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""Converters from published dataset formats to canonical rows (each writes a rows JSONL)."""

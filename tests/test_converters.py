@@ -1,0 +1,78 @@
+"""Each converter on a small file in its source format, written by the test."""
+
+from __future__ import annotations
+
+import json
+
+from PIL import Image
+
+from data_pipelines.convert import charades, mat, refcoco
+from tests.videos import write_video
+from vagent.data import load_rows
+from vagent.toolbox import TOOLS
+
+
+def test_refcoco_refs_become_grounding_rows_with_gold_crop_trajectories(tmp_path, policy):
+    images = tmp_path / "images"
+    images.mkdir()
+    image = Image.new("RGB", (640, 480), (200, 200, 200))
+    image.paste((220, 30, 30), (300, 200, 380, 260))  # the referred object
+    image.save(images / "0001.jpg")
+    instances = {"images": [{"id": 1, "file_name": "0001.jpg", "width": 640, "height": 480}],
+                 "annotations": [{"id": 7, "image_id": 1, "bbox": [300, 200, 80, 60], "category_id": 3},
+                                 {"id": 8, "image_id": 1, "bbox": [0, 0, 0.5, 10], "category_id": 3}],
+                 "categories": [{"id": 3, "name": "car"}]}  # fmt: skip
+    refs = [{"ref_id": 1, "ann_id": 7, "image_id": 1, "split": "val", "sentences": [{"sent": "red car"}, {"sent": "the car"}]},
+            {"ref_id": 2, "ann_id": 99, "image_id": 1, "split": "val", "sentences": [{"sent": "ghost"}]},
+            {"ref_id": 3, "ann_id": 7, "image_id": 1, "split": "train", "sentences": [{"sent": "other split"}]}]  # fmt: skip
+    (tmp_path / "instances.json").write_text(json.dumps(instances))
+    (tmp_path / "refs.json").write_text(json.dumps(refs))
+    min_pixels, max_pixels = policy.pixel_budget
+    out = tmp_path / "out"
+    assert refcoco.main(["--instances", str(tmp_path / "instances.json"), "--refs", str(tmp_path / "refs.json"),
+                         "--image-root", str(images), "--out", str(out), "--split", "val", "--trajectories",
+                         "--min-pixels", str(min_pixels), "--max-pixels", str(max_pixels)]) == 0  # fmt: skip
+    rows = load_rows(out / "rows.jsonl", known_tools=TOOLS)
+    assert [r.id for r in rows] == ["ref1-0", "ref1-1"]  # the missing annotation is skipped, the other split too
+    assert rows[0].answer == [300.0, 200.0, 380.0, 260.0] and rows[0].evidence.boxes == [rows[0].answer]
+    assert '"red car"' in rows[0].question and rows[0].answer_type == "box"
+    call, tool, answer = rows[0].messages
+    assert '"name": "crop"' in call["content"]
+    crop = Image.open(next(p["path"] for p in tool["content"] if p["type"] == "image"))
+    center = crop.convert("RGB").getpixel((crop.width // 2, crop.height // 2))
+    assert max(abs(a - b) for a, b in zip(center, (220, 30, 30), strict=True)) <= 4  # the real crop tool's output
+    # the answer is the box in the frame the policy sees (640x480 fits the budget: the same pixels here or scaled)
+    assert answer["content"].endswith("</answer>") and "[" in answer["content"]
+
+
+def test_refcoco_without_refs_uses_each_annotation(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 64)).save(images / "a.jpg")
+    instances = {"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [{"id": 1, "image_id": 1, "bbox": [1, 2, 30, 40],
+                 "category_id": 5}], "categories": [{"id": 5, "name": "dog"}]}  # fmt: skip
+    rows, skipped = refcoco.convert(instances, None, images, tmp_path / "o", trajectories=False, split=None, budget={})
+    assert skipped == [] and rows[0].question.startswith('Give the bounding box of "the dog"')
+
+
+def test_mat_json_becomes_rows_and_bad_records_are_reported(tmp_path, capsys):
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    records = [{"id": 1, "question": "Q?", "answers": ["x"], "type": ["ocr"], "ori_image_path": "a.png",
+                "processed_image_path": "a.png"},
+               {"id": 2, "question": "Q?", "answers": ["y"], "processed_image_path": "missing.png"}]  # fmt: skip
+    (tmp_path / "mat.json").write_text(json.dumps(records))
+    assert (
+        mat.main(["--kind", "coding", "--data", str(tmp_path / "mat.json"), "--out", str(tmp_path / "rows.jsonl")]) == 0
+    )
+    rows = load_rows(tmp_path / "rows.jsonl")
+    assert [r.id for r in rows] == ["1"] and rows[0].answer == ["x"] and rows[0].extra["type"] == ["ocr"]
+    assert "id 2" in capsys.readouterr().out
+
+
+def test_charades_sta_lines_become_span_rows(tmp_path):
+    write_video(tmp_path / "ABC12.mp4", frames=16, fps=8.0)
+    text = "ABC12 0.5 1.5##a person opens a door.\nABC12 1.5##broken line\nZZZ99 1 2##missing video\n"
+    rows, skipped = charades.convert(text, tmp_path, "mp4")
+    assert len(rows) == 1 and rows[0].answer == [0.5, 1.5] and rows[0].evidence.spans == [[0.5, 1.5]]
+    assert "a person opens a door" in rows[0].question
+    assert [s.split(":")[0] for s in skipped] == ["line 2", "line 3"]
