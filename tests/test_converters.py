@@ -76,3 +76,30 @@ def test_charades_sta_lines_become_span_rows(tmp_path):
     assert len(rows) == 1 and rows[0].answer == [0.5, 1.5] and rows[0].evidence.spans == [[0.5, 1.5]]
     assert "a person opens a door" in rows[0].question
     assert [s.split(":")[0] for s in skipped] == ["line 2", "line 3"]
+
+
+def test_distillation_keeps_trajectories_above_the_threshold_as_sft_rows(tmp_path, policy):
+    from data_pipelines.distill import distill_rows
+    from vagent.data import Row, write_rows
+    from vagent.rollout import RolloutLimits, Task, run
+    from vagent.training.data import gold_conversation
+
+    Image.new("RGB", (320, 240), (90, 160, 60)).save(tmp_path / "img.png")
+    rows = [Row(id=f"r{i}", question="What color?", answer="green", answer_type="exact", images=[str(tmp_path / "img.png")])
+            for i in range(2)]  # fmt: skip
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [10, 10, 120, 120]}}</tool_call>'
+    tasks = [
+        Task(id=r.id, question=r.question, images=r.images, scripted_turns=[crop, "<answer>green</answer>"])
+        for r in rows
+    ]
+    trajectories = run(policy, tasks, 2, RolloutLimits(max_turns=3))
+    rewards = [1.0, 0.0, 0.5, 0.9]  # row r0: samples 1.0 and 0.0; row r1: 0.5 and 0.9
+    kept = distill_rows(rows, trajectories, rewards, 2, min_reward=0.8, per_row=1, image_dir=tmp_path / "images")
+    assert [(r.id, r.extra["distill_reward"]) for r in kept] == [("r0-d0", 1.0), ("r1-d0", 0.9)]
+    path = write_rows(kept, tmp_path / "distilled.jsonl")
+    loaded = load_rows(path, known_tools=TOOLS)
+    roles = [m["role"] for m in loaded[0].messages]
+    assert roles == ["assistant", "tool", "assistant"] and "crop" in loaded[0].messages[0]["content"]
+    conversation = gold_conversation(loaded[0], ["crop"])  # SFT reads it like any gold trajectory
+    assert [m.role for m in conversation] == ["system", "user", "assistant", "tool", "assistant"]
+    assert Image.open(conversation[3].content[0].path).size == trajectories[0].messages[3].images[0].size

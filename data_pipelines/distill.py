@@ -1,0 +1,105 @@
+"""Distillation by rejection sampling: roll a checkpoint out on rows, keep the trajectories whose reward passes
+a threshold, and write them as SFT rows (real end-to-end trajectories make a stronger cold start than
+stitched ones).
+
+    python -m data_pipelines.distill --model CKPT --data rows.jsonl --out DIR --samples 4 \
+        --rewards accuracy=1.0,format=0.2 --min-reward 1.0 [--tools crop,zoom_in] [--per-row 1]
+
+Each kept trajectory becomes its row with ``messages`` = the assistant and tool turns as the policy saw
+them (tool images saved as PNG under ``DIR/images``); the prompt is rebuilt by SFT from the row, as for
+every gold trajectory. ``--per-row`` keeps at most that many trajectories per row (best reward first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+from vagent.data import Row, load_rows, write_rows
+from vagent.rewards import combine
+from vagent.types import Trajectory
+
+__all__ = ["distill_rows", "trajectory_messages"]
+
+
+def trajectory_messages(trajectory: Trajectory, image_dir: Path) -> list[dict]:
+    """The assistant/tool turns of a trajectory as row ``messages`` (tool images written to ``image_dir``)."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+    first = next(i for i, m in enumerate(trajectory.messages) if m.role == "assistant")
+    out = []
+    for message in trajectory.messages[first:]:
+        parts = []
+        for part in message.content:
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text or ""})
+            elif part.type == "image":
+                path = part.path
+                if part.image is not None:
+                    digest = hashlib.blake2b(part.image.tobytes(), digest_size=8).hexdigest()
+                    path = str(image_dir / f"{trajectory.task_id}-{digest}.png")
+                    part.image.save(path)
+                parts.append({"type": "image", "path": str(path)})
+        if message.role == "assistant":  # the text the policy wrote, as one string
+            out.append({"role": "assistant", "content": message.plain_text})
+        else:
+            out.append({"role": message.role, "content": parts})
+    return out
+
+
+def distill_rows(rows: list[Row], trajectories: list[Trajectory], rewards: list[float], n_samples: int, *,
+                 min_reward: float, per_row: int, image_dir: Path) -> list[Row]:  # fmt: skip
+    """Rows with the kept trajectories as gold ``messages`` (ids ``<row id>-d<k>``)."""
+    out = []
+    for i, row in enumerate(rows):
+        group = list(zip(trajectories[i * n_samples : (i + 1) * n_samples],
+                         rewards[i * n_samples : (i + 1) * n_samples], strict=True))  # fmt: skip
+        kept = sorted((g for g in group if g[1] >= min_reward and g[0].stop_reason == "answered"), key=lambda g: -g[1])
+        for k, (trajectory, reward) in enumerate(kept[:per_row]):
+            out.append(Row(**{**row.__dict__, "id": f"{row.id}-d{k}", "source": f"distilled/{row.source}",
+                              "messages": trajectory_messages(trajectory, image_dir),
+                              "extra": {**row.extra, "distill_reward": reward}}))  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--rewards", default="accuracy=1.0", help="name=weight,... from vagent.rewards.REWARDS")
+    parser.add_argument("--min-reward", type=float, default=1.0)
+    parser.add_argument("--per-row", type=int, default=1)
+    parser.add_argument("--tools", default="crop")
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from vagent.model import load_policy
+    from vagent.rollout import RolloutLimits, Task, run
+    from vagent.toolbox import TOOLS
+
+    weights = {k: float(v) for k, v in (item.split("=") for item in args.rewards.split(","))}
+    rows = load_rows(args.data, known_tools=TOOLS)
+    tools = [] if args.tools == "none" else args.tools.split(",")
+    policy = load_policy(args.model)
+    torch.manual_seed(args.seed)
+    limits = RolloutLimits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    trajectories = run(policy, [Task.from_row(r, tools) for r in rows], args.samples, limits)
+    per_sample = [row for row in rows for _ in range(args.samples)]
+    totals, _ = combine(trajectories, per_sample, weights)
+    out = Path(args.out)
+    kept = distill_rows(rows, trajectories, totals, args.samples, min_reward=args.min_reward, per_row=args.per_row,
+                        image_dir=out / "images")  # fmt: skip
+    path = write_rows(kept, out / "rows.jsonl")
+    print(f"kept {len(kept)} of {len(trajectories)} trajectories (reward >= {args.min_reward}) -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
