@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 from PIL import Image
 
 from data_pipelines.convert import charades, mat, refcoco
@@ -103,3 +104,24 @@ def test_distillation_keeps_trajectories_above_the_threshold_as_sft_rows(tmp_pat
     conversation = gold_conversation(loaded[0], ["crop"])  # SFT reads it like any gold trajectory
     assert [m.role for m in conversation] == ["system", "user", "assistant", "tool", "assistant"]
     assert Image.open(conversation[3].content[0].path).size == trajectories[0].messages[3].images[0].size
+
+
+def test_synthetic_video_rows_hide_the_answer_in_a_short_window(tmp_path, policy):
+    from data_pipelines.synthetic.video import video_rows
+    from vagent.data import write_rows
+    from vagent.media import probe_video, read_frames
+    from vagent.training.data import gold_conversation
+
+    rows = video_rows(tmp_path, 2, seed=3, duration=6.0, window=1.0, fps=8.0)
+    path = write_rows(rows, tmp_path / "rows.jsonl")
+    loaded = load_rows(path, known_tools=TOOLS)
+    row = loaded[0]
+    (t0, t1) = row.evidence.spans[0]
+    assert t1 - t0 == 1.0 and probe_video(row.videos[0]).duration == 6.0
+    (inside, outside), _ = read_frames(row.videos[0], [(t0 + t1) / 2, (t1 + 0.5) % 6.0])
+    colored = [int((np.ptp(np.asarray(f), axis=-1) > 80).sum()) for f in (inside, outside)]  # saturated pixels
+    assert colored[0] > 500 and colored[1] == 0, colored  # the square is on screen only inside the window
+    roles = [m.role for m in gold_conversation(row, ["sample_frames"])]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+    clip_turn = row.messages[3]["content"]
+    assert any(p["type"] == "text" and p["text"].startswith("t=") for p in clip_turn)  # frames carry their times

@@ -1,0 +1,124 @@
+"""Video tasks: a generated clip where the answer is on screen only for a short window.
+
+    python -m data_pipelines.synthetic.video --out data/video --rows 100 --seed 0
+
+Each clip (``duration`` s at ``fps``) shows drifting grey shapes; during one window of ``window`` seconds a
+colored square appears. The question asks its color, so the answer is visible only inside the window:
+the global overview (8 frames spread over the clip, ``sample_frames``' default) usually misses a short
+window, and looking at the window more densely finds it. Rows carry the window as the evidence span and
+a gold trajectory: an overview with ``sample_frames``, then ``crop_clip`` on the window (both run with the
+real tools, rendered as the engine renders them), then the answer.
+Knobs: ``duration``, ``window`` (shorter = harder), ``fps``, ``size``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import numpy as np
+
+from vagent.chat import observation_content
+from vagent.data import Evidence, Row, write_rows
+from vagent.toolbox import ToolContext, call_tool
+from vagent.types import ToolCall
+
+__all__ = ["COLORS", "video_rows", "write_clip"]
+
+COLORS = {"red": (30, 30, 220), "green": (40, 170, 40), "blue": (220, 70, 30), "yellow": (30, 210, 230)}  # BGR
+
+
+def write_clip(path: Path, rng: random.Random, *, duration: float, fps: float, size: tuple[int, int], window: tuple[float, float],
+               color: str) -> None:  # fmt: skip
+    """Write the clip with OpenCV (mp4v): grey drifting circles, the colored square only during ``window``."""
+    import cv2
+
+    width, height = size
+    shapes = [(rng.uniform(0, width), rng.uniform(0, height), rng.uniform(-3, 3), rng.uniform(-3, 3), rng.randint(6, 16))
+              for _ in range(6)]  # fmt: skip
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    side = min(width, height) // 3
+    x0, y0 = rng.randint(0, width - side), rng.randint(0, height - side)
+    for i in range(int(duration * fps)):
+        t = i / fps
+        frame = np.full((height, width, 3), 235, dtype=np.uint8)
+        for x, y, dx, dy, r in shapes:
+            cv2.circle(frame, (int(x + dx * i) % width, int(y + dy * i) % height), r, (120, 120, 120), 2)
+        if window[0] <= t < window[1]:
+            cv2.rectangle(frame, (x0, y0), (x0 + side, y0 + side), COLORS[color], -1)
+        writer.write(frame)
+    writer.release()
+
+
+def _tool_turn(name: str, arguments: dict, context: ToolContext, out: Path, stem: str) -> tuple[str, dict]:
+    observation = call_tool(ToolCall(name, arguments), context)
+    if observation.error:
+        raise RuntimeError(f"the gold {name} failed: {observation.text}")
+    images = iter(observation.images)
+    content = []
+    for k, part in enumerate(observation_content(observation)):
+        if part["type"] == "image":
+            path = out / f"{stem}-{name}-{k}.png"
+            next(images).save(path)
+            part = {"type": "image", "path": str(path)}
+        content.append(part)
+    call = f'<tool_call>\n{{"name": "{name}", "arguments": {json_args(arguments)}}}\n</tool_call>'
+    return call, {"role": "tool", "content": content}
+
+
+def json_args(arguments: dict) -> str:
+    import json
+
+    return json.dumps(arguments)
+
+
+def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 12.0, window: float = 1.0,
+               fps: float = 8.0, size: tuple[int, int] = (160, 120), frame_max_pixels: int = 28 * 28 * 16) -> list[Row]:  # fmt: skip
+    """Build ``n`` video rows with clips and gold trajectories under ``out_dir``."""
+    out = Path(out_dir)
+    (out / "clips").mkdir(parents=True, exist_ok=True)
+    (out / "frames").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        color = rng.choice(list(COLORS))
+        t0 = round(rng.uniform(0.5, duration - window - 0.5), 2)
+        span = (t0, round(t0 + window, 2))
+        path = out / "clips" / f"video-{seed}-{i}.mp4"
+        write_clip(path, rng, duration=duration, fps=fps, size=size, window=span, color=color)
+        context = ToolContext(videos=[str(path)], frame_max_pixels=frame_max_pixels)
+        stem = f"video-{seed}-{i}"
+        overview_call, overview = _tool_turn("sample_frames", {"num_frames": 8}, context, out / "frames", stem)
+        clip_call, clip = _tool_turn("crop_clip", {"start": max(0.0, span[0] - 0.5), "end": span[1] + 0.5},
+                                     context, out / "frames", stem)  # fmt: skip
+        messages = [
+            {"role": "assistant", "content": f"<think>Let me get an overview of the video.</think>\n{overview_call}"},
+            overview,
+            {"role": "assistant", "content": f"<think>Something seems to flash around {span[0]:.1f} s; I will look at that "
+                                             f"moment frame by frame.</think>\n{clip_call}"},
+            clip,
+            {"role": "assistant", "content": f"<think>The square is {color}.</think>\n<answer>{color}</answer>"},
+        ]  # fmt: skip
+        rows.append(Row(id=stem, question="A colored square appears briefly. What color is it?", answer=color,
+                        answer_type="exact", videos=[str(path)], source="synthetic/video",
+                        evidence=Evidence(spans=[list(span)]), tools=["sample_frames", "crop_clip"], messages=messages,
+                        extra={"difficulty": {"duration": duration, "window": window, "fps": fps}}))  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rows", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--duration", type=float, default=12.0)
+    parser.add_argument("--window", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    rows = video_rows(args.out, args.rows, seed=args.seed, duration=args.duration, window=args.window)
+    print(f"wrote {len(rows)} rows to {write_rows(rows, Path(args.out) / 'rows.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
