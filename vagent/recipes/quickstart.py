@@ -152,8 +152,7 @@ def _support_rows(train, policy) -> list:
     next to agent trajectories: read the glyph from a gold crop (the skill a crop is for), and give the tile's
     box on the global view (the skill of choosing where to crop). A model trained from scratch learns to use
     its image tokens from these far sooner than from the one answer token of a long trajectory."""
-    from vagent.geometry import original_to_model
-    from vagent.media import smart_resize
+    from data_pipelines.gold import model_box
 
     min_pixels, max_pixels = policy.pixel_budget
     rows = []
@@ -167,8 +166,8 @@ def _support_rows(train, policy) -> list:
         tile = row.evidence.boxes[0]
         with Image.open(row.images[0]) as image:
             size = image.size
-        h, w = smart_resize(size[1], size[0], min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
-        box = [round(v) for v in original_to_model(tile, policy.coord_convention, (w, h), size)]
+        box = model_box(tile, size, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
+                        convention=policy.coord_convention)  # fmt: skip
         color = row.question.split("small ")[1].split(" tile")[0]
         rows.append(row.__class__(id=f"{row.id}-ground", question=f"Where is the small {color} tile? Give its box.",
                                   answer=tile, answer_type="box", images=list(row.images), tools=[],
