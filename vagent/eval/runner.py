@@ -26,6 +26,7 @@ from vagent.data import Row
 from vagent.eval.benchmarks import Benchmark
 from vagent.eval.metrics import summarize
 from vagent.model import Policy
+from vagent.rewards.answer import gold_answers
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
 from vagent.training.distributed import DistEnv, barrier
@@ -83,7 +84,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
             counters["sample"] = k
             tw.write(trajectory)
             scores = benchmark.score(row, trajectory)
-            record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": _gold(row),
+            record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": gold_answers(row.answer, row.answer_type),
                       **scores, "tool_calls": [r["name"] for r in trajectory.tool_results],
                       "tool_errors": sum(1 for r in trajectory.tool_results if r["error"]),
                       "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
@@ -104,10 +105,6 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
     if rank != 0:
         return {}
     return _merge(benchmark, rows, out_dir, world, skipped, tools)
-
-
-def _gold(row: Row) -> list[Any]:
-    return list(row.answer) if isinstance(row.answer, list) and row.answer_type in ("exact", "f1") else [row.answer]
 
 
 def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int, skipped, tools) -> dict[str, Any]:

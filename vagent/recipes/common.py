@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, load_config
-from vagent.model import Policy, apply_lora, freeze_vision
+from vagent.model import Policy, apply_lora, freeze_vision, load_policy
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
 from vagent.training.distributed import DistEnv, barrier, broadcast_object
@@ -24,15 +24,18 @@ __all__ = [
     "build_backend",
     "check_resume",
     "config_from_argv",
+    "load_trainable",
     "peak_memory_gb",
     "prepare_model",
     "publish_model",
     "resume_point",
+    "resume_training",
     "save_checkpoint",
     "say",
     "tiny_checkpoint",
     "to_device",
     "tool_services",
+    "uses_bf16",
 ]
 
 # Keys that may change between a checkpoint and its resume without changing what is trained.
@@ -119,6 +122,46 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], allow_changes: 
             "or use another out_dir."
         )  # fmt: skip
     return changed
+
+
+def uses_bf16(cfg: TrainConfig, env: DistEnv) -> bool:
+    """bf16 compute (autocast or DeepSpeed bf16, fp32 master weights): asked for, or ``auto`` on CUDA."""
+    return cfg.precision == "bf16" or (cfg.precision == "auto" and env.device.type == "cuda")
+
+
+def load_trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, out: Path, env: DistEnv, resume_from: Path | None,
+                   seed: int) -> tuple[Policy, torch.nn.Module, Path]:  # fmt: skip
+    """The policy to train, in fp32 master weights on ``env.device``: the configured checkpoint (or the tiny default,
+    built once by rank 0), or on a full-weights resume the checkpoint's own model dir; then frozen, checkpointed and
+    LoRA-wrapped as configured (``prepare_model``). Returns (policy, the trained module, the starting model dir)."""
+    if env.is_main:
+        tiny_checkpoint(model_cfg, out)
+    barrier()
+    model_path = tiny_checkpoint(model_cfg, out, build=False)
+    # LoRA resumes its adapter onto the base; DeepSpeed restores the weights from its own checkpoint
+    full_weights = resume_from is not None and not train_cfg.lora.enabled and not train_cfg.deepspeed
+    # bf16 comes from autocast (DDP) or DeepSpeed's bf16 mode, over fp32 master weights
+    policy = load_policy(resume_from / "model" if full_weights else model_path, device=env.device,
+                         dtype="float32", attn_implementation=model_cfg.attn_implementation)  # fmt: skip
+    torch.manual_seed(seed)  # LoRA init, dropout: the same on every rank
+    policy.model.config.use_cache = False
+    return policy, prepare_model(train_cfg, policy, resume_from, env), model_path
+
+
+def resume_training(resume_from: Path | None, backend: TrainBackend, fingerprint: dict[str, Any],
+                    allow_changes: bool, env: DistEnv) -> dict[str, Any]:  # fmt: skip
+    """Restore optimizer, schedule and this rank's RNG from ``resume_from`` after checking that the config and
+    data ``fingerprint`` match (``check_resume``). Returns the checkpoint's trainer state, or {} for a fresh run."""
+    if resume_from is None:
+        return {}
+    state = ckpt.read_state(resume_from)
+    for key in check_resume({k: state.get(k) for k in fingerprint}, fingerprint, allow_changes):
+        say(env, f"warning: {key} changed since {resume_from} (train.allow_changes=true)")
+    backend.load(resume_from)
+    if not ckpt.load_rng(resume_from, env.rank):
+        say(env, f"note: {resume_from} has no RNG state for rank {env.rank} (world size changed)")
+    say(env, f"resumed from {resume_from} at step {state['step']}")
+    return state
 
 
 def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, env: DistEnv) -> torch.nn.Module:

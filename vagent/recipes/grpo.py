@@ -46,23 +46,24 @@ from vagent.data.batching import collate
 from vagent.model import Policy, load_policy, policy_logits
 from vagent.recipes.common import (
     build_backend,
-    check_resume,
     config_from_argv,
+    load_trainable,
     peak_memory_gb,
-    prepare_model,
     publish_model,
     resume_point,
+    resume_training,
     save_checkpoint,
     say,
-    tiny_checkpoint,
     to_device,
     tool_services,
+    uses_bf16,
 )
 from vagent.rewards import REWARDS, combine
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
 from vagent.toolbox import TOOLS
 from vagent.training import checkpoint as ckpt
+from vagent.training.backend import autocast
 from vagent.training.distributed import DistEnv, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from vagent.training.metrics import MetricsLogger
 from vagent.types import Trajectory
@@ -89,19 +90,11 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and env.device.type == "cuda")
+    bf16 = uses_bf16(cfg.train, env)
     algo = cfg.grpo
 
     # -- model (and the frozen reference for the KL term) ------------------------------------------------
-    if env.is_main:
-        tiny_checkpoint(cfg.model, out)
-    barrier()
-    model_path = tiny_checkpoint(cfg.model, out, build=False)
-    full_weights = resume_from is not None and not cfg.train.lora.enabled
-    policy = load_policy(resume_from / "model" if full_weights else model_path, device=env.device,
-                         dtype="float32", attn_implementation=cfg.model.attn_implementation)  # fmt: skip
-    torch.manual_seed(cfg.seed)
-    model = prepare_model(cfg.train, policy, resume_from, env)
+    policy, model, model_path = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed)
     reference = None
     if algo.kl_coef > 0 and not cfg.train.lora.enabled:  # with LoRA the reference is the model, adapters off
         reference = load_policy(model_path, device=env.device, dtype="float32").model.requires_grad_(False)
@@ -119,16 +112,9 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)")  # fmt: skip
 
-    start_step, consumed = 0, 0
     fingerprint = {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path)}
-    if resume_from is not None:
-        state = ckpt.read_state(resume_from)
-        for key in check_resume({k: state.get(k) for k in fingerprint}, fingerprint, cfg.train.allow_changes):
-            say(env, f"warning: {key} changed since {resume_from} (train.allow_changes=true)")
-        backend.load(resume_from)
-        ckpt.load_rng(resume_from, env.rank)
-        start_step, consumed = state["step"], state["prompts_consumed"]
-        say(env, f"resumed from {resume_from} at step {start_step}")
+    state = resume_training(resume_from, backend, fingerprint, cfg.train.allow_changes, env)
+    start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
     logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
                            wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
 
@@ -150,7 +136,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
             tasks = [Task.from_row(row, cfg.data.tools) for row in batch_rows]
             model.eval()
             t0 = time.perf_counter()
-            with torch.no_grad(), _autocast(env, bf16):
+            with torch.no_grad(), autocast(env.device, bf16):
                 trajectories = run(policy, tasks, algo.group_size, limits, batch_size=algo.rollout_batch_size,
                                    **services)  # fmt: skip
             timer["gen"] += time.perf_counter() - t0
@@ -209,12 +195,9 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
 def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed: int) -> list[Row]:
     """This rank's prompts of the round starting at global position ``consumed`` in an endless stream of
     epochs, each a fresh (seed, epoch) permutation."""
-    out = []
-    for k in range(per_rank):
-        position = consumed + env.rank * per_rank + k
-        epoch, i = divmod(position, len(rows))
-        out.append(rows[int(np.random.default_rng([seed, epoch]).permutation(len(rows))[i])])
-    return out
+    positions = [divmod(consumed + env.rank * per_rank + k, len(rows)) for k in range(per_rank)]  # (epoch, index)
+    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(len(rows)) for epoch, _ in positions}
+    return [rows[int(orders[epoch][i])] for epoch, i in positions]
 
 
 def _scored_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,12 +210,6 @@ def _scored_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     logits = policy_logits(model, batch, logits_to_keep=width - start)  # (B, width - start, V)
     lp, entropy = sampled_logprobs(logits, batch["input_ids"][:, start:], mask[:, start:])
     return torch.nn.functional.pad(lp, (start, 0)), entropy
-
-
-def _autocast(env: DistEnv, bf16: bool):
-    import contextlib
-
-    return torch.autocast(env.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: DistEnv, bf16: bool,
@@ -268,7 +245,7 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
     old: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
     ref: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
     sampler_gap, sampled_total = 0.0, 0
-    with torch.no_grad(), _autocast(env, bf16):
+    with torch.no_grad(), autocast(env.device, bf16):
         for idx, batch in batches([] if on_policy else list(range(len(encoded)))):
             lp, _ = _scored_logprobs(module, batch)
             ref_lp = None

@@ -26,19 +26,19 @@ from tqdm import tqdm
 from vagent.algorithms import token_nll_sum, trained_token_count
 from vagent.config import SFTConfig, config_to_dict
 from vagent.data import load_rows
-from vagent.model import Policy, load_policy, policy_logits
+from vagent.model import Policy, policy_logits
 from vagent.recipes.common import (
     build_backend,
-    check_resume,
     config_from_argv,
+    load_trainable,
     peak_memory_gb,
-    prepare_model,
     publish_model,
     resume_point,
+    resume_training,
     save_checkpoint,
     say,
-    tiny_checkpoint,
     to_device,
+    uses_bf16,
 )
 from vagent.toolbox import TOOLS
 from vagent.training import checkpoint as ckpt
@@ -67,20 +67,10 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and env.device.type == "cuda")
+    bf16 = uses_bf16(cfg.train, env)
 
     # -- model ------------------------------------------------------------------------------------------
-    if env.is_main:
-        model_path = tiny_checkpoint(cfg.model, out)  # builds the tiny default once (rank 0 only)
-    barrier()
-    model_path = tiny_checkpoint(cfg.model, out, build=False)
-    full_weights = resume_from is not None and not cfg.train.lora.enabled and not cfg.train.deepspeed
-    # fp32 master weights; bf16 comes from autocast (DDP) or DeepSpeed's bf16 mode
-    policy = load_policy(resume_from / "model" if full_weights else model_path, device=env.device,
-                         dtype="float32", attn_implementation=cfg.model.attn_implementation)  # fmt: skip
-    torch.manual_seed(cfg.seed)  # LoRA init, dropout: the same on every rank
-    policy.model.config.use_cache = False
-    model = prepare_model(cfg.train, policy, resume_from, env)
+    policy, model, _ = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed)
 
     # -- data -------------------------------------------------------------------------------------------
     train_path, val_path = _data_paths(cfg, env, out, policy)
@@ -107,18 +97,9 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=total_steps, bf16=bf16,
                             micro_batch_size=cfg.data.micro_batch_size, grad_accum=accum, find_unused=text_only)  # fmt: skip
 
-    start_step = 0
     fingerprint = {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path),
                    "val_data": ckpt.file_digest(val_path)}  # fmt: skip
-    if resume_from is not None:
-        state = ckpt.read_state(resume_from)
-        for key in check_resume({k: state.get(k) for k in fingerprint}, fingerprint, cfg.train.allow_changes):
-            say(env, f"warning: {key} changed since {resume_from} (train.allow_changes=true)")
-        backend.load(resume_from)
-        if not ckpt.load_rng(resume_from, env.rank):
-            say(env, f"note: {resume_from} has no RNG state for rank {env.rank} (world size changed)")
-        start_step = state["step"]
-        say(env, f"resumed from {resume_from} at step {start_step}")
+    start_step = resume_training(resume_from, backend, fingerprint, cfg.train.allow_changes, env).get("step", 0)
     logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
                            wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
 

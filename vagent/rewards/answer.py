@@ -21,6 +21,7 @@ __all__ = [
     "choice_match",
     "exact_match",
     "f1_em",
+    "gold_answers",
     "normalize_answer",
     "number_match",
     "parse_box",
@@ -136,6 +137,16 @@ def parse_span(text: str) -> list[float] | None:
     return numbers[:2] if len(numbers) >= 2 else None
 
 
+def gold_answers(answer: Any, answer_type: str) -> list[Any]:
+    """The accepted answers of a row: an ``exact``/``f1`` answer may list several; any other answer is one
+    (a box or a span is a list of numbers, not a list of answers).
+
+    >>> gold_answers(["Paris", "paris, France"], "f1"), gold_answers([1.0, 2.5], "span")
+    (['Paris', 'paris, France'], [[1.0, 2.5]])
+    """
+    return list(answer) if isinstance(answer, list) and answer_type in ("exact", "f1") else [answer]
+
+
 def answer_score(prediction: str | None, answer: Any, answer_type: str, choices: Sequence[str] | None = None,
                  box_in_original: list[float] | None = None, rel_tol: float = 0.01) -> float:  # fmt: skip
     """Score one prediction against a canonical row's answer, in [0, 1].
@@ -146,7 +157,7 @@ def answer_score(prediction: str | None, answer: Any, answer_type: str, choices:
     """
     if prediction is None:
         return 0.0
-    golds = answer if isinstance(answer, list) and answer_type in ("exact", "f1") else [answer]
+    golds = gold_answers(answer, answer_type)
     if answer_type == "exact":
         return exact_match(prediction, [str(g) for g in golds])
     if answer_type == "f1":

@@ -28,7 +28,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from vagent.training.distributed import DistEnv
 
-__all__ = ["DDPBackend", "DeepSpeedBackend", "TrainBackend", "build_optimizer", "warmup_cosine"]
+__all__ = ["DDPBackend", "DeepSpeedBackend", "TrainBackend", "autocast", "build_optimizer", "warmup_cosine"]
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[None]:
+    """bf16 autocast on ``device`` (fp32 master weights stay as they are), or nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def build_optimizer(
@@ -112,8 +117,7 @@ class DDPBackend:
     def accumulating(self, last: bool) -> Iterator[None]:
         """Forward/backward of one micro-batch; gradients are all-reduced only on the ``last`` one."""
         sync = contextlib.nullcontext() if last or self.module is self.model else self.module.no_sync()
-        autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
-        with sync, autocast:
+        with sync, autocast(self.env.device, self.bf16):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
