@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from PIL import Image
@@ -12,7 +13,7 @@ from vagent.media import resize_to_budget
 from vagent.toolbox import ToolContext, call_tool
 from vagent.types import ToolCall
 
-__all__ = ["crop_then_answer", "model_box"]
+__all__ = ["crop_then_answer", "model_box", "tool_turn"]
 
 
 def model_box(box, image_size: tuple[int, int], *, min_pixels: int, max_pixels: int, factor: int,
@@ -27,21 +28,35 @@ def model_box(box, image_size: tuple[int, int], *, min_pixels: int, max_pixels: 
 def crop_then_answer(image: Image.Image, box, crop_path: Path, *, look: str, read: str, answer: str, margin: int,
                      min_pixels: int, max_pixels: int, factor: int, convention: Convention) -> list[dict]:  # fmt: skip
     """Three gold turns: think ``look`` and crop ``box`` (original pixels, grown by ``margin``), the tool turn the
-    engine would show (the real ``crop`` output saved to ``crop_path``), then think ``read`` and answer."""
+    engine would show (the real ``crop`` output, saved next to ``crop_path`` as ``<stem>-0.png``), then think
+    ``read`` and answer."""
     region = (box[0] - margin, box[1] - margin, box[2] + margin, box[3] + margin)
     seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor).size
     bbox = [round(v) for v in original_to_model(region, convention, seen, image.size)]
     context = ToolContext(images=[image], model_sizes=[seen], convention=convention, min_pixels=min_pixels,
                           max_pixels=max_pixels, image_factor=factor)  # fmt: skip
-    observation = call_tool(ToolCall("crop", {"bbox": bbox}), context)
-    if observation.error:  # a builder bug, not a data property: fail loudly
-        raise RuntimeError(f"the gold crop failed: {observation.text}")
-    observation.images[0].save(crop_path)
-    content = [{"type": "image", "path": str(crop_path)} if part["type"] == "image" else part
-               for part in observation_content(observation)]  # fmt: skip
-    call = f'<tool_call>\n{{"name": "crop", "arguments": {{"bbox": {bbox}}}}}\n</tool_call>'
+    call, tool = tool_turn("crop", {"bbox": bbox}, context, crop_path.with_suffix(""))
     return [
         {"role": "assistant", "content": f"<think>{look}</think>\n{call}"},
-        {"role": "tool", "content": content},
+        tool,
         {"role": "assistant", "content": f"<think>{read}</think>\n<answer>{answer}</answer>"},
     ]
+
+
+def tool_turn(name: str, arguments: dict, context: ToolContext, image_stem: Path) -> tuple[str, dict]:
+    """Run a real tool call and return (the ``<tool_call>`` text, the tool turn as row ``messages`` render it):
+    the parts in ``observation_content`` order (frame times included), each image saved as
+    ``<image_stem>-<k>.png`` (k = the part's position). A failing call is a builder bug and raises."""
+    observation = call_tool(ToolCall(name, arguments), context)
+    if observation.error:
+        raise RuntimeError(f"the gold {name} call failed: {observation.text}")
+    images = iter(observation.images)
+    content = []
+    for k, part in enumerate(observation_content(observation)):
+        if part["type"] == "image":
+            path = image_stem.with_name(f"{image_stem.name}-{k}.png")
+            next(images).save(path)
+            part = {"type": "image", "path": str(path)}
+        content.append(part)
+    call = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    return call, {"role": "tool", "content": content}

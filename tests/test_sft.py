@@ -255,30 +255,22 @@ def test_a_killed_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, rows_fil
 def test_a_video_row_trains_on_the_frames_its_tool_turn_returned(tmp_path, policy):
     """Videos reach the model as the frames a video tool returned (as in the rollout engine), so a video
     SFT row is a multi-image conversation: the frames batch like any tool images, each after its time."""
+    from data_pipelines.gold import tool_turn
     from tests.videos import write_video
-    from vagent.chat import observation_content
     from vagent.data import Row
-    from vagent.toolbox import ToolContext, call_tool
-    from vagent.types import ToolCall
+    from vagent.toolbox import ToolContext
 
     video = write_video(tmp_path / "clip.mp4", frames=24, fps=8.0, size=(96, 64))
     min_pixels, max_pixels = policy.pixel_budget
     context = ToolContext(videos=[str(video)], min_pixels=min_pixels, max_pixels=max_pixels)
-    call = {"name": "sample_frames", "arguments": {"start": 0.5, "end": 2.5, "num_frames": 3}}
-    observation = call_tool(ToolCall(call["name"], call["arguments"]), context)
-    assert observation.error is None and len(observation.images) == 3
-    frames, content = iter(observation.images), []
-    for k, part in enumerate(observation_content(observation)):  # the tool turn as the engine renders it
-        if part["type"] == "image":
-            next(frames).save(tmp_path / f"frame{k}.png")
-            part = {"type": "image", "path": str(tmp_path / f"frame{k}.png")}
-        content.append(part)
+    call, tool = tool_turn("sample_frames", {"start": 0.5, "end": 2.5, "num_frames": 3}, context, tmp_path / "frame")
+    assert sum(part["type"] == "image" for part in tool["content"]) == 3
     row = Row.from_dict({
         "id": "v0", "question": "When does it get bright?", "answer": [1.0, 2.0], "answer_type": "span",
         "videos": [str(video)], "tools": ["sample_frames"],
         "messages": [
-            {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-            {"role": "tool", "content": content},
+            {"role": "assistant", "content": call},
+            tool,
             {"role": "assistant", "content": "<answer>[1.0, 2.0]</answer>"},
         ],
     })  # fmt: skip

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vagent.chat import observation_content
+from data_pipelines.gold import tool_turn
 from vagent.data import Evidence, Row, write_rows
-from vagent.toolbox import ToolContext, call_tool
-from vagent.types import ToolCall
+from vagent.toolbox import ToolContext
 
 __all__ = ["COLORS", "video_rows", "write_clip"]
 
@@ -51,28 +50,6 @@ def write_clip(path: Path, rng: random.Random, *, duration: float, fps: float, s
     writer.release()
 
 
-def _tool_turn(name: str, arguments: dict, context: ToolContext, out: Path, stem: str) -> tuple[str, dict]:
-    observation = call_tool(ToolCall(name, arguments), context)
-    if observation.error:
-        raise RuntimeError(f"the gold {name} failed: {observation.text}")
-    images = iter(observation.images)
-    content = []
-    for k, part in enumerate(observation_content(observation)):
-        if part["type"] == "image":
-            path = out / f"{stem}-{name}-{k}.png"
-            next(images).save(path)
-            part = {"type": "image", "path": str(path)}
-        content.append(part)
-    call = f'<tool_call>\n{{"name": "{name}", "arguments": {json_args(arguments)}}}\n</tool_call>'
-    return call, {"role": "tool", "content": content}
-
-
-def json_args(arguments: dict) -> str:
-    import json
-
-    return json.dumps(arguments)
-
-
 def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 12.0, window: float = 1.0,
                fps: float = 8.0, size: tuple[int, int] = (160, 120), frame_max_pixels: int = 28 * 28 * 16) -> list[Row]:  # fmt: skip
     """Build ``n`` video rows with clips and gold trajectories under ``out_dir``."""
@@ -89,9 +66,10 @@ def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 
         write_clip(path, rng, duration=duration, fps=fps, size=size, window=span, color=color)
         context = ToolContext(videos=[str(path)], frame_max_pixels=frame_max_pixels)
         stem = f"video-{seed}-{i}"
-        overview_call, overview = _tool_turn("sample_frames", {"num_frames": 8}, context, out / "frames", stem)
-        clip_call, clip = _tool_turn("crop_clip", {"start": max(0.0, span[0] - 0.5), "end": span[1] + 0.5},
-                                     context, out / "frames", stem)  # fmt: skip
+        overview_call, overview = tool_turn("sample_frames", {"num_frames": 8}, context,
+                                            out / "frames" / f"{stem}-sample_frames")  # fmt: skip
+        clip_call, clip = tool_turn("crop_clip", {"start": max(0.0, span[0] - 0.5), "end": span[1] + 0.5}, context,
+                                    out / "frames" / f"{stem}-crop_clip")  # fmt: skip
         messages = [
             {"role": "assistant", "content": f"<think>Let me get an overview of the video.</think>\n{overview_call}"},
             overview,

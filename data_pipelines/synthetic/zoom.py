@@ -126,8 +126,8 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
             id=f"zoom-{seed}-{i}", source="synthetic/zoom", images=[str(image_path)],
             question=question.format(color=color), answer=str(digit), answer_type="exact",
             evidence=Evidence(boxes=[[float(v) for v in box]]), tools=["crop"], messages=messages,
-            extra={"difficulty": {"tile": tile, "clutter": clutter, "distractors": distractors, "direct": direct,
-                                  "glyph": glyph}},
+            extra={"color": color, "difficulty": {"tile": tile, "clutter": clutter, "distractors": distractors,
+                                                  "direct": direct, "glyph": glyph}},
         ))  # fmt: skip
     return rows
 

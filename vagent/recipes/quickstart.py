@@ -5,7 +5,7 @@
 Stages (each with its own progress bar; times are reported):
 
 1. a tiny random Qwen2.5-VL checkpoint, built locally;
-2. synthetic zoom tasks: a cluttered image with one small colored tile whose digit blurs at the model's
+2. synthetic zoom tasks: a cluttered image with one small colored tile whose 1-px stripes blur at the model's
    global resolution but is readable after a crop (some tiles are drawn large: no tool needed), split
    into train and a held-out test set, with gold crop-then-answer trajectories (the crop is the real
    tool's output);
@@ -133,7 +133,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
     notool = []
     for row in train:  # the same images and answers, answered without looking closer
-        answer = f"<think>The {row.question.split('small ')[1].split(' tile')[0]} tile shows {row.answer}.</think>\n"
+        answer = f"<think>The {row.extra['color']} tile shows {row.answer}.</think>\n"
         notool.append(row.__class__(**{**row.__dict__, "tools": [],
                                        "messages": [{"role": "assistant", "content": f"{answer}<answer>{row.answer}</answer>"}]}))  # fmt: skip
     support = _support_rows(train, policy)
@@ -168,8 +168,7 @@ def _support_rows(train, policy) -> list:
             size = image.size
         box = model_box(tile, size, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
                         convention=policy.coord_convention)  # fmt: skip
-        color = row.question.split("small ")[1].split(" tile")[0]
-        rows.append(row.__class__(id=f"{row.id}-ground", question=f"Where is the small {color} tile? Give its box.",
+        rows.append(row.__class__(id=f"{row.id}-ground", question=f"Where is the small {row.extra['color']} tile? Give its box.",
                                   answer=tile, answer_type="box", images=list(row.images), tools=[],
                                   source="synthetic/zoom-grounding",
                                   messages=[{"role": "assistant", "content": f"<answer>{box}</answer>"}]))  # fmt: skip
