@@ -36,12 +36,9 @@ from vagent.training.data import SFTDataset
 
 
 def build_rows(out: Path, n: int, policy) -> Path:
-    min_pixels, max_pixels = policy.pixel_budget
-    budget = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
-                  convention=policy.coord_convention)  # fmt: skip
     rows = []
     for seed, size in enumerate([(448, 336), (672, 504), (896, 672)]):
-        rows += zoom_rows(out, n // 3, seed=seed, size=size, **budget)
+        rows += zoom_rows(out, n // 3, seed=seed, size=size, **policy.frame)
     return write_rows(rows, out / "train.jsonl")
 
 

@@ -204,3 +204,8 @@ def test_qwen3_vl_checkpoint_loads_and_generates(tmp_path):
     assert policy.family == "qwen3_vl" and policy.coord_convention == "norm1000" and policy.image_factor == 32
     out = policy.generate(policy.prepare(_messages(), [IMAGE]), max_new_tokens=4)[0]
     assert 1 <= len(out.token_ids) <= 4
+
+
+def test_frame_names_the_budget_grid_and_convention_data_builders_need(policy):
+    min_pixels, max_pixels = policy.pixel_budget
+    assert policy.frame == {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": 28, "convention": "absolute"}

@@ -144,6 +144,14 @@ class Policy:
         image_processor = self.processor.image_processor
         return int(image_processor.patch_size * image_processor.merge_size)
 
+    @property
+    def frame(self) -> dict[str, Any]:
+        """What a data builder needs to write boxes and tool turns in this policy's frame, as the keyword
+        arguments ``min_pixels``, ``max_pixels``, ``factor`` and ``convention`` (e.g. of ``zoom_rows``)."""
+        min_pixels, max_pixels = self.pixel_budget
+        return {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": self.image_factor,
+                "convention": self.coord_convention}  # fmt: skip
+
     def model_view(self, image: Image.Image) -> Image.Image:
         """``image`` resized exactly as this policy's processor will: the frame its boxes refer to."""
         min_pixels, max_pixels = self.pixel_budget

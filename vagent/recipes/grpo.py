@@ -353,9 +353,7 @@ def _prompts(cfg: GRPOConfig, env: DistEnv, out: Path, policy: Policy) -> str:
     if env.is_main and not path.is_file():
         from data_pipelines.synthetic.zoom import zoom_rows
 
-        min_pixels, max_pixels = policy.pixel_budget
-        rows = zoom_rows(path.parent, cfg.data.synthetic_rows, seed=cfg.seed + 1000, min_pixels=min_pixels,
-                         max_pixels=max_pixels, factor=policy.image_factor, convention=policy.coord_convention)  # fmt: skip
+        rows = zoom_rows(path.parent, cfg.data.synthetic_rows, seed=cfg.seed + 1000, **policy.frame)
         write_rows(rows, path)
         say(env, f"wrote {len(rows)} synthetic zoom prompts to {path}")
     barrier()

@@ -125,10 +125,8 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in ("train", "sft_mix", "sft_mix_notool", "test")}
     if all(p.is_file() for p in paths.values()):
         return paths
-    min_pixels, max_pixels = policy.pixel_budget
     knobs = dict(size=tuple(cfg.image_size), clutter=30, distractors=0, direct_share=cfg.direct_share,
-                 grid=cfg.grid or None, margin=12, glyph=cfg.glyph, min_pixels=min_pixels, max_pixels=max_pixels,
-                 factor=policy.image_factor, convention=policy.coord_convention)  # fmt: skip
+                 grid=cfg.grid or None, margin=12, glyph=cfg.glyph, **policy.frame)  # fmt: skip
     train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
     notool = []
@@ -154,7 +152,6 @@ def _support_rows(train, policy) -> list:
     its image tokens from these far sooner than from the one answer token of a long trajectory."""
     from data_pipelines.gold import model_box
 
-    min_pixels, max_pixels = policy.pixel_budget
     rows = []
     for row in train:
         if row.extra["difficulty"]["direct"]:
@@ -166,8 +163,7 @@ def _support_rows(train, policy) -> list:
         tile = row.evidence.boxes[0]
         with Image.open(row.images[0]) as image:
             size = image.size
-        box = model_box(tile, size, min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
-                        convention=policy.coord_convention)  # fmt: skip
+        box = model_box(tile, size, **policy.frame)
         rows.append(row.__class__(id=f"{row.id}-ground", question=f"Where is the small {row.extra['color']} tile? Give its box.",
                                   answer=tile, answer_type="box", images=list(row.images), tools=[],
                                   source="synthetic/zoom-grounding",

@@ -167,12 +167,11 @@ def _data_paths(cfg: SFTConfig, env: DistEnv, out: Path, policy: Policy) -> tupl
         from data_pipelines.synthetic.zoom import zoom_rows
         from vagent.data import write_rows
 
-        min_pixels, max_pixels = policy.pixel_budget
-        budget = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
-                      convention=policy.coord_convention)  # fmt: skip
         n = cfg.data.synthetic_rows
-        write_rows(zoom_rows(synthetic, max(4, n // 4), seed=cfg.seed + 1, **budget), synthetic / "val.jsonl")
-        write_rows(zoom_rows(synthetic, n, seed=cfg.seed, **budget), synthetic / "train.jsonl")  # last: the marker
+        write_rows(zoom_rows(synthetic, max(4, n // 4), seed=cfg.seed + 1, **policy.frame), synthetic / "val.jsonl")
+        write_rows(
+            zoom_rows(synthetic, n, seed=cfg.seed, **policy.frame), synthetic / "train.jsonl"
+        )  # last: the marker
         say(env, f"wrote a synthetic zoom set to {synthetic} ({n} train rows)")
     barrier()
     return str(synthetic / "train.jsonl"), str(synthetic / "val.jsonl")

@@ -118,5 +118,4 @@ def _registry() -> dict[str, Benchmark]:
     return {m.BENCHMARK.name: m.BENCHMARK for m in modules}
 
 
-BENCHMARKS: dict[str, Benchmark] = {}
-BENCHMARKS.update(_registry())
+BENCHMARKS: dict[str, Benchmark] = _registry()
