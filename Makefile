@@ -8,10 +8,11 @@ BIN := $(VENV)/bin
 # rest of the dependencies resolve. Override on a machine that needs another build, e.g.
 #   make run TORCH_SPEC="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-EXTRAS ?= dev
+# dev: tests and lint (playwright for the demo's browser test); demo: Gradio, so `vagent demo` works after `make run`.
+EXTRAS ?= dev,demo
 ARGS ?=
 
-.PHONY: run test lint venv bwrap clean
+.PHONY: run test lint venv bwrap chromium clean
 
 # Re-install only when the packaging changed (stamp holds the extras it was built for).
 $(BIN)/.installed-$(EXTRAS): pyproject.toml
@@ -33,12 +34,22 @@ bwrap:
 	    echo "error: the code tool needs bubblewrap; install it (e.g. sudo apt-get install bubblewrap)" >&2; exit 1; \
 	  fi; }
 
+## Debian's Chromium for the demo's browser test (Playwright drives it; no browser download). Installed with apt
+## when run as root; otherwise the browser test is skipped with a message saying how to install it.
+chromium:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "warning: the demo's browser test needs Chromium (e.g. sudo apt-get install chromium); it will be skipped" >&2; \
+	  fi; }
+
 ## The main job on the built-in default: tiny local Qwen2.5-VL, a generated image, one multi-turn rollout.
 run: venv bwrap
 	$(BIN)/vagent quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
 
 ## Lint, then the default test suite (no slow or GPU tests). pytest's "no tests collected" (exit 5) is a failure.
-test: venv bwrap
+test: venv bwrap chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(ARGS); rc=$$?; \

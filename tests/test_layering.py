@@ -69,3 +69,15 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
         bad.unlink()
         del LEVELS["geometry_layering_probe"]
     assert any("imports vagent.model" in v for v in found)
+
+
+def test_the_demo_imports_no_training_code():
+    """demo/ (a leaf) may use model, rollout, toolbox, geometry and below, never training code."""
+    forbidden = {"training", "recipes", "algorithms", "rewards", "eval"}
+    found = []
+    for path in sorted((PACKAGE.parent / "demo").rglob("*.py")):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "vagent" and len(parts) > 1 and parts[1] in forbidden:
+                found.append(f"{path.name} imports {name}")
+    assert found == []

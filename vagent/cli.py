@@ -410,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Run `code` without bubblewrap when it is missing (trusted input only; logs a warning).")  # fmt: skip
     p.set_defaults(func=_rollout)
 
+    # `vagent demo ...` is handed to demo/app.py whole (see main); this entry lists it in --help.
+    sub.add_parser("demo", help="Gradio demo: watch the model think with images (needs the demo extra).", add_help=False)
+
     tools = sub.add_parser("tools", help="Inspect and run the agent's tools by hand.")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
     p = tools_sub.add_parser("list", help="Tool names, arguments and descriptions.")
@@ -446,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     from vagent.model import PolicyLoadError
     from vagent.training.checkpoint import ResumeError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # its own flags, parsed by demo/app.py
+        from demo.app import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -336,9 +336,9 @@ class _Engine:
             call = action if isinstance(action, ToolCall) else None
             row.tool_results.append({"name": call and call.name, "arguments": call and call.arguments,
                                      "error": observation.error, "metadata": observation.metadata})  # fmt: skip
-        for message, segment in zip(outcome.messages, outcome.segments, strict=True):
+        for message, segment, observation in zip(outcome.messages, outcome.segments, outcome.observations, strict=True):
             row.force(segment)
-            self._emit(row, message)
+            self._emit(row, message, observation)
         if outcome.out_of_images:
             row.metrics["tool_calls"] += 1
             row.stop = "max_images"
@@ -347,10 +347,10 @@ class _Engine:
         else:
             self._next_turn(row)
 
-    def _emit(self, row: _Row, message: Message) -> None:
+    def _emit(self, row: _Row, message: Message, observation: Observation | None = None) -> None:
         row.messages.append(message)
         if self.on_turn:
-            self.on_turn(message)
+            self.on_turn(message, observation)
 
     def _finish(self, row: _Row) -> Trajectory:
         self.backend.release(row.key)
@@ -435,7 +435,7 @@ def run(
     reuse_cache: bool = True,
     tool_workers: int = 8,
     tool_timeout_s: float = 60.0,
-    on_turn: Callable[[Message], None] | None = None,
+    on_turn: Callable[[Message, Observation | None], None] | None = None,
     turn_barrier: bool = False,
     stats: dict[str, float] | None = None,
 ) -> list[Trajectory]:
@@ -452,7 +452,8 @@ def run(
         reuse_cache: Keep each row's KV cache across turns (False: re-prefill every turn).
         tool_workers: Threads running tool calls.
         tool_timeout_s: A tool turn that takes longer is abandoned with a ``timeout`` observation.
-        on_turn: Called with every new assistant/tool message (streaming displays).
+        on_turn: Called with every new assistant/tool message (streaming displays), and for a tool message the
+            ``Observation`` it renders (its ``metadata`` has e.g. a crop's box in original pixels), else None.
         turn_barrier: The turn-synchronous baseline (benchmarks only): no row starts its next turn until
             every row has finished generating and every tool call has returned.
         stats: If given, filled with the backend's counters (prefill tokens, forward passes and time).
@@ -476,10 +477,10 @@ def rollout(
     policy: Policy,
     task: Task,
     limits: RolloutLimits,
-    on_turn: Callable[[Message], None] | None = None,
+    on_turn: Callable[[Message, Observation | None], None] | None = None,
     search: SearchBackend | None = None,
     sandbox: Sandbox | None = None,
 ) -> Trajectory:
     """Run one episode of ``task``. Tool failures become observations; nothing raises for model output.
-    ``on_turn`` is called with each new message (for streaming displays)."""
+    ``on_turn`` is called with each new message and, for tool messages, its observation (see ``run``)."""
     return run(policy, [task], 1, limits, search, sandbox, batch_size=1, on_turn=on_turn)[0]
