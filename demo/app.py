@@ -150,9 +150,12 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
     except UploadError as e:
         yield history, None, f"**Error:** {e}"
         return
-    shown = gr.Image(value=upload.image) if upload.image is not None else gr.Video(value=upload.path)
-    history += [{"role": "user", "content": shown}, {"role": "user", "content": task.question}]
-    looked = Looked(images=[upload.image] if upload.image is not None else [])
+    if upload.image is not None:
+        shown, looked = upload.image, Looked(images=[upload.image])
+    else:  # frames stand in for the video: browsers play few of the codecs people upload
+        shown, looked = upload.poster, Looked(duration=upload.duration_s)
+    history += [{"role": "user", "content": gr.Image(value=shown, show_label=False)},
+                {"role": "user", "content": task.question}]  # fmt: skip
     yield history, looked.picture(), f"Running on `{served.model_dir.name}` with tools: {', '.join(tools) or 'none'} …"
     turn, t0 = 0, time.perf_counter()
     try:
@@ -199,7 +202,7 @@ def on_upload(served: Served, file: str | None, current: list[str]):
     kind = VIDEO_TOOLS if upload.kind == "video" else [t for t in served.tools if t not in VIDEO_TOOLS]
     if not (current and all(t in kind for t in current)):
         current = [t for t in (VIDEO_TOOLS if upload.kind == "video" else ["crop"]) if t in served.tools]
-    preview = annotate(upload.image, []) if upload.image is not None else None
+    preview = annotate(upload.image, []) if upload.image is not None else upload.poster
     what = (
         f"{upload.image.width}x{upload.image.height} image"
         if upload.image is not None
@@ -224,7 +227,9 @@ def build_app(served: Served):
         with gr.Row():
             with gr.Column(scale=2, min_width=320):
                 upload = gr.File(label="Image or video", file_types=["image", "video"], type="filepath",
-                                 elem_id="upload")  # fmt: skip
+                                 elem_id="upload", height=80)  # fmt: skip
+                # Crop boxes on the image; for a video, its timeline with the spans and frames sampled.
+                looked = gr.Image(label="Where the model looked", interactive=False, height=300, elem_id="looked")
                 question = gr.Textbox(label="Question", lines=2, max_lines=6, elem_id="question",
                                       placeholder="e.g. What digit is written on the small red tile?")  # fmt: skip
                 tools = gr.CheckboxGroup(served.tools, value=["crop"] if "crop" in served.tools else [],
@@ -237,8 +242,6 @@ def build_app(served: Served):
                                                step=16, label="Max new tokens per turn")  # fmt: skip
                     seed = gr.Number(0, precision=0, label="Seed")
                 run = gr.Button("Ask", variant="primary", elem_id="ask")
-                looked = gr.Image(label="Where the model looked (crop boxes on the original)", interactive=False,
-                                  elem_id="looked")  # fmt: skip
             with gr.Column(scale=3, min_width=420):
                 chat = gr.Chatbot(
                     label="Trajectory", height=680, elem_id="trajectory", group_consecutive_messages=False

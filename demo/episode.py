@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageColor, ImageDraw, ImageFont
 
 from vagent.chat import parse_turn
-from vagent.media import MediaError, load_image, probe_video
+from vagent.media import MediaError, load_image, probe_video, read_frames, uniform_timestamps
 from vagent.model import Policy
 from vagent.rollout import RolloutLimits, Task, rollout
 from vagent.types import Message, Observation, Trajectory
@@ -48,17 +48,18 @@ class DemoLimits:
     max_turns: int = 8
     max_new_tokens: int = 512
     max_total_tokens: int = 8192
-    max_images: int = 12
+    max_images: int = 40  # video tools return many frames per call
 
 
 @dataclass
 class Upload:
-    """A checked upload: an image (decoded, RGB) or a video (its path and length)."""
+    """A checked upload: an image (decoded, RGB) or a video (its path, length and a few decoded frames)."""
 
     kind: str  # "image" | "video"
     path: str
     image: Image.Image | None = None
     duration_s: float | None = None
+    poster: Image.Image | None = None  # a video's frames side by side (``contact_sheet``)
 
 
 def check_upload(path: str | Path | None, limits: DemoLimits) -> Upload:
@@ -80,7 +81,11 @@ def check_upload(path: str | Path | None, limits: DemoLimits) -> Upload:
             raise UploadError(
                 f"{path.name} is {info.duration:.0f} s long; this demo takes videos up to {limits.max_video_s:g} s."
             )
-        return Upload("video", str(path), duration_s=info.duration)
+        try:
+            poster = contact_sheet(str(path), info.duration)
+        except MediaError as e:
+            raise UploadError(f"{path.name} cannot be decoded: {_without_dir(e, path)}") from None
+        return Upload("video", str(path), duration_s=info.duration, poster=poster)
     try:
         image = load_image(path, max_pixels=limits.max_image_pixels)
     except MediaError as e:
@@ -227,11 +232,31 @@ def render_turn(event: Event, turn: int) -> list[dict[str, Any]]:
     listed = "".join(
         f"\n\n*{c} ({img.width}x{img.height} px, as the model saw it)*" for c, img in zip(captions, images, strict=True)
     )
-    text = f"{header}\n\n{html.escape(message.plain_text.strip())}" + (listed if len(images) <= 2 else "")
+    said = observation.text if observation is not None else message.plain_text  # without the per-frame labels
+    text = f"{header}\n\n{html.escape(said.strip())}" + (listed if len(images) <= 2 else "")
     out = [{"role": "assistant", "content": text}]
+    if len(images) > 2:  # a video tool's frames: one labelled grid instead of a message per frame
+        labels = [f"{stamps[k]:.2f}s" if k < len(stamps) else str(k) for k in range(len(images))]
+        return [*out, {"role": "assistant", "content": grid(images, labels), "caption": f"{len(images)} frames"}]
     for caption, image in zip(captions, images, strict=True):
         out.append({"role": "assistant", "content": for_display(image), "caption": caption})
     return out
+
+
+def grid(images: list[Image.Image], labels: list[str], columns: int = 4, cell: int = 180) -> Image.Image:
+    """Images as a labelled grid of ``cell``-px thumbnails, ``columns`` to a row."""
+    rows = -(-len(images) // columns)
+    aspect = images[0].height / images[0].width  # frames of one video share a shape
+    width, height = (cell, max(1, round(cell * aspect))) if aspect <= 1 else (max(1, round(cell / aspect)), cell)
+    sheet = Image.new("RGB", (columns * (width + 4), rows * (height + 4)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for k, (image, label) in enumerate(zip(images, labels, strict=True)):
+        thumb = image.copy()
+        thumb.thumbnail((width, height))
+        left, top = (k % columns) * (width + 4), (k // columns) * (height + 4)
+        sheet.paste(thumb, (left, top))
+        draw.text((left + 4, top + 4), label, fill="white", stroke_width=2, stroke_fill="black")
+    return sheet
 
 
 def for_display(image: Image.Image, min_side: int = 224) -> Image.Image:
@@ -273,17 +298,61 @@ def annotate(image: Image.Image, boxes: list[list[float]], max_side: int = 1024)
 
 @dataclass
 class Looked:
-    """The boxes the policy looked at, per image of the episode (prompt images first, then tool outputs)."""
+    """Where the policy looked: for an image, the boxes it cropped or zoomed, per image of the episode (prompt
+    images first, then tool outputs); for a video (``duration`` set), the spans and frame times it sampled."""
 
     images: list[Image.Image] = field(default_factory=list)
     boxes: dict[int, list[list[float]]] = field(default_factory=dict)
+    duration: float | None = None
+    spans: list[tuple[list[float], list[float]]] = field(default_factory=list)  # (span, frame times) per call
 
     def add(self, message: Message, observation: Observation | None) -> None:
-        if observation is not None and "box_original" in observation.metadata:
-            index = int(observation.metadata.get("image_index", 0))
-            self.boxes.setdefault(index, []).append(list(observation.metadata["box_original"]))
+        metadata = observation.metadata if observation is not None else {}
+        if "box_original" in metadata:
+            self.boxes.setdefault(int(metadata.get("image_index", 0)), []).append(list(metadata["box_original"]))
+        if "span" in metadata:
+            self.spans.append((list(metadata["span"]), list(metadata.get("timestamps", []))))
         self.images += [img for img in message.images if isinstance(img, Image.Image)]
 
     def picture(self) -> Image.Image | None:
-        """The first image with the boxes drawn on it (where the model looked), or None for a video."""
+        """The prompt image with the boxes drawn on it, or for a video its timeline with the sampled spans."""
+        if self.duration is not None:
+            return timeline(self.duration, self.spans)
         return annotate(self.images[0], self.boxes.get(0, [])) if self.images else None
+
+
+def timeline(duration: float, spans: list[tuple[list[float], list[float]]], width: int = 960) -> Image.Image:
+    """A video's time axis with one numbered row per video-tool call: its span shaded, a tick per frame it took."""
+    row, pad = 34, 40
+    image = Image.new("RGB", (width, pad + row * max(1, len(spans)) + 10), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=14)
+    x = lambda t: pad + (width - 2 * pad) * min(max(t / max(duration, 1e-6), 0.0), 1.0)  # noqa: E731
+    draw.line((x(0), 24, x(duration), 24), fill="#444", width=2)
+    for k in range(11):
+        t = duration * k / 10
+        draw.line((x(t), 20, x(t), 28), fill="#444", width=1)
+        draw.text((x(t) - 10, 2), f"{t:.1f}s", fill="#444", font=font)
+    for k, (span, times) in enumerate(spans):
+        top, color = pad + row * k, BOX_COLORS[k % len(BOX_COLORS)]
+        tint = tuple(round(255 - (255 - c) * 0.25) for c in ImageColor.getrgb(color))  # the span light, frames dark
+        draw.rectangle((x(span[0]), top, max(x(span[1]), x(span[0]) + 2), top + row - 10), fill=tint, outline=color)
+        for t in times:
+            draw.line((x(t), top, x(t), top + row - 10), fill=color, width=2)
+        draw.text((4, top + 2), str(k + 1), fill=color, font=font)
+    if not spans:
+        draw.text((pad, pad), "no frames sampled yet", fill="#888", font=font)
+    return image
+
+
+def contact_sheet(path: str, duration: float, frames: int = 4, height: int = 120) -> Image.Image:
+    """``frames`` evenly spaced frames of a video side by side with their times (how an uploaded video is shown)."""
+    images, times = read_frames(path, uniform_timestamps(0.0, duration, frames))
+    thumbs = [img.resize((max(1, round(img.width * height / img.height)), height)) for img in images]
+    sheet = Image.new("RGB", (sum(t.width for t in thumbs) + 4 * (len(thumbs) - 1), height), "white")
+    draw, left = ImageDraw.Draw(sheet), 0
+    for thumb, t in zip(thumbs, times, strict=True):
+        sheet.paste(thumb, (left, 0))
+        draw.text((left + 4, 4), f"{t:.1f}s", fill="white", stroke_width=2, stroke_fill="black")
+        left += thumb.width + 4
+    return sheet

@@ -108,6 +108,11 @@ def test_turns_render_readably():
     observation = Observation("2 frames", images=[crop, crop], timestamps=[1.0, 1.5])
     assert [m.get("caption") for m in render_turn(Event("turn", 0.1, message=frames, observation=observation), 1)[1:]] == [
         "frame at 1.00 s", "frame at 1.50 s"]  # fmt: skip
+    many = Observation("8 frames", images=[crop] * 8, timestamps=[0.5 * k for k in range(8)])
+    out = render_turn(
+        Event("turn", 0.1, message=Message("tool", [ContentPart("image", image=crop)] * 8), observation=many), 1
+    )
+    assert len(out) == 2 and out[1]["content"].size == (4 * 124, 2 * 184)  # one grid, not a message per frame
     assert (
         describe_call("search", {"query": "tallest <b>tower</b>"})
         == "search the web for “tallest &lt;b&gt;tower&lt;/b&gt;”"
@@ -133,6 +138,22 @@ def test_stream_episode_yields_turns_as_they_happen(policy, tmp_path):
     picture = np.asarray(looked.picture())
     assert tuple(picture[60, 159]) == (0xFF, 0x2D, 0x55)  # the box's right edge is drawn in the first box colour
     assert events[-1].trajectory.answer == "a"
+
+
+def test_a_video_episode_shows_frames_and_a_timeline_of_what_was_sampled(policy, tmp_path):
+    upload = check_upload(write_video(tmp_path / "v.mp4", frames=32), DemoLimits())
+    assert upload.poster.height == 120 and upload.poster.width > 4 * 120  # four frames side by side
+    calls = ['<tool_call>{"name": "sample_frames", "arguments": {"num_frames": 4}}</tool_call>',
+             '<tool_call>{"name": "crop_clip", "arguments": {"start": 1.0, "end": 2.0}}</tool_call>', "<answer>grey</answer>"]  # fmt: skip
+    task = build_task(upload, "What happens?", ["sample_frames", "crop_clip"], DemoLimits())
+    task.scripted_turns = calls
+    looked = Looked(duration=upload.duration_s)
+    for event in stream_episode(policy, task, clamp_limits(DemoLimits(), 0.0, 4, 16)):
+        if event.kind == "turn":
+            looked.add(event.message, event.observation)
+    assert event.kind == "done" and event.trajectory.stop_reason == "answered"
+    assert [span for span, _ in looked.spans] == [[0.0, 4.0], [1.0, 2.0]] and len(looked.spans[0][1]) == 4
+    assert looked.picture().size == (960, 40 + 2 * 34 + 10)  # the timeline: one row per video-tool call
 
 
 def test_a_failing_request_shows_an_error_and_the_app_keeps_serving(policy, tmp_path, monkeypatch):
