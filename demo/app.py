@@ -218,7 +218,7 @@ def build_app(served: Served):
     import gradio as gr
 
     limits = served.limits
-    with gr.Blocks(title="vagent demo: thinking with images") as app:
+    with gr.Blocks(title="vagent demo: thinking with images", analytics_enabled=False) as app:
         gr.Markdown(
             "# vagent · thinking with images and videos\n"
             "Upload an image or a video, ask a question and watch the policy reason, call tools and look at "

@@ -22,6 +22,7 @@ def _run(*args, cwd=None):
 def test_only_working_subcommands_are_listed():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert sorted(sub.choices) == [
+        "demo",
         "eval",
         "eval-report",
         "generate",
