@@ -411,7 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_rollout)
 
     # `vagent demo ...` is handed to demo/app.py whole (see main); this entry lists it in --help.
-    sub.add_parser("demo", help="Gradio demo: watch the model think with images (needs the demo extra).", add_help=False)
+    sub.add_parser(
+        "demo", help="Gradio demo: watch the model think with images (needs the demo extra).", add_help=False
+    )
 
     tools = sub.add_parser("tools", help="Inspect and run the agent's tools by hand.")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
