@@ -90,6 +90,21 @@ def test_run_groups_samples_by_task(policy):
     assert [t.task_id for t in out] == ["t0", "t0", "t1", "t1"]
 
 
+def test_the_samples_of_one_task_are_prefilled_once(policy):
+    """A GRPO group's identical prompts run through the model once; each sample still decodes on its own."""
+    tasks = [
+        Task(id="a", question="Q?", images=[IMAGE], tools=[]),
+        Task(id="b", question="Other?", images=[IMAGE], tools=[]),
+    ]
+    limits = RolloutLimits(max_turns=1, max_new_tokens=6, temperature=0.0)
+    stats: dict[str, float] = {}
+    group = run(policy, tasks, n_samples=3, limits=limits, stats=stats)
+    alone = [run(policy, [task], limits=limits)[0] for task in tasks]
+    prompts = [t.loss_mask.index(1) for t in alone]  # tokens before the first sampled one
+    assert stats["prefill_tokens"] == sum(prompts)
+    assert [t.token_ids for t in group] == [t.token_ids for t in alone for _ in range(3)]
+
+
 def test_turn_cut_by_its_token_budget_is_max_tokens(policy):
     torch.manual_seed(0)
     task = Task(id="t", question="Q?", images=[IMAGE])

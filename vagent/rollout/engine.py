@@ -182,6 +182,7 @@ class _Engine:
         self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
         self.im_end, self.newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.encode("\n")
         self.rows: dict[int, _Row] = {}
+        self.last_prompt: tuple | None = None  # (task, originals, shown, messages, segment) of the last task started
 
     # -- driver -------------------------------------------------------------------------------------
 
@@ -213,11 +214,22 @@ class _Engine:
 
     # -- row life cycle -----------------------------------------------------------------------------
 
+    def _prompt(self, task: Task) -> tuple[list[Image.Image], list[Image.Image], list[Message], _Segment]:
+        """A task's images (original and model-sized), prompt messages and encoded prompt: made once per task
+        and shared by its samples (a GRPO group), whose identical prompts the backend then prefills once."""
+        made = self.last_prompt  # a task's samples start one after another: one slot is enough, and memory stays flat
+        if made is None or made[0] is not task:
+            originals = [load_image(img) for img in task.images]
+            shown = [self.policy.model_view(img) for img in originals]
+            messages = prompt_messages(task, originals)
+            segment = _segment(encode_prompt(self.policy.processor, messages, shown))
+            made = self.last_prompt = (task, originals, shown, messages, segment)
+        return made[1], made[2], list(made[3]), made[4]
+
     def _start(self, key: int, task: Task) -> None:
         policy = self.policy
         min_pixels, max_pixels = policy.pixel_budget
-        originals = [load_image(img) for img in task.images]
-        shown = [policy.model_view(img) for img in originals]
+        originals, shown, messages, segment = self._prompt(task)
         context = ToolContext(
             images=list(originals),
             model_sizes=[img.size for img in shown],
@@ -229,11 +241,10 @@ class _Engine:
             search=self.search,
             sandbox=self.sandbox,
         )
-        messages = prompt_messages(task, originals)
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
         row.frames = [{"original_size": list(o.size), "model_size": list(v.size), "convention": policy.coord_convention}
                       for o, v in zip(originals, shown, strict=True)]  # fmt: skip
-        row.force(_segment(encode_prompt(policy.processor, messages, shown)))
+        row.force(segment)
         self.rows[key] = row
         self._next_turn(row)
 

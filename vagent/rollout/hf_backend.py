@@ -182,8 +182,34 @@ class HFBackend:
         return logits, out.past_key_values
 
     def _prefill(self, requests: list[TurnRequest]):
-        device = self.policy.device
+        """Prefill the queued turns; returns their next-token logits (B, V), decode rows and hole-free caches.
+
+        Turns with nothing cached and the same ids and images (the samples of one task: a GRPO group, pass@k)
+        run through the model once and share the result; each still samples on its own.
+        """
         stored = [self._stored.pop(r.key, None) for r in requests]
+        source: list[int] = []  # request i is served by unique[source[i]]
+        unique: list[int] = []
+        firsts: dict[tuple[int, ...], list[int]] = {}
+        for i, (r, s) in enumerate(zip(requests, stored, strict=True)):
+            if s is None:
+                twin = next((j for j in firsts.get(tuple(r.ids), []) if _same_images(requests[unique[j]], r)), None)
+                if twin is not None:
+                    source.append(twin)
+                    continue
+                firsts.setdefault(tuple(r.ids), []).append(len(unique))
+            source.append(len(unique))
+            unique.append(i)
+        logits, rows, compact = self._prefill_unique([requests[i] for i in unique], [stored[i] for i in unique])
+        for r in requests:
+            self._stored[r.key] = _Stored(kv=[], length=len(r.ids), images=len(r.image_grid_thw))  # kv set at leave
+        rows = [rows[j] if unique[j] == i else _Row(key=r.key, budget=r.max_new_tokens, next_pos=rows[j].next_pos)
+                for i, (r, j) in enumerate(zip(requests, source, strict=True))]  # fmt: skip
+        index = torch.tensor(source, device=logits.device)
+        return logits[index], rows, [compact[j] for j in source]
+
+    def _prefill_unique(self, requests: list[TurnRequest], stored: list[_Stored | None]):
+        device = self.policy.device
         cached = [s.length if s else 0 for s in stored]
         new = [r.ids[c:] for r, c in zip(requests, cached, strict=True)]
         lc, lp = max(cached), max(len(n) for n in new)
@@ -227,8 +253,6 @@ class HFBackend:
         for i in range(batch):
             keep = mask[i].nonzero().squeeze(1).to(device)
             compact.append([(k[i : i + 1, :, keep], v[i : i + 1, :, keep]) for k, v in kv])
-        for r in requests:
-            self._stored[r.key] = _Stored(kv=[], length=len(r.ids), images=len(r.image_grid_thw))  # kv set at leave
         return logits, rows, compact
 
     def _decode(self) -> torch.Tensor:
@@ -348,6 +372,12 @@ class HFBackend:
         self._mask = self._mask[:, first:]
         rows = index.to(kv[0][0].device)
         self._cache = _cache_from([(k[rows, :, first:], v[rows, :, first:]) for k, v in kv])
+
+
+def _same_images(a: TurnRequest, b: TurnRequest) -> bool:
+    return len(a.pixel_values) == len(b.pixel_values) and all(
+        x is y or torch.equal(x, y) for x, y in zip(a.pixel_values, b.pixel_values, strict=True)
+    )
 
 
 def _tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
