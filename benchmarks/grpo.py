@@ -4,7 +4,8 @@
     python benchmarks/grpo.py [--size small] [--prompts 4] [--group 4] [--tokens 32] [--steps 4]
 
 Workload (identical for both): a tiny random Qwen2.5-VL, ``--prompts`` synthetic zoom images per step,
-each with "give the box of the small <color> tile"; ``--group`` samples per prompt; at most ``--tokens``
+each with vagent's tool-free system prompt and "give the box of the small <color> tile" (the same prompt
+tokens in both); ``--group`` samples per prompt; at most ``--tokens``
 sampled tokens; single turn, no tools; temperature 1; reward = IoU of the answered box with the tile (in
 the model's frame); one optimizer step per generation batch, no KL, token-level loss (TRL's "dapo"
 default, vagent's ``aggregation: token``), fp32 on CPU. Each system runs in its own process (peak RSS is
@@ -102,9 +103,12 @@ def run_trl(ckpt: Path, data: Path, out: Path, args) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from vagent.chat import system_prompt
+
     rows = [json.loads(line) for line in data.read_text().splitlines()]
+    system = {"role": "system", "content": [{"type": "text", "text": system_prompt([])}]}  # vagent's, token for token
     dataset = Dataset.from_list([{
-        "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}],
+        "prompt": [system, {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}],
         "image": Image.open(r["images"][0]).convert("RGB"), "gold": r["answer"]} for r in rows])  # fmt: skip
 
     def reward(completions, gold, **kwargs):

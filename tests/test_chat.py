@@ -78,7 +78,7 @@ def test_parser_never_raises(text):
 def test_system_prompt_lists_tool_schemas_and_observation_content():
     prompt = system_prompt(tool_schemas(["crop"]))
     assert "<tools>" in prompt and '"name": "crop"' in prompt and "<tool_call>" in prompt
-    assert system_prompt([]).endswith("<answer></answer>.")
+    assert system_prompt([]).endswith("<answer></answer>.") and "tool" not in system_prompt([])
     content = observation_content(Observation(text="done", images=[object(), object()]))
     assert content == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "done"}]
     frames = observation_content(Observation(text="2 frames", images=[object(), object()], timestamps=[0.5, 1.25]))

@@ -99,10 +99,14 @@ def system_prompt(tool_schemas: list[dict[str, Any]], instructions: str | None =
         tool_schemas: ``{"name", "description", "parameters"}`` dicts, one per tool.
         instructions: Replaces the default first paragraph.
     """
+    look = (
+        "When a detail is too small or unclear, call a tool to look closer; its result comes back in the next turn. "
+        if tool_schemas
+        else ""  # a tool-free episode (no-tool baselines) is not told to call tools it does not have
+    )
     head = instructions or (
         "You are a helpful assistant that answers questions about images and videos. "
-        "Think step by step inside <think></think>. When a detail is too small or unclear, call a tool "
-        "to look closer; its result comes back in the next turn. Put the final answer inside <answer></answer>."
+        f"Think step by step inside <think></think>. {look}Put the final answer inside <answer></answer>."
     )
     if not tool_schemas:
         return head
