@@ -40,7 +40,7 @@ from demo.episode import (
     render_turn,
     stream_episode,
 )
-from vagent.model import Policy, load_policy
+from vagent.model import Policy, PolicyLoadError, load_policy
 from vagent.toolbox import TOOLS
 
 logger = logging.getLogger("vagent.demo")
@@ -300,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    served, app = serve(args)
+    try:
+        served, app = serve(args)
+    except PolicyLoadError as e:
+        print(f"vagent demo: error: {e}", file=sys.stderr)
+        return 2
     print(f"serving {served.model_dir} on http://{args.host}:{args.port} (tools: {', '.join(served.tools)})")
     app.queue(default_concurrency_limit=1, max_size=args.max_queue)
     app.launch(server_name=args.host, server_port=args.port, share=args.share,

@@ -198,6 +198,14 @@ def test_without_a_model_the_demo_picks_the_quickstart_policy_or_warns(tmp_path,
     assert pick_model("/x/Qwen2.5-VL-7B", tmp_path)[0] == Path("/x/Qwen2.5-VL-7B")
 
 
+def test_a_missing_model_is_one_clear_error(tmp_path, capsys):
+    pytest.importorskip("gradio")
+    from demo.app import main
+
+    assert main(["--model", str(tmp_path / "nowhere"), "--runs", str(tmp_path)]) == 2
+    assert "vagent demo: error: checkpoint dir not found" in capsys.readouterr().err
+
+
 # -- end to end in a browser -------------------------------------------------------------------------------
 
 
