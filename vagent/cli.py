@@ -17,7 +17,13 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
     overrides = [
         f"{k}={v}"
-        for k, v in (("family", args.family), ("size", args.size), ("vocab_size", args.vocab_size), ("seed", args.seed))
+        for k, v in (
+            ("family", args.family),
+            ("size", args.size),
+            ("vocab_size", args.vocab_size),
+            ("seed", args.seed),
+            ("rope_theta", args.rope_theta),
+        )
         if v is not None
     ]
     cfg = load_config(TinyModelConfig, args.config, overrides)
@@ -29,6 +35,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
         seed=cfg.seed,
         min_pixels=args.min_pixels,
         max_pixels=args.max_pixels,
+        rope_theta=cfg.rope_theta,
     )
     print(f"wrote a random {cfg.family} ({cfg.size}) checkpoint to {out}")
     return 0
@@ -321,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=sorted(PRESETS))
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--seed", type=int)
+    p.add_argument("--rope-theta", type=float, help="RoPE base of the language model (default: Qwen's 1e6).")
     p.add_argument("--min-pixels", type=int, default=28 * 28 * 4, help="Processor's minimum image size in pixels.")
     p.add_argument("--max-pixels", type=int, default=28 * 28 * 256, help="Processor's maximum image size in pixels.")
     p.set_defaults(func=_make_tiny_model)

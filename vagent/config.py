@@ -222,8 +222,13 @@ class TinyModelConfig:
     size: Literal["nano", "tiny", "small"] = option("tiny", "Size preset (see vagent.tiny_model.PRESETS).")
     vocab_size: int = option(2048, "BPE vocabulary size of the tokenizer trained on the spot (before specials).")
     seed: int = option(0, "Seed for weights and tokenizer corpus.")
+    rope_theta: float = option(
+        1e6, "RoPE base of the language model (Qwen's 1e6; a small base lets a tiny model see image positions)."
+    )
 
     def validate(self) -> None:
+        if self.rope_theta <= 1:
+            raise ValueError(f"rope_theta must be > 1, got {self.rope_theta}")
         if not 300 <= self.vocab_size <= 65536:
             raise ValueError(f"vocab_size must be in [300, 65536] (256 bytes + merges), got {self.vocab_size}")
 
@@ -483,6 +488,7 @@ class QuickstartConfig:
     test_rows: int = option(48, "Held-out rows the policies are evaluated on.")
     image_size: list[int] = option([448, 336], "Original image size: larger than the model's view, so the digit blurs.")
     grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
+    tile: int = option(28, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
     glyph: Literal["stripes", "digit"] = option(
         "stripes", "What the tile shows: 1-px stripes (horizontal/vertical; learnable from scratch) or a digit."
     )
@@ -501,6 +507,8 @@ class QuickstartConfig:
     def validate(self) -> None:
         if len(self.image_size) != 2 or min(self.image_size) < 64:
             raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
+        if not 8 <= self.tile <= min(self.image_size) // 2:
+            raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
 

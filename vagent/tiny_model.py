@@ -183,6 +183,7 @@ def build_tiny_checkpoint(
     seed: int = 0,
     min_pixels: int = 28 * 28 * 4,
     max_pixels: int = 28 * 28 * 256,
+    rope_theta: float = 1_000_000.0,
 ) -> Path:
     """Write a random-weight checkpoint dir (config, safetensors, tokenizer, processor, chat template).
 
@@ -194,6 +195,9 @@ def build_tiny_checkpoint(
         seed: Seeds weights and tokenizer corpus: the same arguments give the same checkpoint.
         min_pixels: Processor's minimum image size in pixels.
         max_pixels: Processor's maximum image size in pixels (kept small so CPU runs are quick).
+        rope_theta: The language model's RoPE base. Qwen's 1e6 suits head_dim 128 and long contexts. With a
+            tiny head_dim (32), mRoPE's width section then turns by under 0.002 rad per image token, so
+            where something sits left to right is nearly invisible; a small base (10) makes it visible.
 
     Returns:
         The checkpoint directory.
@@ -233,7 +237,11 @@ def build_tiny_checkpoint(
         num_attention_heads=p.heads,
         num_key_value_heads=p.kv_heads,
         max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": _mrope_section(head_dim)},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(rope_theta),
+            "mrope_section": _mrope_section(head_dim),
+        },
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],

@@ -51,10 +51,12 @@ GLYPHS = {
 
 
 def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter: int, distractors: int,
-              color: str, grid: int | None = None,
-              glyph: str = "digit") -> tuple[Image.Image, int | str, tuple[int, int, int, int]]:  # fmt: skip
+              color: str, grid: int | None = None, glyph: str = "digit",
+              stripe: int = 1) -> tuple[Image.Image, int | str, tuple[int, int, int, int]]:  # fmt: skip
     """Draw one task image. Returns (image, digit on the ``color`` tile, that tile's box in original pixels).
-    With ``grid``, the target tile sits at the center of one of ``grid x grid`` cells (an easier layout)."""
+    With ``grid``, the target tile sits at the center of one of ``grid x grid`` cells (an easier layout).
+    ``stripe``: width in pixels of each stripe (``glyph="stripes"``); 1-px stripes blur away when the image is
+    downscaled, wide ones stay readable."""
     image = Image.new("RGB", (width, height), (235, 235, 228))
     draw = ImageDraw.Draw(image)
     for _ in range(clutter):  # shapes the global view can see, none of them the answer
@@ -81,10 +83,10 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
             draw.text((box[0] + tile * 0.28, box[1] + tile * 0.1), str(digit), fill=(255, 255, 255), font=font)
         else:  # white 1-px stripes inside a 3-px border of the tile's color
             inner = (box[0] + 3, box[1] + 3, box[2] - 3, box[3] - 3)
-            for v in range(0, inner[2] - inner[0] if digit == "vertical" else inner[3] - inner[1], 2):
-                line = ((inner[0] + v, inner[1], inner[0] + v, inner[3]) if digit == "vertical"
-                        else (inner[0], inner[1] + v, inner[2], inner[1] + v))  # fmt: skip
-                draw.line(line, fill=(255, 255, 255), width=1)
+            for v in range(0, inner[2] - inner[0] if digit == "vertical" else inner[3] - inner[1], 2 * stripe):
+                line = ((inner[0] + v, inner[1], inner[0] + v + stripe - 1, inner[3]) if digit == "vertical"
+                        else (inner[0], inner[1] + v, inner[2], inner[1] + v + stripe - 1))  # fmt: skip
+                draw.rectangle(line, fill=(255, 255, 255))
         if k == 0:
             answer, target = digit, box
     return image, answer, target
@@ -109,9 +111,10 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
     for i in range(n):
         color = rng.choice(list(COLORS))
         direct = rng.random() < direct_share
-        image, digit, box = draw_task(*size, rng, tile=tile * 5 if direct else tile, clutter=clutter,
-                                      distractors=distractors, color=color, grid=None if direct else grid,
-                                      glyph=glyph)  # fmt: skip
+        # A "direct" row's tile is large, and its stripes wide, so the global view shows the answer.
+        image, digit, box = draw_task(*size, rng, tile=min(tile * 5, min(size) // 2) if direct else tile,
+                                      clutter=clutter, distractors=distractors, color=color,
+                                      grid=None if direct else grid, glyph=glyph, stripe=4 if direct else 1)  # fmt: skip
         image_path = out_dir / "images" / f"zoom-{seed}-{i}.png"
         image.save(image_path)
         what, question = GLYPHS[glyph]

@@ -125,7 +125,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in ("train", "sft_mix", "sft_mix_notool", "test")}
     if all(p.is_file() for p in paths.values()):
         return paths
-    knobs = dict(size=tuple(cfg.image_size), clutter=30, distractors=0, direct_share=cfg.direct_share,
+    knobs = dict(size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0, direct_share=cfg.direct_share,
                  grid=cfg.grid or None, margin=12, glyph=cfg.glyph, **policy.frame)  # fmt: skip
     train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
