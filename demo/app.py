@@ -91,13 +91,13 @@ def pick_model(model: str | None, runs: Path) -> tuple[Path, str]:
 
 def make_examples(policy: Policy, out: Path) -> list[list[Any]]:
     """Example inputs from the synthetic benchmarks (``data_pipelines/synthetic``), made once under ``out``:
-    two zoom images (a striped tile as in the quickstart, a digit tile) and a short video."""
+    two zoom images (a striped tile as in configs/quickstart/tiny_cpu.yaml, a digit tile) and a short video."""
     from data_pipelines.synthetic.video import video_rows
     from data_pipelines.synthetic.zoom import zoom_rows
 
     rows = [
-        *zoom_rows(out / "stripes", 1, seed=7, size=(448, 336), clutter=30, distractors=0, direct_share=0.0, grid=2,
-                   glyph="stripes", **policy.frame),
+        *zoom_rows(out / "stripes", 1, seed=7, size=(448, 336), tile=84, clutter=30, distractors=0, direct_share=0.0,
+                   grid=2, glyph="stripes", **policy.frame),
         *zoom_rows(out / "digit", 1, seed=3, direct_share=0.0, **policy.frame),
         *video_rows(out / "video", 1, seed=5),
     ]  # fmt: skip
