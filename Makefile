@@ -25,24 +25,23 @@ $(BIN)/.installed-$(EXTRAS): pyproject.toml
 
 venv: $(BIN)/.installed-$(EXTRAS)
 
+# $(call system_package,COMMAND,DEBIAN_PACKAGE,WITHOUT_ROOT): apt-get install the package when COMMAND is missing and
+# this runs as root (CI and a fresh machine); otherwise run WITHOUT_ROOT (a shell command saying what to do).
+system_package = command -v $(1) >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; \
+	  else \
+	    $(3); \
+	  fi; }
+
 ## The code tool's sandbox (bubblewrap). Installed with apt when run as root; otherwise say how.
 bwrap:
-	@command -v bwrap >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
-	  else \
-	    echo "error: the code tool needs bubblewrap; install it (e.g. sudo apt-get install bubblewrap)" >&2; exit 1; \
-	  fi; }
+	@$(call system_package,bwrap,bubblewrap,echo "error: the code tool needs bubblewrap; install it (e.g. sudo apt-get install bubblewrap)" >&2; exit 1)
 
 ## Debian's Chromium for the demo's browser test (Playwright drives it; no browser download). Installed with apt
 ## when run as root; otherwise the browser test is skipped with a message saying how to install it.
 chromium:
-	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else \
-	    echo "warning: the demo's browser test needs Chromium (e.g. sudo apt-get install chromium); it will be skipped" >&2; \
-	  fi; }
+	@$(call system_package,chromium,chromium,echo "warning: the demo's browser test needs Chromium (e.g. sudo apt-get install chromium); it will be skipped" >&2)
 
 ## The main job on the built-in default: tiny local Qwen2.5-VL, a generated image, one multi-turn rollout.
 run: venv bwrap
