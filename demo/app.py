@@ -151,7 +151,7 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
         yield history, None, f"**Error:** {e}"
         return
     if upload.image is not None:
-        shown, looked = upload.image, Looked(images=[upload.image])
+        shown, looked = upload.image, Looked(image=upload.image)
     else:  # frames stand in for the video: browsers play few of the codecs people upload
         shown, looked = upload.poster, Looked(duration=upload.duration_s)
     history += [{"role": "user", "content": gr.Image(value=shown, show_label=False)},
@@ -162,7 +162,7 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
         for event in stream_episode(served.policy, task, limits, served.services, seed=int(seed)):
             if event.kind == "turn":
                 turn += event.message.role == "assistant"
-                looked.add(event.message, event.observation)
+                looked.add(event.observation)
                 history += [_gradio_message(m) for m in render_turn(event, turn)]
                 yield history, looked.picture(), f"Turn {turn} · {time.perf_counter() - t0:.1f} s …"
             elif event.kind == "done":

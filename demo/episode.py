@@ -243,18 +243,16 @@ def render_turn(event: Event, turn: int) -> list[dict[str, Any]]:
     return out
 
 
-def grid(images: list[Image.Image], labels: list[str], columns: int = 4, cell: int = 180) -> Image.Image:
-    """Images as a labelled grid of ``cell``-px thumbnails, ``columns`` to a row."""
+def grid(images: list[Image.Image], labels: list[str], columns: int = 4, height: int = 180) -> Image.Image:
+    """Images as a labelled grid, ``columns`` to a row, each scaled to ``height`` px (frames of one video share a
+    shape, so the first one's sets the cell width), 4 px apart."""
+    width = max(1, round(images[0].width * height / images[0].height))
     rows = -(-len(images) // columns)
-    aspect = images[0].height / images[0].width  # frames of one video share a shape
-    width, height = (cell, max(1, round(cell * aspect))) if aspect <= 1 else (max(1, round(cell / aspect)), cell)
-    sheet = Image.new("RGB", (columns * (width + 4), rows * (height + 4)), "white")
+    sheet = Image.new("RGB", (columns * (width + 4) - 4, rows * (height + 4) - 4), "white")
     draw = ImageDraw.Draw(sheet)
     for k, (image, label) in enumerate(zip(images, labels, strict=True)):
-        thumb = image.copy()
-        thumb.thumbnail((width, height))
         left, top = (k % columns) * (width + 4), (k // columns) * (height + 4)
-        sheet.paste(thumb, (left, top))
+        sheet.paste(image.resize((width, height)), (left, top))
         draw.text((left + 4, top + 4), label, fill="white", stroke_width=2, stroke_fill="black")
     return sheet
 
@@ -298,27 +296,26 @@ def annotate(image: Image.Image, boxes: list[list[float]], max_side: int = 1024)
 
 @dataclass
 class Looked:
-    """Where the policy looked: for an image, the boxes it cropped or zoomed, per image of the episode (prompt
-    images first, then tool outputs); for a video (``duration`` set), the spans and frame times it sampled."""
+    """Where the policy looked: for an image, the crop and zoom boxes on it (crops of a crop are not drawn); for
+    a video (``duration`` set), the span and frame times of each video-tool call."""
 
-    images: list[Image.Image] = field(default_factory=list)
-    boxes: dict[int, list[list[float]]] = field(default_factory=dict)
+    image: Image.Image | None = None
+    boxes: list[list[float]] = field(default_factory=list)  # original pixels of ``image``
     duration: float | None = None
     spans: list[tuple[list[float], list[float]]] = field(default_factory=list)  # (span, frame times) per call
 
-    def add(self, message: Message, observation: Observation | None) -> None:
+    def add(self, observation: Observation | None) -> None:
         metadata = observation.metadata if observation is not None else {}
-        if "box_original" in metadata:
-            self.boxes.setdefault(int(metadata.get("image_index", 0)), []).append(list(metadata["box_original"]))
+        if "box_original" in metadata and int(metadata.get("image_index", 0)) == 0:
+            self.boxes.append(list(metadata["box_original"]))
         if "span" in metadata:
             self.spans.append((list(metadata["span"]), list(metadata.get("timestamps", []))))
-        self.images += [img for img in message.images if isinstance(img, Image.Image)]
 
     def picture(self) -> Image.Image | None:
         """The prompt image with the boxes drawn on it, or for a video its timeline with the sampled spans."""
         if self.duration is not None:
             return timeline(self.duration, self.spans)
-        return annotate(self.images[0], self.boxes.get(0, [])) if self.images else None
+        return annotate(self.image, self.boxes) if self.image is not None else None
 
 
 def timeline(duration: float, spans: list[tuple[list[float], list[float]]], width: int = 960) -> Image.Image:
@@ -348,11 +345,4 @@ def timeline(duration: float, spans: list[tuple[list[float], list[float]]], widt
 def contact_sheet(path: str, duration: float, frames: int = 4, height: int = 120) -> Image.Image:
     """``frames`` evenly spaced frames of a video side by side with their times (how an uploaded video is shown)."""
     images, times = read_frames(path, uniform_timestamps(0.0, duration, frames))
-    thumbs = [img.resize((max(1, round(img.width * height / img.height)), height)) for img in images]
-    sheet = Image.new("RGB", (sum(t.width for t in thumbs) + 4 * (len(thumbs) - 1), height), "white")
-    draw, left = ImageDraw.Draw(sheet), 0
-    for thumb, t in zip(thumbs, times, strict=True):
-        sheet.paste(thumb, (left, 0))
-        draw.text((left + 4, 4), f"{t:.1f}s", fill="white", stroke_width=2, stroke_fill="black")
-        left += thumb.width + 4
-    return sheet
+    return grid(images, [f"{t:.1f}s" for t in times], columns=len(images), height=height)

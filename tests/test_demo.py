@@ -112,7 +112,10 @@ def test_turns_render_readably():
     out = render_turn(
         Event("turn", 0.1, message=Message("tool", [ContentPart("image", image=crop)] * 8), observation=many), 1
     )
-    assert len(out) == 2 and out[1]["content"].size == (4 * 124, 2 * 184)  # one grid, not a message per frame
+    assert len(out) == 2 and out[1]["content"].size == (
+        4 * 120 + 3 * 4,
+        2 * 180 + 4,
+    )  # one grid, not a message per frame
     assert (
         describe_call("search", {"query": "tallest <b>tower</b>"})
         == "search the web for “tallest &lt;b&gt;tower&lt;/b&gt;”"
@@ -131,10 +134,10 @@ def test_stream_episode_yields_turns_as_they_happen(policy, tmp_path):
     assert [e.kind for e in events] == ["turn", "turn", "turn", "done"]
     assert [e.message.role for e in events[:3]] == ["assistant", "tool", "assistant"]
     assert events[1].observation.metadata["box_original"] == [0, 0, 160, 120]
-    looked = Looked(images=[image])
+    looked = Looked(image=image)
     for event in events[:3]:
-        looked.add(event.message, event.observation)
-    assert looked.boxes == {0: [[0, 0, 160, 120]]} and len(looked.images) == 2  # the prompt image and the crop
+        looked.add(event.observation)
+    assert looked.boxes == [[0, 0, 160, 120]]
     picture = np.asarray(looked.picture())
     assert tuple(picture[60, 159]) == (0xFF, 0x2D, 0x55)  # the box's right edge is drawn in the first box colour
     assert events[-1].trajectory.answer == "a"
@@ -150,7 +153,7 @@ def test_a_video_episode_shows_frames_and_a_timeline_of_what_was_sampled(policy,
     looked = Looked(duration=upload.duration_s)
     for event in stream_episode(policy, task, clamp_limits(DemoLimits(), 0.0, 4, 16)):
         if event.kind == "turn":
-            looked.add(event.message, event.observation)
+            looked.add(event.observation)
     assert event.kind == "done" and event.trajectory.stop_reason == "answered"
     assert [span for span, _ in looked.spans] == [[0.0, 4.0], [1.0, 2.0]] and len(looked.spans[0][1]) == 4
     assert looked.picture().size == (960, 40 + 2 * 34 + 10)  # the timeline: one row per video-tool call

@@ -193,11 +193,12 @@ class HFBackend:
         firsts: dict[tuple[int, ...], list[int]] = {}
         for i, (r, s) in enumerate(zip(requests, stored, strict=True)):
             if s is None:
-                twin = next((j for j in firsts.get(tuple(r.ids), []) if _same_images(requests[unique[j]], r)), None)
+                same_ids = firsts.setdefault(tuple(r.ids), [])
+                twin = next((j for j in same_ids if _same_images(requests[unique[j]], r)), None)
                 if twin is not None:
                     source.append(twin)
                     continue
-                firsts.setdefault(tuple(r.ids), []).append(len(unique))
+                same_ids.append(len(unique))
             source.append(len(unique))
             unique.append(i)
         logits, rows, compact = self._prefill_unique([requests[i] for i in unique], [stored[i] for i in unique])
