@@ -96,7 +96,7 @@ def make_examples(policy: Policy, out: Path) -> list[list[Any]]:
     from data_pipelines.synthetic.zoom import zoom_rows
 
     rows = [
-        *zoom_rows(out / "stripes", 1, seed=7, size=(448, 336), tile=84, clutter=30, distractors=0, direct_share=0.0,
+        *zoom_rows(out / "stripes", 1, seed=7, size=(672, 504), tile=126, clutter=30, distractors=0, direct_share=0.0,
                    grid=2, glyph="stripes", **policy.frame),
         *zoom_rows(out / "digit", 1, seed=3, direct_share=0.0, **policy.frame),
         *video_rows(out / "video", 1, seed=5),

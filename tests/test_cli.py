@@ -62,11 +62,11 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
 
 
 def test_quickstart_runs_end_to_end(tmp_path):
-    """Every stage on a toy budget (the real run's numbers are in the README): data, both SFTs, GRPO, four
-    evaluations and the report with its pictures."""
+    """Every stage on a toy budget (the real run's numbers are in the README): data, the warm-up and both SFTs,
+    GRPO, four evaluations and the report with its pictures."""
     done = _run(VAGENT, "quickstart", "--config", str(ROOT / "configs/quickstart/tiny_cpu.yaml"), f"out_dir={tmp_path}",
-                "model.tiny.size=tiny", "train_rows=8", "test_rows=4", "sft_epochs=1", "grpo_steps=1", "group_size=2",
-                "prompts_per_step=2", "rollout.max_new_tokens=8")  # fmt: skip
+                "model.tiny.size=tiny", "train_rows=8", "test_rows=4", "warmup_rows=8", "warmup_epochs=1", "sft_epochs=1",
+                "grpo_steps=1", "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = (tmp_path / "report.md").read_text()
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):

@@ -486,14 +486,18 @@ class QuickstartConfig:
     )
     train_rows: int = option(384, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
     test_rows: int = option(48, "Held-out rows the policies are evaluated on.")
-    image_size: list[int] = option([448, 336], "Original image size: larger than the model's view, so the digit blurs.")
+    image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
     grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
-    tile: int = option(28, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
+    tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
     glyph: Literal["stripes", "digit"] = option(
-        "stripes", "What the tile shows: 1-px stripes (horizontal/vertical; learnable from scratch) or a digit."
+        "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    sft_epochs: float = option(3.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
+    warmup_rows: int = option(1200, "Images (apart from train and test) whose perception and grounding rows warm up SFT.")
+    warmup_epochs: float = option(
+        2.0, "Passes of the shared perception and grounding warm-up both SFT runs start from (0 skips it)."
+    )
+    sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
     sft_lr: float = option(2e-3, "SFT peak learning rate.")
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(2e-4, "GRPO learning rate.")
@@ -511,6 +515,8 @@ class QuickstartConfig:
             raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
+        if self.warmup_epochs < 0 or self.sft_epochs <= 0:
+            raise ValueError("need warmup_epochs >= 0 and sft_epochs > 0")
 
 
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.

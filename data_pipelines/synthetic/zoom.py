@@ -18,13 +18,14 @@ import argparse
 import random
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from data_pipelines.gold import crop_then_answer
 from vagent.data import Evidence, Row, write_rows
 from vagent.geometry import Convention
 
-__all__ = ["COLORS", "GLYPHS", "draw_task", "zoom_rows"]
+__all__ = ["COLORS", "GLYPHS", "STRIPES", "draw_task", "zoom_rows"]
 
 COLORS = {"red": (200, 30, 30), "blue": (30, 60, 200), "green": (20, 140, 40), "purple": (130, 40, 160)}
 _LOOK = [
@@ -44,10 +45,12 @@ _DIRECT = [
 # glyph -> (what the question asks about, the question)
 GLYPHS = {
     "digit": ("digit", "What digit is written on the small {color} tile?"),
-    # 1-px stripes average to flat grey when the image is downscaled, so only a crop tells them apart; an
-    # easy visual read for a model trained from scratch (the quickstart's), unlike digit shapes.
-    "stripes": ("stripes", "Are the stripes on the small {color} tile horizontal or vertical?"),
+    # 1-px lines 3 px apart blur to flat color when the image is downscaled well below 1:1, so only a crop
+    # tells their direction (a visual read simpler than digit shapes for a model trained from scratch). All
+    # four directions whiten about the same share of the tile, so its color in the view is the same.
+    "stripes": ("stripes", "Which way do the stripes on the small {color} tile run: horizontal, vertical, rising or falling?"),
 }
+STRIPES = ("horizontal", "vertical", "rising", "falling")  # rising: "/", falling: "\\"
 
 
 def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter: int, distractors: int,
@@ -55,8 +58,10 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
               stripe: int = 1) -> tuple[Image.Image, int | str, tuple[int, int, int, int]]:  # fmt: skip
     """Draw one task image. Returns (image, digit on the ``color`` tile, that tile's box in original pixels).
     With ``grid``, the target tile sits at the center of one of ``grid x grid`` cells (an easier layout).
-    ``stripe``: width in pixels of each stripe (``glyph="stripes"``); 1-px stripes blur away when the image is
-    downscaled, wide ones stay readable."""
+    ``stripe``: width in pixels of each stripe (``glyph="stripes"``), with twice that between stripes; 1-px
+    stripes blur away when the image is downscaled, wide ones stay readable. The stripes fill the tile's
+    middle; a solid border of a fifth of its side keeps the tile a saturated color in the view (a tile
+    striped to its edges looks pale there, and the quickstart's model did not learn to find it)."""
     image = Image.new("RGB", (width, height), (235, 235, 228))
     draw = ImageDraw.Draw(image)
     for _ in range(clutter):  # shapes the global view can see, none of them the answer
@@ -77,19 +82,23 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
             if all(box[2] < p[0] or box[0] > p[2] or box[3] < p[1] or box[1] > p[3] for p in placed):
                 break
         placed.append(box)
-        digit = rng.randint(0, 9) if glyph == "digit" else rng.choice(["horizontal", "vertical"])
+        digit = rng.randint(0, 9) if glyph == "digit" else rng.choice(STRIPES)
         draw.rectangle(box, fill=COLORS[color if k == 0 else others[(k - 1) % len(others)]])
         if glyph == "digit":
             draw.text((box[0] + tile * 0.28, box[1] + tile * 0.1), str(digit), fill=(255, 255, 255), font=font)
-        else:  # white 1-px stripes inside a 3-px border of the tile's color
-            inner = (box[0] + 3, box[1] + 3, box[2] - 3, box[3] - 3)
-            for v in range(0, inner[2] - inner[0] if digit == "vertical" else inner[3] - inner[1], 2 * stripe):
-                line = ((inner[0] + v, inner[1], inner[0] + v + stripe - 1, inner[3]) if digit == "vertical"
-                        else (inner[0], inner[1] + v, inner[2], inner[1] + v + stripe - 1))  # fmt: skip
-                draw.rectangle(line, fill=(255, 255, 255))
+        else:  # white stripes in the middle; the wide solid border keeps the tile a saturated color in the view
+            border = max(3, tile // 5)
+            image.paste((255, 255, 255), (box[0] + border, box[1] + border), _stripes(str(digit), tile - 2 * border, stripe))
         if k == 0:
             answer, target = digit, box
     return image, answer, target
+
+
+def _stripes(direction: str, side: int, width: int) -> Image.Image:
+    """A ``side`` x ``side`` mask of stripes ``width`` px wide, ``3 * width`` apart, running ``direction``."""
+    y, x = np.mgrid[:side, :side]
+    along = {"horizontal": y, "vertical": x, "rising": x + y, "falling": x - y + 3 * width * side}[direction]
+    return Image.fromarray(np.where(along % (3 * width) < width, 255, 0).astype(np.uint8))
 
 
 def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, int] = (896, 672), tile: int = 28,
