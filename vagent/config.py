@@ -493,7 +493,9 @@ class QuickstartConfig:
         "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    warmup_rows: int = option(1200, "Images (apart from train and test) whose perception and grounding rows warm up SFT.")
+    warmup_rows: int = option(
+        1200, "Images (apart from train and test) whose perception and grounding rows warm up SFT."
+    )
     warmup_epochs: float = option(
         2.0, "Passes of the shared perception and grounding warm-up both SFT runs start from (0 skips it)."
     )

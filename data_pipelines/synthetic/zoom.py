@@ -48,7 +48,10 @@ GLYPHS = {
     # 1-px lines 3 px apart blur to flat color when the image is downscaled well below 1:1, so only a crop
     # tells their direction (a visual read simpler than digit shapes for a model trained from scratch). All
     # four directions whiten about the same share of the tile, so its color in the view is the same.
-    "stripes": ("stripes", "Which way do the stripes on the small {color} tile run: horizontal, vertical, rising or falling?"),
+    "stripes": (
+        "stripes",
+        "Which way do the stripes on the small {color} tile run: horizontal, vertical, rising or falling?",
+    ),
 }
 STRIPES = ("horizontal", "vertical", "rising", "falling")  # rising: "/", falling: "\\"
 
@@ -88,7 +91,9 @@ def draw_task(width: int, height: int, rng: random.Random, *, tile: int, clutter
             draw.text((box[0] + tile * 0.28, box[1] + tile * 0.1), str(digit), fill=(255, 255, 255), font=font)
         else:  # white stripes in the middle; the wide solid border keeps the tile a saturated color in the view
             border = max(3, tile // 5)
-            image.paste((255, 255, 255), (box[0] + border, box[1] + border), _stripes(str(digit), tile - 2 * border, stripe))
+            image.paste(
+                (255, 255, 255), (box[0] + border, box[1] + border), _stripes(str(digit), tile - 2 * border, stripe)
+            )
         if k == 0:
             answer, target = digit, box
     return image, answer, target

@@ -138,11 +138,13 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     if all(p.is_file() for p in paths.values()):
         return paths
+    # margin 0: the gold crop is the tile's box, the box the grounding rows answer
     knobs = dict(size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0, direct_share=cfg.direct_share,
-                 grid=cfg.grid or None, margin=0, glyph=cfg.glyph, **policy.frame)  # the crop is the grounding box
+                 grid=cfg.grid or None, margin=0, glyph=cfg.glyph, **policy.frame)  # fmt: skip
     train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
-    warmup = _support_rows(zoom_rows(out, cfg.warmup_rows, seed=cfg.seed + 20_000, **knobs), policy) if cfg.warmup_rows else []
+    pool = zoom_rows(out, cfg.warmup_rows, seed=cfg.seed + 20_000, **knobs) if cfg.warmup_rows else []
+    warmup = _support_rows(pool, policy)
     notool = []
     for row in train:  # the same images and answers, answered without looking closer
         answer = f"<think>The {row.extra['color']} tile shows {row.answer}.</think>\n"
