@@ -210,8 +210,8 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
             return f"{sum(s['accuracy'] for s in group) / len(group):.2f}" if group else "-"
 
         split_lines.append(f"| {name} | {acc(small)} | {rate(small)} | {acc(large)} | {rate(large)} |")
-    best = max(names, key=lambda n: results[n][1]["accuracy"])
     baseline = results["no-tool baseline"][1]["accuracy"]
+    best = max((n for n in names if n != "no-tool baseline"), key=lambda n: results[n][1]["accuracy"])
     lines = [
         "# vagent quickstart report",
         "",
@@ -225,8 +225,8 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         write_table(metrics, None, names),
         "![results](results.png)",
         "",
-        f"Best: **{best}** (accuracy {results[best][1]['accuracy']:.2f}) vs the no-tool baseline {baseline:.2f} "
-        f"(chance is {'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
+        f"Best policy with a tool: **{best}** (accuracy {results[best][1]['accuracy']:.2f}) vs the no-tool baseline "
+        f"{baseline:.2f} (chance is {'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
         "",
         "## Does the agent look closer when it needs to?",
         "",
