@@ -211,7 +211,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
 
         split_lines.append(f"| {name} | {acc(small)} | {rate(small)} | {acc(large)} | {rate(large)} |")
     baseline = results["no-tool baseline"][1]["accuracy"]
-    best = max((n for n in names if n != "no-tool baseline"), key=lambda n: results[n][1]["accuracy"])
+    best = max((n for n in names if n.endswith("+ crop")), key=lambda n: results[n][1]["accuracy"])
     lines = [
         "# vagent quickstart report",
         "",
