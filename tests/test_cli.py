@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VAGENT = str(Path(sys.executable).parent / "vagent")  # the console script of the environment running the tests
 
 
-def _run(*args, cwd=None):
+def _run(*args, cwd=None, timeout=600):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 def test_only_working_subcommands_are_listed():
@@ -81,6 +81,29 @@ def test_quickstart_runs_end_to_end(tmp_path):
     crop = Image.open(tmp_path / "data" / crop_rows[0]["messages"][1]["content"][0]["path"])
     colored = sum(1 for px in crop.convert("RGB").getdata() if max(px) - min(px) > 80)  # the tile, not the grey clutter
     assert colored > 0.2 * crop.width * crop.height  # the gold crop is mostly the colored tile
+
+
+@pytest.mark.slow
+def test_the_default_quickstart_learns_to_look_closer(tmp_path):
+    """The README's main job at its default config (about 15 minutes): the numbers in its report come from
+    real rollouts, and on the fixed seed the agent with the crop tool beats the no-tool baseline trained on
+    the same budget, with crops that land on the tile."""
+    import statistics
+
+    done = _run(VAGENT, "quickstart", "--config", str(ROOT / "configs/quickstart/tiny_cpu.yaml"), f"out_dir={tmp_path}",
+                timeout=2400)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def samples(run):
+        return [json.loads(line) for line in (tmp_path / "eval" / run / "samples.jsonl").read_text().splitlines()]
+
+    with_tool, baseline = samples("sft-with-crop"), samples("no-tool-baseline")
+    accuracy = {name: sum(s["accuracy"] for s in rows) / len(rows) for name, rows in
+                (("tool", with_tool), ("baseline", baseline))}  # fmt: skip
+    assert accuracy["tool"] > accuracy["baseline"], accuracy
+    assert statistics.median(s["crop_iou"] for s in with_tool) >= 0.3
+    assert all(s["tool_calls"] == 0 for s in baseline)
+    assert f"| sft + crop | 48 | {accuracy['tool']:.3f} |" in (tmp_path / "report.md").read_text()
 
 
 def test_tools_list_names_every_tool(capsys):
