@@ -9,9 +9,9 @@ Stages (each with its own progress bar; times are reported):
    directions) blur at the model's global resolution but are readable after a crop (some tiles are drawn
    large: no tool needed), split into train and a held-out test set, with gold crop-then-answer
    trajectories (the crop is the real tool's output);
-3. SFT: a short warm-up on perception and grounding rows (read the stripes from a gold crop; give the
-   tile's box), then from it the cold start on the gold trajectories, and a no-tool baseline on the same
-   rows answered directly, for the same number of steps;
+3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
+   (read the stripes from a gold crop); from it the cold start on the gold trajectories, and a no-tool
+   baseline on the same rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
    when the answer is right;
 5. evaluation on the test split: the SFT and GRPO policies with the crop tool, the no-tool baseline,
