@@ -66,7 +66,7 @@ def test_overrides_nested_and_typed():
         QuickstartConfig, None, ["rollout.max_turns=7", "model.path=/x", "rollout.tools=[crop]", "seed=3"]
     )
     assert cfg.rollout.max_turns == 7 and cfg.model.path == "/x" and cfg.rollout.tools == ["crop"] and cfg.seed == 3
-    assert cfg.rollout.temperature == 1.0  # untouched defaults survive
+    assert cfg.rollout.temperature == 0.7  # untouched defaults survive (the quickstart samples GRPO at 0.7)
     cfg = load_config(QuickstartConfig, None, ["rollout.temperature=0"])
     assert isinstance(cfg.rollout.temperature, float)
     with pytest.raises(ConfigError, match="key=value"):
@@ -135,3 +135,9 @@ def test_a_partly_given_section_keeps_the_parents_defaults_for_the_rest():
     default = load_config(QuickstartConfig)
     assert cfg.model.max_pixels == default.model.max_pixels and cfg.model.tiny.size == default.model.tiny.size
     assert cfg.model.device == "cpu" and cfg.model.tiny.seed == 3
+
+
+def test_the_shipped_quickstart_yaml_is_the_built_in_default():
+    """`vagent quickstart` without --config runs the configuration `make run` runs and the docs measured."""
+    shipped = load_config(QuickstartConfig, CONFIG_DIR / "quickstart" / "tiny_cpu.yaml", ["model.device=null"])
+    assert shipped == load_config(QuickstartConfig)

@@ -481,10 +481,10 @@ class QuickstartConfig:
     out_dir: str = option("runs/quickstart", "Everything the quickstart writes: data, checkpoints, evals, report.md.")
     seed: int = option(0, "Seed of the data, the training order and sampling.")
     model: ModelConfig = option(
-        ModelConfig(min_pixels=3136, max_pixels=50176, tiny=TinyModelConfig(size="small")),
+        ModelConfig(min_pixels=3136, max_pixels=50176, tiny=TinyModelConfig(size="small", rope_theta=10.0)),
         "Policy to start from (the tiny random one by default).",
     )
-    train_rows: int = option(384, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
+    train_rows: int = option(448, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
     test_rows: int = option(48, "Held-out rows the policies are evaluated on.")
     image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
     grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
@@ -497,16 +497,17 @@ class QuickstartConfig:
         1200, "Images (apart from train and test) whose perception and grounding rows warm up SFT."
     )
     warmup_epochs: float = option(
-        2.0, "Passes of the shared perception and grounding warm-up both SFT runs start from (0 skips it)."
+        4.0, "Passes of each warm-up phase (grounding, then perception) both SFT runs start from (0 skips it)."
     )
     sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
-    sft_lr: float = option(2e-3, "SFT peak learning rate.")
+    sft_lr: float = option(5e-4, "SFT peak learning rate.")
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
-    grpo_lr: float = option(2e-4, "GRPO learning rate.")
+    grpo_lr: float = option(1e-4, "GRPO learning rate.")
     group_size: int = option(4, "GRPO samples per prompt.")
     prompts_per_step: int = option(4, "GRPO prompts per step.")
     rollout: RolloutConfig = option(
-        RolloutConfig(max_turns=3, max_new_tokens=64, max_images=4), "Episode limits for GRPO and the evaluations."
+        RolloutConfig(max_turns=3, max_new_tokens=64, max_images=4, temperature=0.7),
+        "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy).",
     )
     toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
 
