@@ -9,6 +9,8 @@ from PIL import Image
 from videos import write_video
 
 from vagent.cli import build_parser, main
+from vagent.data import load_rows
+from vagent.training.data import gold_conversation
 
 ROOT = Path(__file__).resolve().parent.parent
 VAGENT = str(Path(sys.executable).parent / "vagent")  # the console script of the environment running the tests
@@ -81,6 +83,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
     crop = Image.open(tmp_path / "data" / crop_rows[0]["messages"][1]["content"][0]["path"])
     colored = sum(1 for px in crop.convert("RGB").getdata() if max(px) - min(px) > 80)  # the tile, not the grey clutter
     assert colored > 0.2 * crop.width * crop.height  # the gold crop is mostly the colored tile
+    reading = load_rows(tmp_path / "data" / "warmup_reading.jsonl")  # the crop read in context: the call not trained
+    assert reading and [m.trained for m in gold_conversation(reading[0], [])][-3:] == [False, True, True]
 
 
 @pytest.mark.slow

@@ -32,3 +32,25 @@ def test_gold_conversation_trains_assistant_content_only(policy):
     assert enc.input_ids.tolist() == expected.tolist()
     assert len(enc.image_grid_thw) == 2
     assert int(enc.mm_token_type_ids.sum()) == int((enc.input_ids == policy.model.config.image_token_id).sum())
+
+
+def test_an_assistant_turn_marked_untrained_is_context_only(policy):
+    """A gold turn with ``trained=False`` (a row's ``"train": false``) is in the sequence, unchanged, but gets no
+    loss: SFT can teach the answer after a tool call without teaching the call again."""
+    crop = Image.new("RGB", (112, 112), (200, 10, 30))
+
+    def conversation(trained):
+        return [
+            Message.text("system", "You answer."),
+            Message.text("user", "What is it?"),
+            Message("assistant", [ContentPart("text", CALL)], trained=trained),
+            Message("tool", [ContentPart("image", image=crop), ContentPart("text", "Image 1: cropped region.")]),
+            Message.text("assistant", "<answer>a square</answer>"),
+        ]
+
+    min_pixels, max_pixels = policy.pixel_budget
+    full, context = (encode_messages(conversation(t), policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
+                     for t in (True, False))  # fmt: skip
+    assert context.input_ids.tolist() == full.input_ids.tolist()
+    trained = policy.tokenizer.decode(context.input_ids[context.loss_mask.bool()].tolist())
+    assert trained == "<answer>a square</answer><|im_end|>"

@@ -493,11 +493,13 @@ class QuickstartConfig:
         "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    warmup_rows: int = option(
-        1200, "Images (apart from train and test) whose perception and grounding rows warm up SFT."
-    )
-    warmup_epochs: float = option(
-        4.0, "Passes of each warm-up phase (grounding, then perception) both SFT runs start from (0 skips it)."
+    warmup_rows: int = option(1200, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
+    warmup_epochs: float = option(4.0, "Passes of each warm-up phase over its rows (0 skips the warm-up).")
+    warmup_phases: list[str] = option(
+        ["grounding", "perception", "reading"],
+        "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. grounding: "
+        "give the tile's box; perception: read a gold crop shown alone; reading: read it in a gold trajectory "
+        "(the crop call shown, not trained).",
     )
     sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
     sft_lr: float = option(5e-4, "SFT peak learning rate.")
@@ -520,6 +522,9 @@ class QuickstartConfig:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
         if self.warmup_epochs < 0 or self.sft_epochs <= 0:
             raise ValueError("need warmup_epochs >= 0 and sft_epochs > 0")
+        unknown = set(self.warmup_phases) - {"grounding", "perception", "reading"}
+        if unknown:
+            raise ValueError(f"warmup_phases must be grounding, perception or reading; got {sorted(unknown)}")
 
 
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.

@@ -110,6 +110,8 @@ class Message:
             the ``<|im_end|>`` and newline that close it. The encoder uses them instead of re-tokenizing
             ``content``, so training sees exactly what was sampled.
         sampled: Aligned with ``token_ids``: 1 = sampled by the policy, 0 = forced by the engine.
+        trained: For gold assistant turns (no ``token_ids``): False shows the turn as context without training
+            on it (a row's ``"train": false``).
     """
 
     role: Role
@@ -117,6 +119,7 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     token_ids: list[int] | None = None
     sampled: list[int] | None = None
+    trained: bool = True
 
     @classmethod
     def text(cls, role: Role, text: str) -> Message:

@@ -10,7 +10,8 @@ ids the policy sampled are exactly the ids it is trained on:
 * An assistant message that carries ``token_ids`` (the engine's exact sampled ids) is used as is,
   never re-tokenized from its text; its ``sampled`` flags become the loss mask (GRPO trains only
   what was sampled). A gold assistant message without ids (SFT) is tokenized and trained on its
-  content and closing ``<|im_end|>``; the header and the newline after ``<|im_end|>`` are masked.
+  content and closing ``<|im_end|>`` (unless ``trained`` is False: context only); the header and the
+  newline after ``<|im_end|>`` are masked.
 * System, user and tool messages are masked (0). Their images are resized exactly as the policy saw
   them (``resize_to_budget`` with the policy's pixel budget and patch grid) and run through the
   processor, so ``pixel_values`` holds every image's patches in conversation order (prompt images,
@@ -178,7 +179,7 @@ def encode_messages(
             if not body.startswith(header_text):
                 raise ValueError("the chat template renders assistant turns with a different header")
             turn = torch.tensor(tokenizer.encode(body[len(header_text) :]), dtype=torch.long)
-            trained = torch.ones_like(turn)
+            trained = torch.full_like(turn, int(message.trained))
             if turn[-len(newline) :].tolist() == newline:
                 trained[-len(newline) :] = 0
             add({"input_ids": turn}, trained)

@@ -99,7 +99,8 @@ class Row:
         choices: The options of a ``choice`` question, shown as "A. ...", "B. ...".
         evidence: Boxes and spans that support the answer (for grounding rewards), or None.
         tools: Names of the tools offered for this row, or None for the run's default.
-        messages: A gold trajectory for SFT: ``[{"role", "content": str | [{"type", "text"?, "path"?}]}]``.
+        messages: A gold trajectory for SFT: ``[{"role", "content": str | [{"type", "text"?, "path"?}]}]``;
+            an assistant turn with ``"train": false`` is shown as context but not trained on.
             Part paths are resolved like ``images``; an image part without a path stands for the
             row's next prompt image.
         extra: Every other key of the JSON object, kept as written.
@@ -263,6 +264,8 @@ def _messages(value: Any, base: Path | None) -> list[dict[str, Any]] | None:
             raise _FieldError(name, f"must be an object {{role, content}}, got {message!r}")
         if message.get("role") not in ROLES:
             raise _FieldError(f"{name}.role", f"must be one of {list(ROLES)}, got {message.get('role')!r}")
+        if "train" in message and (message["role"] != "assistant" or not isinstance(message["train"], bool)):
+            raise _FieldError(f"{name}.train", f"is a true/false flag of assistant turns, got {message['train']!r}")
         content = message.get("content")
         if isinstance(content, str):
             out.append(dict(message))
@@ -283,8 +286,8 @@ def _messages(value: Any, base: Path | None) -> list[dict[str, Any]] | None:
                 raise _FieldError(f"{where}.path", "is required for a video part")
             parts.append({**part, "path": _resolve(path, base)} if path else dict(part))
         out.append({**message, "content": parts})
-    if not any(m["role"] == "assistant" for m in out):
-        raise _FieldError("messages", "has no assistant turn (nothing to train on)")
+    if not any(m["role"] == "assistant" and m.get("train", True) for m in out):
+        raise _FieldError("messages", "has no assistant turn to train on")
     return out
 
 

@@ -10,7 +10,8 @@ Stages (each with its own progress bar; times are reported):
    large: no tool needed), split into train and a held-out test set, with gold crop-then-answer
    trajectories (the crop is the real tool's output);
 3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
-   (read the stripes from a gold crop); from it the cold start on the gold trajectories, and a no-tool
+   (read the stripes from a gold crop), then reading rows (read them from the crop inside a gold trajectory,
+   the crop call shown but not trained); from it the cold start on the gold trajectories, and a no-tool
    baseline on the same rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
    when the answer is right;
@@ -42,9 +43,9 @@ from vagent.recipes.evaluate import bar_chart
 from vagent.rollout import RolloutLimits
 from vagent.training.metrics import read_metrics
 
-# Warm-up phases in order, each a plain SFT run. Mixed in one run, neither skill was learned within the budget;
-# alone, each is (docs/PERFORMANCE.md).
-WARMUP = ("grounding", "perception")
+# Warm-up phases (cfg.warmup_phases), each a plain SFT run on other images' rows. Mixed in one run, grounding and
+# perception were not learned within the budget; alone, each is (docs/PERFORMANCE.md).
+WARMUP = ("grounding", "perception", "reading")
 REWARDS = "{accuracy: 1.0, format: 0.2, crop_iou: 0.5, tool_bonus: 0.2, invalid_calls: 0.2}"
 
 
@@ -73,15 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     times["data"] = time.perf_counter() - t
     del policy
 
-    t = stage(3, "SFT: grounding, then perception warm-up; from it the crop-tool cold start and the no-tool baseline")
+    t = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the crop-tool cold start and the no-tool "
+                 "baseline")  # fmt: skip
     common = [f"model.device={cfg.model.device or 'cpu'}", f"seed={cfg.seed}", "data.micro_batch_size=8",
               f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05", "train.precision=fp32",
               "train.save_every=0", "train.resume=auto"]  # fmt: skip
     start = base
-    for phase in WARMUP if cfg.warmup_epochs and cfg.warmup_rows else ():  # shared: the baseline gets the same budget
+    for run, phase in _warmup_runs(cfg):  # shared: the baseline gets the same budget
         start = sft.train(load_config(sft.SFTConfig, None, [
-            f"out_dir={out / f'sft-warmup-{phase}'}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
-            "data.tools=[]", f"train.epochs={cfg.warmup_epochs}", *common]))  # fmt: skip
+            f"out_dir={out / run}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
+            f"train.epochs={cfg.warmup_epochs}", *common]))  # fmt: skip
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
                                                             *common]))  # fmt: skip
@@ -128,8 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str]]:
+    """(run directory name, phase) of each warm-up SFT run, in order; a phase named twice gets a numbered run."""
+    if not (cfg.warmup_epochs and cfg.warmup_rows):
+        return []
+    phases = cfg.warmup_phases
+    return [(f"sft-warmup-{phase}" + (f"-{i + 1}" if phases.count(phase) > 1 else ""), phase)
+            for i, phase in enumerate(phases)]  # fmt: skip
+
+
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
-    """train (gold crop-then-answer / direct rows, GRPO's prompts), the warm-up's grounding and perception rows
+    """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows
     (of other images), the two SFT mixes (train + their support rows, and the same rows answered directly, no
     tools + support rows), test."""
     from data_pipelines.synthetic.zoom import zoom_rows
@@ -150,7 +161,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         answer = f"<think>The {row.extra['color']} tile shows {row.answer}.</think>\n"
         notool.append(row.__class__(**{**row.__dict__, "tools": [],
                                        "messages": [{"role": "assistant", "content": f"{answer}<answer>{row.answer}</answer>"}]}))  # fmt: skip
-    support = _support_rows(train, policy)
+    support = [r for r in _support_rows(train, policy) if not r.source.endswith("reading")]
     write_rows(test, paths["test"])
     for phase in WARMUP:
         write_rows([r for r in warmup if r.source.endswith(phase)], paths[f"warmup_{phase}"])
@@ -158,17 +169,19 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     write_rows(train + support, paths["sft_mix"])
     write_rows(train, paths["train"])
     print(f"{len(train)} train rows ({sum(r.extra['difficulty']['direct'] for r in train)} readable without a tool) "
-          f"+ {len(support)} perception and grounding rows for both SFT mixes, {len(warmup)} such rows of other "
-          f"images for the warm-up, {len(test)} test rows, images "
+          f"+ {len(support)} perception and grounding rows for both SFT mixes, {len(warmup)} warm-up rows of other "
+          f"images, {len(test)} test rows, images "
           f"{cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
     return paths
 
 
 def _support_rows(train, policy) -> list:
-    """Short single-turn rows both SFT mixes share, the way VLM SFT mixes carry perception and grounding data
-    next to agent trajectories: read the glyph from a gold crop (the skill a crop is for), and give the tile's
-    box on the global view (the skill of choosing where to crop). A model trained from scratch learns to use
-    its image tokens from these far sooner than from the one answer token of a long trajectory."""
+    """Rows that train one skill each, the way VLM SFT mixes carry perception and grounding data next to agent
+    trajectories: read the glyph from a gold crop shown alone (perception: the skill a crop is for), give the
+    tile's box on the global view (grounding: the skill of choosing where to crop), and read it from the crop in
+    the trajectory's context (reading: the gold trajectory with its crop call shown but not trained). A model
+    trained from scratch learns to use its image tokens from these far sooner than from the one answer token of
+    a long trajectory."""
     from data_pipelines.gold import model_box
 
     rows = []
@@ -179,6 +192,8 @@ def _support_rows(train, policy) -> list:
         rows.append(row.__class__(id=f"{row.id}-read", question=row.question, answer=row.answer, answer_type="exact",
                                   images=[crop], tools=[], source="synthetic/zoom-perception",
                                   messages=[{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]))  # fmt: skip
+        rows.append(row.__class__(**{**row.__dict__, "id": f"{row.id}-look", "source": "synthetic/zoom-reading",
+                                     "messages": [{**row.messages[0], "train": False}, *row.messages[1:]]}))  # fmt: skip
         tile = row.evidence.boxes[0]
         with Image.open(row.images[0]) as image:
             size = image.size
@@ -195,7 +210,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
     names = list(results)
     metrics = [m for _, m in results.values()]
     bar_chart(metrics, names, out / "results.png", title="held-out test split")
-    _curves(out)
+    _curves(cfg, out)
     direct = {r.id for r in test_rows if r.extra.get("difficulty", {}).get("direct")}
     split_lines = []
     for name, (run_dir, _) in results.items():
@@ -256,7 +271,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
     return text
 
 
-def _curves(out: Path) -> None:
+def _curves(cfg: QuickstartConfig, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,7 +279,7 @@ def _curves(out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     offset = 0  # each warm-up phase continues from the last; both SFT runs from the end of the warm-up
-    for name in (*(f"sft-warmup-{phase}" for phase in WARMUP), "sft", "sft-notool"):
+    for name in (*(run for run, _ in _warmup_runs(cfg)), "sft", "sft-notool"):
         records = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
         ax.plot([offset + r["step"] for r in records], [r["loss"] for r in records], label=name)
         if records and name.startswith("sft-warmup"):

@@ -42,9 +42,9 @@ def gold_conversation(row: Row, default_tools: Sequence[str]) -> list[Message]:
     prompt_images = iter(row.images)
     turns = []
     for i, message in enumerate(row.messages):
-        content = message["content"]
+        content, trained = message["content"], message.get("train", True)
         if isinstance(content, str):
-            turns.append(Message.text(message["role"], content))
+            turns.append(Message(message["role"], [ContentPart("text", content)], trained=trained))
             continue
         parts = []
         for j, part in enumerate(content):
@@ -60,7 +60,7 @@ def gold_conversation(row: Row, default_tools: Sequence[str]) -> list[Message]:
                     f"row {row.id!r}: messages[{i}].content[{j}] is a video part; SFT rows show videos as the "
                     "frames a sample_frames/crop_clip tool turn returned (image parts), as the rollout engine does"
                 )
-        turns.append(Message(message["role"], parts))
+        turns.append(Message(message["role"], parts, trained=trained))
     if any(m.role in ("system", "user") for m in turns):
         if turns[0].role not in ("system", "user"):
             raise RowError(f"row {row.id!r}: messages with their own prompt must start with a system or user turn")
