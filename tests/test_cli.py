@@ -83,7 +83,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
     crop = Image.open(tmp_path / "data" / crop_rows[0]["messages"][1]["content"][0]["path"])
     colored = sum(1 for px in crop.convert("RGB").getdata() if max(px) - min(px) > 80)  # the tile, not the grey clutter
     assert colored > 0.2 * crop.width * crop.height  # the gold crop is mostly the colored tile
-    reading = load_rows(tmp_path / "data" / "warmup_reading.jsonl")  # the crop read in context: the call not trained
+    mix, notool = (load_rows(tmp_path / "data" / f"{name}.jsonl") for name in ("sft_mix", "sft_mix_notool"))
+    assert len(mix) == len(notool)  # the same budget: as many rows, so as many steps
+    reading = [row for row in mix if row.source.endswith("reading")]  # the crop read in context, the call not trained
     assert reading and [m.trained for m in gold_conversation(reading[0], [])][-3:] == [False, True, True]
 
 

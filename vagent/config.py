@@ -496,7 +496,7 @@ class QuickstartConfig:
     warmup_rows: int = option(1200, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
     warmup_epochs: float = option(4.0, "Passes of each warm-up phase over its rows (0 skips the warm-up).")
     warmup_phases: list[str] = option(
-        ["grounding", "perception", "reading"],
+        ["grounding", "perception"],
         "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. grounding: "
         "give the tile's box; perception: read a gold crop shown alone; reading: read it in a gold trajectory "
         "(the crop call shown, not trained).",

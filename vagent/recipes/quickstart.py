@@ -10,9 +10,9 @@ Stages (each with its own progress bar; times are reported):
    large: no tool needed), split into train and a held-out test set, with gold crop-then-answer
    trajectories (the crop is the real tool's output);
 3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
-   (read the stripes from a gold crop), then reading rows (read them from the crop inside a gold trajectory,
-   the crop call shown but not trained); from it the cold start on the gold trajectories, and a no-tool
-   baseline on the same rows answered directly, for the same number of steps;
+   (read the stripes from a gold crop); from it the cold start on the gold trajectories plus reading rows
+   (the same trajectories with the crop call shown but not trained), and a no-tool baseline on the same
+   rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
    when the answer is right;
 5. evaluation on the test split: the SFT and GRPO policies with the crop tool, the no-tool baseline,
@@ -140,9 +140,9 @@ def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str]]:
 
 
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
-    """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows
-    (of other images), the two SFT mixes (train + their support rows, and the same rows answered directly, no
-    tools + support rows), test."""
+    """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
+    the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
+    answered directly without tools, twice for the small tiles, + the perception and grounding rows), test."""
     from data_pipelines.synthetic.zoom import zoom_rows
 
     names = ("train", *(f"warmup_{phase}" for phase in WARMUP), "sft_mix", "sft_mix_notool", "test")
@@ -161,16 +161,24 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         answer = f"<think>The {row.extra['color']} tile shows {row.answer}.</think>\n"
         notool.append(row.__class__(**{**row.__dict__, "tools": [],
                                        "messages": [{"role": "assistant", "content": f"{answer}<answer>{row.answer}</answer>"}]}))  # fmt: skip
-    support = [r for r in _support_rows(train, policy) if not r.source.endswith("reading")]
+    support = _support_rows(train, policy)
+    reading = [r for r in support if r.source.endswith("reading")]
+    shared = [r for r in support if not r.source.endswith("reading")]  # perception and grounding: both mixes
+    # The crop-tool mix reads each crop once more in the trajectory's context (without it the policy found the tile
+    # but mostly did not read its own crop: docs/PERFORMANCE.md); for the same number of rows and steps, the
+    # baseline answers those images directly once more.
+    again = [
+        r.__class__(**{**r.__dict__, "id": f"{r.id}-again"}) for r in notool if not r.extra["difficulty"]["direct"]
+    ]
     write_rows(test, paths["test"])
     for phase in WARMUP:
         write_rows([r for r in warmup if r.source.endswith(phase)], paths[f"warmup_{phase}"])
-    write_rows(notool + support, paths["sft_mix_notool"])
-    write_rows(train + support, paths["sft_mix"])
+    write_rows(notool + again + shared, paths["sft_mix_notool"])
+    write_rows(train + shared + reading, paths["sft_mix"])
     write_rows(train, paths["train"])
     print(f"{len(train)} train rows ({sum(r.extra['difficulty']['direct'] for r in train)} readable without a tool) "
-          f"+ {len(support)} perception and grounding rows for both SFT mixes, {len(warmup)} warm-up rows of other "
-          f"images, {len(test)} test rows, images "
+          f"+ {len(shared)} perception and grounding rows for both SFT mixes and {len(reading)} reading rows for the "
+          f"crop-tool one, {len(warmup)} warm-up rows of other images, {len(test)} test rows, images "
           f"{cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
     return paths
 
@@ -297,10 +305,14 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         steps = [r["step"] for r in records]
         for key in ("reward", "accuracy", "reward/crop_iou", "tool_calls_per_traj"):
-            ax.plot(steps, [r.get(key, float("nan")) for r in records], label=key, marker=".")
+            values = [r.get(key, float("nan")) for r in records]
+            (line,) = ax.plot(steps, values, label=key, marker=".", alpha=0.35)
+            # each point is one step's few rollouts; the trend is their running mean (as TensorBoard smooths)
+            ax.plot(steps, [sum(values[max(0, i - 3) : i + 1]) / len(values[max(0, i - 3) : i + 1])
+                            for i in range(len(values))], color=line.get_color())  # fmt: skip
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-        ax.set_title("GRPO (mean over each step's rollouts)")
+        ax.set_title("GRPO: each step's rollout mean (dots), running mean of 4 (line)")
         fig.tight_layout()
         fig.savefig(out / "grpo.png", dpi=110)
         plt.close(fig)
