@@ -506,7 +506,7 @@ class QuickstartConfig:
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(1e-4, "GRPO learning rate.")
     group_size: int = option(4, "GRPO samples per prompt.")
-    prompts_per_step: int = option(4, "GRPO prompts per step.")
+    prompts_per_step: int = option(8, "GRPO prompts per step.")
     rollout: RolloutConfig = option(
         RolloutConfig(max_turns=3, max_new_tokens=64, max_images=4, temperature=0.7),
         "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy).",
