@@ -80,6 +80,10 @@ def test_validation_and_file_errors(tmp_path):
         load_config(QuickstartConfig, None, ["rollout.max_turns=0"])
     with pytest.raises(ConfigError, match="vocab_size"):
         load_config(TinyModelConfig, None, ["vocab_size=10"])
+    with pytest.raises(
+        ConfigError, match=r"warmup_phases must be grounding, perception or reading; got \['percepton'\]"
+    ):
+        load_config(QuickstartConfig, None, ["warmup_phases=[grounding, percepton]"])
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(QuickstartConfig, tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
