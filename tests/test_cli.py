@@ -73,6 +73,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
     report = (tmp_path / "report.md").read_text()
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report
+    assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
+    per_answer = report.split("## Which answers does each policy get right?")[1].split("##")[0]
+    assert per_answer.count("| sft + crop |") == 1 and "most given answer" in per_answer
     for picture in ("results.png", "sft_loss.png", "grpo.png"):
         assert Image.open(tmp_path / picture).size[0] > 300
     html = (tmp_path / "eval" / "grpo-with-crop" / "trajectories.html").read_text()
@@ -87,6 +90,15 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert len(mix) == len(notool)  # the same budget: as many rows, so as many steps
     reading = [row for row in mix if row.source.endswith("reading")]  # the crop read in context, the call not trained
     assert reading and [m.trained for m in gold_conversation(reading[0], [])][-3:] == [False, True, True]
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    from vagent.recipes.quickstart import wilson_interval
+
+    low, high = wilson_interval(5, 10)  # p = 0.5, n = 10: (0.237, 0.763)
+    assert (round(low, 3), round(high, 3)) == (0.237, 0.763)
+    assert wilson_interval(0, 20)[0] == 0.0 and 0 < wilson_interval(0, 20)[1] < 0.2  # never below 0, not 0-wide
+    assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
 @pytest.mark.slow
@@ -109,7 +121,7 @@ def test_the_default_quickstart_learns_to_look_closer(tmp_path):
     assert accuracy["tool"] > accuracy["baseline"], accuracy
     assert statistics.median(s["crop_iou"] for s in with_tool) >= 0.3
     assert all(s["tool_calls"] == 0 for s in baseline)
-    assert f"| sft + crop | 48 | {accuracy['tool']:.3f} |" in (tmp_path / "report.md").read_text()
+    assert f"| sft + crop | 192 | {accuracy['tool']:.3f} |" in (tmp_path / "report.md").read_text()
 
 
 def test_tools_list_names_every_tool(capsys):

@@ -485,7 +485,7 @@ class QuickstartConfig:
         "Policy to start from (the tiny random one by default).",
     )
     train_rows: int = option(448, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
-    test_rows: int = option(48, "Held-out rows the policies are evaluated on.")
+    test_rows: int = option(192, "Held-out rows the policies are evaluated on.")
     image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
     grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
     tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")

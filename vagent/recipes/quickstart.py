@@ -25,8 +25,10 @@ Stages (each with its own progress bar; times are reported):
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -233,8 +235,10 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
             return f"{sum(s['accuracy'] for s in group) / len(group):.2f}" if group else "-"
 
         split_lines.append(f"| {name} | {acc(small)} | {rate(small)} | {acc(large)} | {rate(large)} |")
+    samples = {name: read_samples(run_dir / "samples.jsonl") for name, (run_dir, _) in results.items()}
     baseline = results["no-tool baseline"][1]["accuracy"]
     best = max((n for n in names if n.endswith("+ crop")), key=lambda n: results[n][1]["accuracy"])
+    low, high = wilson_interval(sum(s["accuracy"] for s in samples[best]), len(samples[best]))
     lines = [
         "# vagent quickstart report",
         "",
@@ -248,8 +252,14 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         write_table(metrics, None, names),
         "![results](results.png)",
         "",
-        f"Best policy with a tool: **{best}** (accuracy {results[best][1]['accuracy']:.2f}) vs the no-tool baseline "
-        f"{baseline:.2f} (chance is {'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
+        f"Best policy with a tool: **{best}** (accuracy {results[best][1]['accuracy']:.2f}, 95% interval "
+        f"{low:.2f}-{high:.2f} over {len(samples[best])} rows) vs the no-tool baseline {baseline:.2f} (chance is "
+        f"{'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
+        "",
+        *_grpo_vs_sft(samples),
+        "## Which answers does each policy get right?",
+        "",
+        *_per_answer(samples),
         "",
         "## Does the agent look closer when it needs to?",
         "",
@@ -277,6 +287,47 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
     return text
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a success rate: unlike p +- z*se it stays inside [0, 1] and is honest at
+    the few dozen rows a quick evaluation has."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _grpo_vs_sft(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """GRPO against its own SFT start on the same rows: which rows it fixed and which it broke."""
+    if "grpo + crop" not in samples:
+        return []
+    sft_right = {s["id"]: s["accuracy"] for s in samples["sft + crop"]}
+    fixed = sum(1 for s in samples["grpo + crop"] if s["accuracy"] > sft_right.get(s["id"], 1.0))
+    broke = sum(1 for s in samples["grpo + crop"] if s["accuracy"] < sft_right.get(s["id"], 0.0))
+    return [f"GRPO against its SFT start on the same rows: {fixed} answered right that SFT got wrong, {broke} "
+            "the other way round.", ""]  # fmt: skip
+
+
+def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Accuracy per gold answer (rows: policies): a policy that guesses one answer shows it here, not in the mean."""
+    golds = sorted({str(s["gold"][0]) for rows in samples.values() for s in rows if s["gold"]})
+    if not golds or len(golds) > 8:
+        return ["(too many distinct answers to tabulate)"]
+    lines = [f"| policy | {' | '.join(golds)} | most given answer |", f"|---|{'---:|' * len(golds)}---|"]
+    for name, rows in samples.items():
+        cells = []
+        for gold in golds:
+            group = [s["accuracy"] for s in rows if s["gold"] and str(s["gold"][0]) == gold]
+            cells.append(f"{sum(group) / len(group):.2f} ({len(group)})" if group else "-")
+        given = Counter(str(s["prediction"]) for s in rows if s["prediction"])
+        top = given.most_common(1)
+        text = " ".join(top[0][0].split())[:24].replace("|", "\\|") if top else ""
+        share = f"`{text}` ({top[0][1] / len(rows):.0%})" if top else "-"
+        lines.append(f"| {name} | {' | '.join(cells)} | {share} |")
+    return lines
 
 
 def _curves(cfg: QuickstartConfig, out: Path) -> None:
