@@ -84,6 +84,24 @@ def test_validation_and_file_errors(tmp_path):
         ConfigError, match=r"warmup_phases must be grounding, perception or reading; got \['percepton'\]"
     ):
         load_config(QuickstartConfig, None, ["warmup_phases=[grounding, percepton]"])
+    with pytest.raises(ConfigError, match=r"warmup_epochs lists 2 numbers for 3 warmup_phases"):
+        load_config(QuickstartConfig, None, ["warmup_phases=[grounding, perception, reading]"])
+    with pytest.raises(ConfigError, match="warmup_epochs >= 0"):
+        load_config(QuickstartConfig, None, ["warmup_epochs=[4, -1]"])
+    from vagent.recipes.quickstart import _warmup_runs  # one number for all phases, or one each; 0 skips a phase
+
+    every = load_config(QuickstartConfig, None, ["warmup_epochs=3"])
+    assert _warmup_runs(every) == [
+        ("sft-warmup-grounding", "grounding", 3.0),
+        ("sft-warmup-perception", "perception", 3.0),
+    ]
+    each = load_config(
+        QuickstartConfig, None, ["warmup_phases=[perception, grounding, perception]", "warmup_epochs=[2, 0, 5]"]
+    )
+    assert _warmup_runs(each) == [
+        ("sft-warmup-perception-1", "perception", 2.0),
+        ("sft-warmup-perception-3", "perception", 5.0),
+    ]
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(QuickstartConfig, tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):

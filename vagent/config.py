@@ -494,7 +494,11 @@ class QuickstartConfig:
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
     warmup_rows: int = option(1200, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
-    warmup_epochs: float = option(4.0, "Passes of each warm-up phase over its rows (0 skips the warm-up).")
+    warmup_epochs: float | list[float] = option(
+        [4.0, 6.0],
+        "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' "
+        "order (0 skips a phase).",
+    )
     warmup_phases: list[str] = option(
         ["grounding", "perception"],
         "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. grounding: "
@@ -520,7 +524,11 @@ class QuickstartConfig:
             raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
-        if self.warmup_epochs < 0 or self.sft_epochs <= 0:
+        epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]
+        if isinstance(self.warmup_epochs, list) and len(epochs) != len(self.warmup_phases):
+            raise ValueError(f"warmup_epochs lists {len(epochs)} numbers for {len(self.warmup_phases)} warmup_phases "
+                             f"{self.warmup_phases}; give one per phase, or one number for all")  # fmt: skip
+        if min(epochs, default=0) < 0 or self.sft_epochs <= 0:
             raise ValueError("need warmup_epochs >= 0 and sft_epochs > 0")
         unknown = set(self.warmup_phases) - {"grounding", "perception", "reading"}
         if unknown:

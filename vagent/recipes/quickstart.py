@@ -82,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
               f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05", "train.precision=fp32",
               "train.save_every=0", "train.resume=auto"]  # fmt: skip
     start = base
-    for run, phase in _warmup_runs(cfg):  # shared: the baseline gets the same budget
+    for run, phase, epochs in _warmup_runs(cfg):  # shared: the baseline gets the same budget
         start = sft.train(load_config(sft.SFTConfig, None, [
             f"out_dir={out / run}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
-            f"train.epochs={cfg.warmup_epochs}", *common]))  # fmt: skip
+            f"train.epochs={epochs}", *common]))  # fmt: skip
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
                                                             *common]))  # fmt: skip
@@ -132,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str]]:
-    """(run directory name, phase) of each warm-up SFT run, in order; a phase named twice gets a numbered run."""
-    if not (cfg.warmup_epochs and cfg.warmup_rows):
+def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
+    """(run directory name, phase, epochs) of each warm-up SFT run, in order; a phase named twice gets a numbered
+    run; a phase given 0 epochs is skipped."""
+    if not cfg.warmup_rows:
         return []
     phases = cfg.warmup_phases
-    return [(f"sft-warmup-{phase}" + (f"-{i + 1}" if phases.count(phase) > 1 else ""), phase)
-            for i, phase in enumerate(phases)]  # fmt: skip
+    epochs = cfg.warmup_epochs if isinstance(cfg.warmup_epochs, list) else [cfg.warmup_epochs] * len(phases)
+    return [(f"sft-warmup-{phase}" + (f"-{i + 1}" if phases.count(phase) > 1 else ""), phase, n)
+            for i, (phase, n) in enumerate(zip(phases, epochs, strict=True)) if n > 0]  # fmt: skip
 
 
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
@@ -338,7 +340,7 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     offset = 0  # each warm-up phase continues from the last; both SFT runs from the end of the warm-up
-    for name in (*(run for run, _ in _warmup_runs(cfg)), "sft", "sft-notool"):
+    for name in (*(run for run, _, _ in _warmup_runs(cfg)), "sft", "sft-notool"):
         records = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
         ax.plot([offset + r["step"] for r in records], [r["loss"] for r in records], label=name)
         if records and name.startswith("sft-warmup"):
