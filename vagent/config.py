@@ -517,6 +517,12 @@ class QuickstartConfig:
     )
     toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
 
+    def phase_epochs(self) -> list[float]:
+        """Epochs of each warm-up phase, in warmup_phases' order (warmup_epochs is one number or one per phase)."""
+        if isinstance(self.warmup_epochs, list):
+            return list(self.warmup_epochs)
+        return [self.warmup_epochs] * len(self.warmup_phases)
+
     def validate(self) -> None:
         if len(self.image_size) != 2 or min(self.image_size) < 64:
             raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")

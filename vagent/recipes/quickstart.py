@@ -138,9 +138,8 @@ def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
     if not cfg.warmup_rows:
         return []
     phases = cfg.warmup_phases
-    epochs = cfg.warmup_epochs if isinstance(cfg.warmup_epochs, list) else [cfg.warmup_epochs] * len(phases)
     return [(f"sft-warmup-{phase}" + (f"-{i + 1}" if phases.count(phase) > 1 else ""), phase, n)
-            for i, (phase, n) in enumerate(zip(phases, epochs, strict=True)) if n > 0]  # fmt: skip
+            for i, (phase, n) in enumerate(zip(phases, cfg.phase_epochs(), strict=True)) if n > 0]  # fmt: skip
 
 
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
@@ -225,10 +224,10 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
     _curves(cfg, out)
     direct = {r.id for r in test_rows if r.extra.get("difficulty", {}).get("direct")}
     split_lines = []
-    for name, (run_dir, _) in results.items():
-        samples = read_samples(run_dir / "samples.jsonl")
-        small = [s for s in samples if s["id"] not in direct]
-        large = [s for s in samples if s["id"] in direct]
+    samples = {name: read_samples(run_dir / "samples.jsonl") for name, (run_dir, _) in results.items()}
+    for name, rows in samples.items():
+        small = [s for s in rows if s["id"] not in direct]
+        large = [s for s in rows if s["id"] in direct]
 
         def rate(group):
             return f"{sum(1 for s in group if s['tool_calls']) / len(group):.2f}" if group else "-"
@@ -237,7 +236,6 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
             return f"{sum(s['accuracy'] for s in group) / len(group):.2f}" if group else "-"
 
         split_lines.append(f"| {name} | {acc(small)} | {rate(small)} | {acc(large)} | {rate(large)} |")
-    samples = {name: read_samples(run_dir / "samples.jsonl") for name, (run_dir, _) in results.items()}
     baseline = results["no-tool baseline"][1]["accuracy"]
     best = max((n for n in names if n.endswith("+ crop")), key=lambda n: results[n][1]["accuracy"])
     low, high = wilson_interval(sum(s["accuracy"] for s in samples[best]), len(samples[best]))
@@ -317,7 +315,7 @@ def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Accuracy per gold answer (rows: policies): a policy that guesses one answer shows it here, not in the mean."""
     golds = sorted({str(s["gold"][0]) for rows in samples.values() for s in rows if s["gold"]})
     if not golds or len(golds) > 8:
-        return ["(too many distinct answers to tabulate)"]
+        return [f"({'no gold answers' if not golds else 'too many distinct answers'} to tabulate)"]
     lines = [f"| policy | {' | '.join(golds)} | most given answer |", f"|---|{'---:|' * len(golds)}---|"]
     for name, rows in samples.items():
         cells = []
