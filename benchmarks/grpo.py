@@ -19,8 +19,10 @@ while the crop tool returns an image into the conversation.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -157,6 +159,7 @@ def main() -> None:
         (work / f"{args.child}.json").write_text(json.dumps(result))
         return
     work = Path(tempfile.mkdtemp(prefix="vagent-bench-grpo-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     build(work, args.size, args.prompts * (args.steps + 1))
     results = {}
     for system in ("vagent", "trl"):

@@ -22,6 +22,8 @@ Reported:
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 import time
 import types
@@ -88,7 +90,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
-    path = args.model or build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", size=args.size)
+    if args.model:
+        path = args.model
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-rollout-"))
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        path = build_tiny_checkpoint(scratch / "ckpt", size=args.size)
     policy = load_policy(path, device=args.device, dtype=args.dtype)
     limits = RolloutLimits(max_turns=16, max_new_tokens=args.new_tokens, max_total_tokens=8192, temperature=0.0)
     work = tasks(args.rows)

@@ -11,8 +11,10 @@ per call, as in a rollout. Results go to docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -94,6 +96,7 @@ def main() -> None:
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="vagent-bench-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     image = photo_like(2048, 1536)
     min_pixels, max_pixels = 28 * 28 * 4, 28 * 28 * 1280
     h, w = smart_resize(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels)

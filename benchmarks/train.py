@@ -19,8 +19,10 @@ reports the median step of the second half (the first steps warm up allocators a
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,6 +76,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="vagent-bench-train-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     model = Path(args.model) if args.model else build_tiny_checkpoint(work / "ckpt", size=args.size)
     policy = load_policy(model, device="cpu")
     n_params = sum(p.numel() for p in policy.model.parameters())
