@@ -37,6 +37,24 @@ def test_only_working_subcommands_are_listed():
     ]
 
 
+def test_help_and_usage_errors_do_not_import_torch():
+    # torch, torchvision (through qwen-vl-utils) and transformers cost about 3 s; `vagent --help` should not.
+    code = (
+        "import sys\n"
+        "from vagent.cli import main\n"
+        "for argv in (['--help'], ['eval', '--help'], ['eval']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('torch', 'torchvision', 'transformers') if m in sys.modules)\n"
+        "print('heavy modules:', heavy)\n"
+    )
+    result = _run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "heavy modules: []"
+
+
 def test_make_tiny_model_script_then_plain_transformers_then_vagent_generate(tmp_path):
     out = tmp_path / "tiny"
     done = _run(sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--family", "qwen2_5_vl", "--out", str(out))

@@ -452,20 +452,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vagent.config import ConfigError
-    from vagent.data import RowError
-    from vagent.eval import BenchmarkError
-    from vagent.media import MediaError
-    from vagent.model import PolicyLoadError
-    from vagent.training.checkpoint import ResumeError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # its own flags, parsed by demo/app.py
         from demo.app import main as demo_main
 
         return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
+    # After parsing, so that `vagent --help` and usage errors do not pay for importing torch (about 3 s).
     from transformers.utils import logging as hf_logging
+
+    from vagent.config import ConfigError
+    from vagent.data import RowError
+    from vagent.eval import BenchmarkError
+    from vagent.media import MediaError
+    from vagent.model import PolicyLoadError
+    from vagent.training.checkpoint import ResumeError
 
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown the trajectory print-out
     try:

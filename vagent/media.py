@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageOps
-from qwen_vl_utils.vision_process import smart_resize as _qwen_smart_resize
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
@@ -116,6 +115,9 @@ def smart_resize(
     >>> smart_resize(750, 1000, min_pixels=3136, max_pixels=200704)
     (364, 504)
     """
+    # qwen-vl-utils imports torchvision (about 1 s): on first use, not when the toolbox or the CLI is imported.
+    from qwen_vl_utils.vision_process import smart_resize as _qwen_smart_resize
+
     try:
         return _qwen_smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     except (ValueError, AssertionError) as e:
