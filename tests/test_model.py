@@ -209,3 +209,95 @@ def test_qwen3_vl_checkpoint_loads_and_generates(tmp_path):
 def test_frame_names_the_budget_grid_and_convention_data_builders_need(policy):
     min_pixels, max_pixels = policy.pixel_budget
     assert policy.frame == {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": 28, "convention": "absolute"}
+
+
+def _tool_batch(policy, n=3):
+    """Right-padded gold conversations that share the crop tool's system prompt, then differ (images, text)."""
+    from vagent.chat import system_prompt
+    from vagent.data import encode_messages
+    from vagent.data.batching import collate
+    from vagent.toolbox import tool_schemas
+    from vagent.types import ContentPart, Message
+
+    min_pixels, max_pixels = policy.pixel_budget
+    encoded = []
+    for i in range(n):
+        image = Image.new("RGB", (200 + 60 * i, 160), (40 * i, 120, 200 - 30 * i))
+        crop = Image.new("RGB", (112, 84), (200, 20 * i, 30))
+        messages = [
+            Message.text("system", system_prompt(tool_schemas(["crop"]))),
+            Message("user", [ContentPart("image", image=image), ContentPart("text", "What is on the tile?" * (i + 1))]),
+            Message.text("assistant", '<tool_call>{"name": "crop", "arguments": {"bbox": [1, 2, 60, 70]}}</tool_call>'),
+            Message("tool", [ContentPart("image", image=crop), ContentPart("text", "Image 1: cropped region.")]),
+            Message.text("assistant", f"<answer>digit {i}</answer>"),
+        ]
+        encoded.append(encode_messages(messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels))
+    return collate(encoded, policy.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_shared_prefix_forward_matches_the_full_forward_gradients_included(tmp_path, family):
+    from vagent.algorithms.sft import token_nll_sum
+    from vagent.model import policy_logits, shared_prefix_length
+
+    path = build_tiny_checkpoint(tmp_path / family, family=family, size="nano", min_pixels=32 * 32 * 4)
+    policy = load_policy(path, device="cpu")
+    batch = _tool_batch(policy)
+    model = policy.model
+    prefix = shared_prefix_length(model, batch)
+    ids = batch["input_ids"]
+    # the system prompt and the user header, up to the first image token; rows are padded to different lengths
+    assert prefix > 100 and (ids[:, :prefix] == ids[:1, :prefix]).all() and (ids[:, prefix] == ids[0, prefix]).all()
+    assert batch["attention_mask"].sum(1).unique().numel() == 3
+
+    def run(share, keep=0):
+        model.zero_grad()
+        logits = policy_logits(model, batch, logits_to_keep=keep, share_prefix=share)
+        if keep:
+            return logits.detach(), None
+        token_nll_sum(logits, ids, batch["loss_mask"]).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    full, full_grads = run(False)
+    shared, shared_grads = run(True)
+    real = batch["attention_mask"].bool()
+    assert torch.allclose(full[real], shared[real], atol=1e-4)
+    assert full_grads.keys() == shared_grads.keys() and len(full_grads) > 10
+    for name, grad in full_grads.items():
+        assert torch.allclose(grad, shared_grads[name], atol=1e-6, rtol=1e-3), name
+    width = ids.shape[1]
+    for keep in (5, width - prefix, width - prefix + 7):  # the rows' own part only, exactly it, and into the prefix
+        kept, _ = run(True, keep)
+        assert kept.shape[1] == keep
+        assert torch.allclose(kept[real[:, -keep:]], full[:, -keep:][real[:, -keep:]], atol=1e-4)
+
+
+def test_shared_prefix_is_only_taken_where_it_is_exact(policy):
+    from vagent.model import MIN_SHARED_PREFIX, shared_prefix_length
+
+    batch = _tool_batch(policy)
+    model = policy.model
+    prefix = shared_prefix_length(model, batch)
+    assert prefix > MIN_SHARED_PREFIX
+    one = {k: v[:1] for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    assert shared_prefix_length(model, one) == 0  # nothing to share with
+    left = dict(batch, attention_mask=batch["attention_mask"].flip(1))
+    assert shared_prefix_length(model, left) == 0  # left padding: the rows' real tokens do not line up
+    first_image = int((batch["input_ids"][0] == model.config.image_token_id).nonzero()[0])
+    assert prefix <= first_image
+    ids = batch["input_ids"].clone()
+    ids[1, 3] = ids[1, 3] + 1  # rows that part after 3 tokens share too little to be worth a second call
+    assert shared_prefix_length(model, dict(batch, input_ids=ids)) == 0
+
+    class Wrapper(torch.nn.Module):  # DDP / DeepSpeed: one forward per backward
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert shared_prefix_length(Wrapper(model), batch) == 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        assert shared_prefix_length(model, batch) == 0  # the replayed forward would write the cache again
+    finally:
+        model.gradient_checkpointing_disable()
+    assert shared_prefix_length(model, batch) == prefix

@@ -38,6 +38,7 @@ __all__ = [
     "policy_logits",
     "resolve_attn_implementation",
     "resolve_dtype",
+    "shared_prefix_length",
     "token_logprobs",
 ]
 
@@ -265,8 +266,10 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     return types
 
 
-def policy_logits(model: torch.nn.Module, batch: dict[str, Any], logits_to_keep: int = 0) -> torch.Tensor:
-    """One full forward (no cache) of a multimodal batch with fresh multimodal RoPE positions.
+def policy_logits(
+    model: torch.nn.Module, batch: dict[str, Any], logits_to_keep: int = 0, *, share_prefix: bool = True
+) -> torch.Tensor:
+    """One forward of a multimodal batch with fresh multimodal RoPE positions.
 
     Args:
         model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/DeepSpeed/peft).
@@ -277,6 +280,9 @@ def policy_logits(model: torch.nn.Module, batch: dict[str, Any], logits_to_keep:
 
         logits_to_keep: Only the last ``logits_to_keep`` positions' logits (0 = all): the language-model head
             and its output memory then cover only the part of the sequence a loss reads (the completion).
+        share_prefix: Run the text prefix that every row starts with (the system prompt and its tool
+            schemas) once instead of once per row, when the model allows it (see ``shared_prefix_length``).
+            The result is the same up to float rounding, gradients included.
 
     Returns:
         (B, T, V) logits (``(B, logits_to_keep, V)`` when set); position t predicts token t + 1.
@@ -289,10 +295,112 @@ def policy_logits(model: torch.nn.Module, batch: dict[str, Any], logits_to_keep:
             inputs["input_ids"], config.image_token_id, config.video_token_id
         )
     reset_rope_deltas(model)  # generate() may have cached deltas of another batch on the model
-    extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-    logits = model(**inputs, use_cache=False, **extra).logits
+    prefix = shared_prefix_length(model, inputs) if share_prefix else 0
+    if prefix:
+        logits = _prefix_shared_logits(model, inputs, prefix, logits_to_keep)
+    else:
+        extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        logits = model(**inputs, use_cache=False, **extra).logits
     reset_rope_deltas(model)
     return logits
+
+
+MIN_SHARED_PREFIX = 16  # below this, a second forward call costs more than the tokens it saves
+
+
+def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
+    """How many leading text tokens every row of the batch shares and the model can run once (0 = none).
+
+    A Qwen-VL tool prompt puts the same system prompt with its tool schemas, often hundreds of tokens,
+    before every conversation; a tiny model's steps then mostly recompute it. The prefix stops before the
+    first image or video token and leaves every row at least one token of its own. Sharing needs the
+    model called directly: not under DDP or DeepSpeed (whose hooks expect one forward per backward), not
+    with gradient checkpointing (which replays the forward), and with SDPA or eager attention.
+    """
+    input_ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    if input_ids.shape[0] < 2 or mask is None or not _plain_module(model):
+        return 0
+    hf = _unwrap(model)
+    replays = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.x; the old name warns
+    if replays is None:
+        replays = getattr(hf, "is_gradient_checkpointing", False)
+    if replays or hf.config._attn_implementation not in ("sdpa", "eager"):
+        return 0
+    types = inputs.get("mm_token_type_ids")
+    # the shortest real row minus one token; a left-padded batch shares nothing
+    limit = int(mask.sum(dim=1).min()) - 1
+    if not bool(mask[:, : max(limit, 0)].all()):
+        return 0
+    same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(dim=0)
+    if types is not None:
+        same &= (types[:1, :limit] == 0).squeeze(0)
+    differs = (~same).nonzero()
+    prefix = int(differs[0]) if len(differs) else max(limit, 0)
+    return prefix if prefix >= MIN_SHARED_PREFIX else 0
+
+
+def _plain_module(model: torch.nn.Module) -> bool:
+    """True unless a DDP/DeepSpeed-style wrapper (a ``.module`` without ``config``) sits around the model."""
+    return hasattr(model, "config")
+
+
+def _prefix_shared_logits(
+    model: torch.nn.Module, inputs: dict[str, Any], prefix: int, logits_to_keep: int
+) -> torch.Tensor:
+    """Run the shared prefix once (batch 1), repeat its key/value cache over the batch, then run every row's
+    rest against it. Positions come from the whole rows, so the multimodal RoPE is the one-forward one."""
+    from transformers import DynamicCache
+
+    input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    batch, width = input_ids.shape
+    positions = _rope_positions(model, inputs)  # (3, B, T)
+    rest = width - prefix
+    keep_rest = min(logits_to_keep, rest) if logits_to_keep else rest
+    keep_prefix = (logits_to_keep - rest if logits_to_keep > rest else 0) if logits_to_keep else prefix
+    cache = DynamicCache(config=_unwrap(model).config)
+    head = model(
+        input_ids=input_ids[:1, :prefix],
+        attention_mask=mask[:1, :prefix],
+        position_ids=positions[:, :1, :prefix],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=max(keep_prefix, 1),
+    )
+    cache.batch_repeat_interleave(batch)
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    tail = model(
+        input_ids=input_ids[:, prefix:],
+        attention_mask=mask,
+        position_ids=positions[:, :, prefix:],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=keep_rest,
+        **media,
+    )
+    if not keep_prefix:
+        return tail.logits
+    return torch.cat([head.logits.expand(batch, -1, -1), tail.logits], dim=1)
+
+
+def _rope_positions(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """(3, B, T) multimodal RoPE positions of the whole batch, as the model's own forward computes them."""
+    import inspect
+
+    input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    inner = next(m for m in model.modules() if hasattr(m, "compute_3d_position_ids"))
+    offered = {
+        "input_ids": input_ids,
+        "inputs_embeds": None,
+        "attention_mask": mask,
+        "past_key_values": None,
+        **{k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")},
+    }
+    wanted = inspect.signature(inner.compute_3d_position_ids).parameters
+    positions = inner.compute_3d_position_ids(**{k: v for k, v in offered.items() if k in wanted})
+    inner.rope_deltas = None
+    if positions is None:  # text only: 1-D positions, right padding
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, input_ids.shape[0], -1)
+    return positions
 
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
