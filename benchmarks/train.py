@@ -12,6 +12,8 @@ reports the median step of the second half (the first steps warm up allocators a
 * peak memory = max RSS of the process on CPU, ``torch.cuda.max_memory_allocated`` on GPU;
 * MFU (GPU only) = 6 x trainable-and-frozen parameters x tokens/s / the device's peak bf16 FLOP/s
   (``--peak-tflops``, default 989 for an H100 SXM), a lower bound that ignores attention FLOPs;
+* "system prompt per row" turns off ``train.share_prefix`` (the rows' common system prompt and tool schemas
+  run once per micro-batch by default); gradient checkpointing turns it off as well;
 * padding waste = padding slots / all slots, for one epoch's batches with and without length grouping
   (exact, from the conversations' encoded lengths) and as measured in the steps run.
 """
@@ -95,6 +97,7 @@ def main() -> None:
     configs = {
         "length-grouped": ["data.group_by_length=true"],
         "random order": ["data.group_by_length=false"],
+        "length-grouped, system prompt per row": ["data.group_by_length=true", "train.share_prefix=false"],
         "length-grouped + grad ckpt": ["data.group_by_length=true", "train.gradient_checkpointing=true"],
     }
     if args.deepspeed:

@@ -13,7 +13,7 @@ import torch
 
 from data_pipelines.synthetic.zoom import zoom_rows
 from vagent.algorithms import token_nll_sum
-from vagent.config import SFTConfig, load_config
+from vagent.config import ConfigError, SFTConfig, load_config
 from vagent.data import load_rows, write_rows
 from vagent.data.batching import collate
 from vagent.data.encode import encode_messages, encoded_length
@@ -220,6 +220,13 @@ def test_two_ranks_give_the_loss_curve_of_one_rank_with_twice_the_accumulation(t
     assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
 
 
+def test_the_shared_prefix_changes_no_loss(tmp_path, tiny_qwen25, rows_file, uninterrupted):
+    """The run above shares its rows' system prompt (the crop schema) in one forward; row by row gives its losses."""
+    result = _run(_overrides(tmp_path, tiny_qwen25, rows_file, "train.save_every=2", "train.share_prefix=false"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_zero_on_two_cpu_ranks_gives_the_same_loss_curve(tmp_path, tiny_qwen25, rows_file, uninterrupted,
                                                                     stage):  # fmt: skip
@@ -288,3 +295,29 @@ def test_a_video_row_trains_on_the_frames_its_tool_turn_returned(tmp_path, polic
     assert len(re.findall(r"t=\d+\.\d\ds<\|vision_start\|>", text)) == 3  # each frame right after its time
     trained = policy.tokenizer.decode(batch["input_ids"][0][batch["loss_mask"][0].bool()])
     assert "sample_frames" in trained and "t=" not in trained
+
+
+def test_the_vision_tower_can_train_at_its_own_learning_rate(policy):
+    from vagent.training.backend import build_optimizer, warmup_cosine
+
+    model = policy.model
+    plain = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
+    assert {g["lr"] for g in plain.param_groups} == {1e-3}
+    scaled = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, vision_lr_scale=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_lr = {}
+    for group in scaled.param_groups:
+        by_lr.setdefault(group["lr"], []).extend(names[id(p)] for p in group["params"])
+        assert group["weight_decay"] == (0.1 if group["params"][0].ndim >= 2 else 0.0)
+    slow = by_lr[min(by_lr)]
+    assert min(by_lr) == pytest.approx(1e-4) and max(by_lr) == 1e-3 and scaled.param_groups[0]["lr"] == 1e-3
+    assert slow and all(".visual." in f".{n}" and ".merger." not in n for n in slow)
+    assert any(".merger." in n for n in by_lr[1e-3])  # the projector keeps the language model's rate
+    assert sum(len(g["params"]) for g in scaled.param_groups) == sum(1 for p in model.parameters() if p.requires_grad)
+    scheduler = warmup_cosine(scaled, warmup_steps=0, total_steps=10, min_ratio=0.0)
+    scaled.step()
+    scheduler.step()  # the schedule scales every group from its own base
+    lrs = [g["lr"] for g in scaled.param_groups]
+    assert max(lrs) / min(lrs) == pytest.approx(10.0)
+    with pytest.raises(ConfigError, match="vision_lr_scale"):
+        load_config(SFTConfig, None, ["optim.vision_lr_scale=0"])

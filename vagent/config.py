@@ -329,10 +329,17 @@ class OptimConfig:
     min_lr_ratio: float = option(0.0, "Cosine decay ends at lr * min_lr_ratio.")
     grad_accum: int = option(1, "Micro-batches per optimizer step on each rank.")
     max_grad_norm: float = option(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+    vision_lr_scale: float = option(
+        1.0, "Multiplies lr for the vision tower's patch embedding and ViT blocks (the merger keeps lr); 0 < x."
+    )
 
     def validate(self) -> None:
         if self.lr <= 0 or self.grad_accum <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0:
             raise ValueError("need lr > 0, grad_accum > 0, warmup_steps >= 0, max_grad_norm >= 0")
+        if self.vision_lr_scale <= 0:
+            raise ValueError(
+                f"vision_lr_scale must be positive (to stop the tower, train.freeze_vision), got {self.vision_lr_scale}"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -364,6 +371,11 @@ class TrainConfig:
     )
     gradient_checkpointing: bool = option(False, "Recompute activations in backward (less memory, ~30% slower).")
     freeze_vision: bool = option(False, "Freeze the vision tower (patch embedding and ViT blocks; the merger trains).")
+    share_prefix: bool = option(
+        True,
+        "Run the text prefix every row of a micro-batch shares (system prompt, tool schemas) once, not per row: "
+        "same loss and gradients. Taken where exact: one process or no wrapper, SDPA/eager, no gradient checkpointing.",
+    )
     lora: LoraConfig = option(LoraConfig(), "LoRA adapters through peft.")
     deepspeed: str | None = option(
         None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."

@@ -200,14 +200,18 @@ def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed:
     return [rows[int(orders[epoch][i])] for epoch, i in positions]
 
 
-def _scored_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _scored_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], share_prefix: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``sampled_logprobs`` with logits only from the position that predicts the batch's first sampled token
     on: the prompt (system, images, question) needs no language-model head. Returns (B, T) log-probs."""
     mask = batch["loss_mask"]
     width = mask.shape[1]
     first = int(mask.float().argmax(dim=1).min()) if mask.any() else width - 1  # earliest sampled token
     start = max(first - 1, 0)  # position start predicts token start + 1
-    logits = policy_logits(model, batch, logits_to_keep=width - start)  # (B, width - start, V)
+    logits = policy_logits(
+        model, batch, logits_to_keep=width - start, share_prefix=share_prefix
+    )  # (B, width - start, V)
     lp, entropy = sampled_logprobs(logits, batch["input_ids"][:, start:], mask[:, start:])
     return torch.nn.functional.pad(lp, (start, 0)), entropy
 
@@ -247,13 +251,13 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
     sampler_gap, sampled_total = 0.0, 0
     with torch.no_grad(), autocast(env.device, bf16):
         for idx, batch in batches([] if on_policy else list(range(len(encoded)))):
-            lp, _ = _scored_logprobs(module, batch)
+            lp, _ = _scored_logprobs(module, batch, cfg.train.share_prefix)
             ref_lp = None
             if reference is not None:
-                ref_lp, _ = _scored_logprobs(reference, batch)
+                ref_lp, _ = _scored_logprobs(reference, batch, cfg.train.share_prefix)
             elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
                 with policy.model.disable_adapter():
-                    ref_lp, _ = _scored_logprobs(policy.model, batch)
+                    ref_lp, _ = _scored_logprobs(policy.model, batch, cfg.train.share_prefix)
             for row, i in enumerate(idx):
                 n = len(encoded[i].input_ids)
                 old[i] = lp[row, :n].detach()
@@ -283,7 +287,7 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
                 width = mask.shape[1]
                 adv = advantages[idx].to(env.device)
                 with backend.accumulating(last=k == len(micro) - 1):
-                    lp, entropy = _scored_logprobs(module, batch)
+                    lp, entropy = _scored_logprobs(module, batch, cfg.train.share_prefix)
                     if on_policy:
                         for row, i in enumerate(idx):
                             old[i] = lp[row, : len(encoded[i].input_ids)].detach()

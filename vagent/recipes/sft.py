@@ -124,7 +124,8 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
         loss_sum = torch.zeros((), device=env.device)
         for k, batch in enumerate(micro):
             with backend.accumulating(last=k == accum - 1):
-                nll = token_nll_sum(policy_logits(backend.module, batch), batch["input_ids"], batch["loss_mask"])
+                logits = policy_logits(backend.module, batch, share_prefix=cfg.train.share_prefix)
+                nll = token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
                 backend.backward(nll / n_trained)
             loss_sum += nll.detach()
         grad_norm = backend.step()
@@ -141,14 +142,14 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
                 "epoch": done * world * accum / train_set.batches_per_epoch, "peak_mem_gb": peak_memory_gb(env),
             })  # fmt: skip
         if val_set is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total_steps:
-            logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env)})
+            logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env, cfg.train.share_prefix)})
         if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
             save_checkpoint(backend, policy.processor, root, done, fingerprint, env, cfg.train.keep_last)
     bar.close()
 
     # -- final eval and save -------------------------------------------------------------------------------
     if val_set is not None:
-        eval_loss = _eval_loss(backend, val_set, env)
+        eval_loss = _eval_loss(backend, val_set, env, cfg.train.share_prefix)
         logger.log(total_steps, {"eval_loss": eval_loss})
         say(env, f"eval loss {eval_loss:.4f}")
     final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
@@ -177,7 +178,7 @@ def _data_paths(cfg: SFTConfig, env: DistEnv, out: Path, policy: Policy) -> tupl
     return str(synthetic / "train.jsonl"), str(synthetic / "val.jsonl")
 
 
-def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv) -> float:
+def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_prefix: bool = True) -> float:
     """Token-mean loss over every val conversation once (micro-batches split over ranks)."""
     backend.module.eval()
     sums = torch.zeros(2, device=env.device)
@@ -185,7 +186,8 @@ def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv) -> floa
         for g in range(env.rank, val_set.batches_per_epoch, env.world_size):
             batch = to_device(val_set[g], env.device)
             with backend.accumulating(last=True):
-                sums[0] += token_nll_sum(policy_logits(backend.module, batch), batch["input_ids"], batch["loss_mask"])
+                logits = policy_logits(backend.module, batch, share_prefix=share_prefix)
+                sums[0] += token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
             sums[1] += trained_token_count(batch["loss_mask"])
     backend.module.train()
     all_reduce_sum(sums)

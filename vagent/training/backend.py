@@ -37,17 +37,33 @@ def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMana
 
 
 def build_optimizer(
-    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    vision_lr_scale: float = 1.0,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; no weight decay on biases and norm weights (1-D tensors)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
+    """AdamW over the trainable parameters; no weight decay on biases and norm weights (1-D tensors).
+
+    ``vision_lr_scale`` multiplies the learning rate of the vision tower's patch embedding and ViT blocks (the
+    merger, which projects into the language model, keeps ``lr``), as Qwen-VL fine-tuning recipes give the
+    vision tower its own, lower rate. The first group is always at ``lr`` (what the logs report).
+    """
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    if not decay and not no_decay:
+            vision = vision_lr_scale != 1.0 and ".visual." in f".{name}" and ".merger." not in name
+            groups.setdefault((vision, param.ndim >= 2), []).append(param)
+    if not groups:
         raise ValueError("the model has no trainable parameters")
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    order = [(False, True), (False, False), (True, True), (True, False)]
+    return torch.optim.AdamW(
+        [{"params": groups[key], "weight_decay": weight_decay if key[1] else 0.0,
+          "lr": lr * (vision_lr_scale if key[0] else 1.0)} for key in order if key in groups],
+        lr=lr, betas=betas, eps=eps,
+    )  # fmt: skip
 
 
 def warmup_cosine(
