@@ -295,6 +295,8 @@ def test_shared_prefix_is_only_taken_where_it_is_exact(policy):
             self.module = module
 
     assert shared_prefix_length(Wrapper(model), batch) == 0
+    positions = torch.arange(batch["input_ids"].shape[1]).expand(3, 3, -1)
+    assert shared_prefix_length(model, dict(batch, position_ids=positions)) == 0  # the caller's positions win
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         assert shared_prefix_length(model, batch) == 0  # the replayed forward would write the cache again

@@ -318,8 +318,8 @@ def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     with gradient checkpointing (which replays the forward), and with SDPA or eager attention.
     """
     input_ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-    if input_ids.shape[0] < 2 or mask is None or not _plain_module(model):
-        return 0
+    if input_ids.shape[0] < 2 or mask is None or "position_ids" in inputs or not _plain_module(model):
+        return 0  # one row, no mask, or positions the caller chose: the plain forward
     hf = _unwrap(model)
     replays = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.x; the old name warns
     if replays is None:
@@ -340,8 +340,8 @@ def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
 
 
 def _plain_module(model: torch.nn.Module) -> bool:
-    """True unless a DDP/DeepSpeed-style wrapper (a ``.module`` without ``config``) sits around the model."""
-    return hasattr(model, "config")
+    """False under a DDP/DeepSpeed-style wrapper (it holds the model as ``.module``); peft models pass."""
+    return hasattr(model, "config") and not hasattr(model, "module")
 
 
 def _prefix_shared_logits(
