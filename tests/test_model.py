@@ -258,8 +258,13 @@ def test_shared_prefix_forward_matches_the_full_forward_gradients_included(tmp_p
         token_nll_sum(logits, ids, batch["loss_mask"]).backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     full, full_grads = run(False)
+    assert len(calls) == 1  # row by row: one forward
     shared, shared_grads = run(True)
+    assert len(calls) == 3  # the prefix once, then the rows' own parts
+    hook.remove()
     real = batch["attention_mask"].bool()
     assert torch.allclose(full[real], shared[real], atol=1e-4)
     assert full_grads.keys() == shared_grads.keys() and len(full_grads) > 10

@@ -33,6 +33,7 @@ __all__ = [
     "PolicyLoadError",
     "apply_lora",
     "freeze_vision",
+    "is_vision_tower",
     "load_policy",
     "mm_token_type_ids",
     "policy_logits",
@@ -320,22 +321,21 @@ def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     input_ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     if input_ids.shape[0] < 2 or mask is None or "position_ids" in inputs or not _plain_module(model):
         return 0  # one row, no mask, or positions the caller chose: the plain forward
-    hf = _unwrap(model)
-    replays = getattr(hf, "is_activation_checkpointing", None)  # transformers >= 5.x; the old name warns
+    replays = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; the old name warns
     if replays is None:
-        replays = getattr(hf, "is_gradient_checkpointing", False)
-    if replays or hf.config._attn_implementation not in ("sdpa", "eager"):
+        replays = getattr(model, "is_gradient_checkpointing", False)
+    if replays or model.config._attn_implementation not in ("sdpa", "eager"):
         return 0
     types = inputs.get("mm_token_type_ids")
     # the shortest real row minus one token; a left-padded batch shares nothing
     limit = int(mask.sum(dim=1).min()) - 1
-    if not bool(mask[:, : max(limit, 0)].all()):
+    if limit < MIN_SHARED_PREFIX or not bool(mask[:, :limit].all()):
         return 0
     same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(dim=0)
     if types is not None:
         same &= (types[:1, :limit] == 0).squeeze(0)
     differs = (~same).nonzero()
-    prefix = int(differs[0]) if len(differs) else max(limit, 0)
+    prefix = int(differs[0]) if len(differs) else limit
     return prefix if prefix >= MIN_SHARED_PREFIX else 0
 
 
@@ -357,7 +357,7 @@ def _prefix_shared_logits(
     rest = width - prefix
     keep_rest = min(logits_to_keep, rest) if logits_to_keep else rest
     keep_prefix = (logits_to_keep - rest if logits_to_keep > rest else 0) if logits_to_keep else prefix
-    cache = DynamicCache(config=_unwrap(model).config)
+    cache = DynamicCache(config=model.config)  # a plain module (shared_prefix_length)
     head = model(
         input_ids=input_ids[:1, :prefix],
         attention_mask=mask[:1, :prefix],
@@ -383,7 +383,9 @@ def _prefix_shared_logits(
 
 
 def _rope_positions(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """(3, B, T) multimodal RoPE positions of the whole batch, as the model's own forward computes them."""
+    """(3, B, T) multimodal RoPE positions of the whole batch, as the model's own forward computes them. The
+    ``rope_deltas`` this leaves on the model are unused (both forwards get positions) and ``policy_logits``
+    resets them."""
     import inspect
 
     input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -397,7 +399,6 @@ def _rope_positions(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Ten
     }
     wanted = inspect.signature(inner.compute_3d_position_ids).parameters
     positions = inner.compute_3d_position_ids(**{k: v for k, v in offered.items() if k in wanted})
-    inner.rope_deltas = None
     if positions is None:  # text only: 1-D positions, right padding
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, input_ids.shape[0], -1)
     return positions
@@ -436,12 +437,18 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size:
     return out
 
 
+def is_vision_tower(name: str) -> bool:
+    """Whether parameter ``name`` is in the vision tower's patch embedding or ViT blocks (not the merger, the
+    projector into the language model): what ``freeze_vision`` freezes and ``optim.vision_lr_scale`` scales."""
+    return ".visual." in f".{name}" and ".merger." not in name
+
+
 def freeze_vision(model: torch.nn.Module) -> int:
     """Freeze the vision tower's patch embedding and ViT blocks; the merger (the projector into the language
     model) keeps training, as in Qwen-VL fine-tuning recipes. Returns the number of frozen parameters."""
     frozen = 0
     for name, param in model.named_parameters():
-        if ".visual." in f".{name}" and ".merger." not in name:
+        if is_vision_tower(name):
             param.requires_grad_(False)
             frozen += param.numel()
     if not frozen:

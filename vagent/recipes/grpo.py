@@ -209,9 +209,8 @@ def _scored_logprobs(
     width = mask.shape[1]
     first = int(mask.float().argmax(dim=1).min()) if mask.any() else width - 1  # earliest sampled token
     start = max(first - 1, 0)  # position start predicts token start + 1
-    logits = policy_logits(
-        model, batch, logits_to_keep=width - start, share_prefix=share_prefix
-    )  # (B, width - start, V)
+    # (B, width - start, V)
+    logits = policy_logits(model, batch, logits_to_keep=width - start, share_prefix=share_prefix)
     lp, entropy = sampled_logprobs(logits, batch["input_ids"][:, start:], mask[:, start:])
     return torch.nn.functional.pad(lp, (start, 0)), entropy
 

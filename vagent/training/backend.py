@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from vagent.model import is_vision_tower
 from vagent.training.distributed import DistEnv
 
 __all__ = ["DDPBackend", "DeepSpeedBackend", "TrainBackend", "autocast", "build_optimizer", "warmup_cosine"]
@@ -49,12 +50,13 @@ def build_optimizer(
 
     ``vision_lr_scale`` multiplies the learning rate of the vision tower's patch embedding and ViT blocks (the
     merger, which projects into the language model, keeps ``lr``), as Qwen-VL fine-tuning recipes give the
-    vision tower its own, lower rate. The first group is always at ``lr`` (what the logs report).
+    vision tower its own, lower rate. The language model's groups come first, so group 0 (the rate the logs
+    report) is at ``lr`` whenever the language model trains.
     """
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            vision = vision_lr_scale != 1.0 and ".visual." in f".{name}" and ".merger." not in name
+            vision = vision_lr_scale != 1.0 and is_vision_tower(name)
             groups.setdefault((vision, param.ndim >= 2), []).append(param)
     if not groups:
         raise ValueError("the model has no trainable parameters")
