@@ -505,9 +505,9 @@ class QuickstartConfig:
         "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    warmup_rows: int = option(1200, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
+    warmup_rows: int = option(3000, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
     warmup_epochs: float | list[float] = option(
-        [4.0, 6.0],
+        [1.0, 4.0],
         "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' "
         "order (0 skips a phase).",
     )
