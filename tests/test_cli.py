@@ -121,7 +121,7 @@ def test_wilson_interval_matches_the_textbook_values():
 
 @pytest.mark.slow
 def test_the_default_quickstart_learns_to_look_closer(tmp_path):
-    """The README's main job at its default config (about 15 minutes): the numbers in its report come from
+    """The README's main job at its default config (15-30 minutes by CPU): the numbers in its report come from
     real rollouts, and on the fixed seed the agent with the crop tool beats the no-tool baseline trained on
     the same budget, with crops that land on the tile."""
     import statistics
