@@ -96,6 +96,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert per_answer.count("| sft + crop |") == 1 and "most given answer" in per_answer
     for picture in ("results.png", "sft_loss.png", "grpo.png"):
         assert Image.open(tmp_path / picture).size[0] > 300
+    assert "done:" in (tmp_path / "sft-notool" / "log.txt").read_text()  # the baseline trained in its own process
+    assert (tmp_path / "eval" / "no-tool-baseline" / "metrics.json").is_file()
     html = (tmp_path / "eval" / "grpo-with-crop" / "trajectories.html").read_text()
     assert html.count("data:image/") >= 4  # each test image, inline
     train = [json.loads(line) for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
@@ -108,6 +110,25 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert len(mix) == len(notool)  # the same budget: as many rows, so as many steps
     reading = [row for row in mix if row.source.endswith("reading")]  # the crop read in context, the call not trained
     assert reading and [m.trained for m in gold_conversation(reading[0], [])][-3:] == [False, True, True]
+
+
+def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_path):
+    import torch
+
+    from vagent.config import QuickstartConfig
+    from vagent.recipes.quickstart import _Beside
+
+    torch.set_num_threads(2)
+    cfg = QuickstartConfig()
+    job = _Beside.start(cfg, tmp_path / "ok.txt", json.loads, "[1, 2]")
+    assert torch.get_num_threads() == 1  # the other thread is the job's
+    assert job.result() == [1, 2] and torch.get_num_threads() == 2
+    job.stop()
+    with pytest.raises(RuntimeError, match=r"(?s)failed; its log is .*bad.txt.*JSONDecodeError"):
+        _Beside.start(cfg, tmp_path / "bad.txt", json.loads, "{bad").result()
+    with pytest.raises(RuntimeError, match="ended without a result \\(exit code 3\\)"):
+        _Beside.start(cfg, tmp_path / "died.txt", os._exit, 3).result()  # killed, OOM: no hang
+    assert _Beside.start(QuickstartConfig(parallel_baseline=False), tmp_path / "x.txt", json.loads, "1") is None
 
 
 def test_wilson_interval_matches_the_textbook_values():

@@ -143,3 +143,24 @@ def test_synthetic_grounding_rows_score_their_own_gold_answer_as_a_perfect_box(t
     ]
     ious = REWARDS["box_iou"](trajectories, rows)
     assert min(ious) > 0.8, ious  # the gold answer, mapped back from the model's frame, is the tile (up to rounding)
+
+
+def test_synthetic_zoom_rows_are_the_same_whatever_their_number_and_workers(tmp_path):
+    from data_pipelines.synthetic.zoom import zoom_rows
+
+    knobs = dict(size=(336, 252), tile=60, clutter=10, distractors=0, direct_share=0.3, grid=2, margin=0,
+                 glyph="stripes", min_pixels=3136, max_pixels=50176)  # fmt: skip
+    one = zoom_rows(tmp_path / "one", 5, seed=4, **knobs)
+    two = zoom_rows(tmp_path / "two", 5, seed=4, workers=2, **knobs)  # two processes, each a share of the rows
+    fewer = zoom_rows(tmp_path / "fewer", 3, seed=4, **knobs)
+    other = zoom_rows(tmp_path / "other", 5, seed=5, **knobs)
+
+    def content(rows, root):
+        return [json.loads(json.dumps(r.__dict__, default=lambda o: o.__dict__).replace(str(root), "")) for r in rows]
+
+    assert content(one, tmp_path / "one") == content(two, tmp_path / "two")
+    assert content(one, tmp_path / "one")[:3] == content(fewer, tmp_path / "fewer")
+    assert content(one, tmp_path / "one") != content(other, tmp_path / "other")
+    for a, b in zip(one, two, strict=True):
+        assert Image.open(a.images[0]).tobytes() == Image.open(b.images[0]).tobytes()
+    assert [r.id for r in two] == [f"zoom-4-{i}" for i in range(5)]

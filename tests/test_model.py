@@ -308,3 +308,25 @@ def test_shared_prefix_is_only_taken_where_it_is_exact(policy):
     finally:
         model.gradient_checkpointing_disable()
     assert shared_prefix_length(model, batch) == prefix
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_patch_embedding_runs_as_a_matmul_with_the_convolutions_numbers(tmp_path, family):
+    from vagent.model import patch_embeds_as_matmul
+
+    path = build_tiny_checkpoint(tmp_path / family, family=family, size="nano", min_pixels=32 * 32 * 4)
+    policy = load_policy(path, device="cpu")
+    proj = policy.model.model.visual.patch_embed.proj
+    assert "_conv_as_matmul" in repr(proj.forward)  # load_policy switched it
+    assert patch_embeds_as_matmul(policy.model) == 1  # and switching again is harmless
+    x = torch.randn(37, *proj.weight.shape[1:], requires_grad=True)
+    out = proj(x)
+    ref = torch.nn.functional.conv3d(x, proj.weight, proj.bias, stride=proj.stride)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad_w, grad_x = torch.autograd.grad(out.square().sum(), (proj.weight, x))
+    ref_w, ref_x = torch.autograd.grad(ref.square().sum(), (proj.weight, x))
+    torch.testing.assert_close(grad_w, ref_w, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad_x, ref_x, rtol=1e-4, atol=1e-4)
+    wide = torch.randn(2, proj.weight.shape[1], *(2 * k for k in proj.kernel_size))  # not one kernel: the conv
+    torch.testing.assert_close(proj(wide), torch.nn.functional.conv3d(wide, proj.weight, proj.bias, stride=proj.stride))
+    assert list(policy.model.state_dict()) == list(AutoModelForImageTextToText.from_pretrained(path).state_dict())

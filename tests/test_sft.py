@@ -303,6 +303,9 @@ def test_the_vision_tower_can_train_at_its_own_learning_rate(policy):
     model = policy.model
     plain = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
     assert {g["lr"] for g in plain.param_groups} == {1e-3}
+    assert plain.defaults["fused"]  # torch's fused kernel on CPU; DeepSpeed asks for the plain one
+    unfused = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=False)
+    assert not unfused.defaults["fused"]
     scaled = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, vision_lr_scale=0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     by_lr = {}

@@ -519,6 +519,11 @@ class QuickstartConfig:
     )
     sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
     sft_lr: float = option(5e-4, "SFT peak learning rate.")
+    parallel_baseline: bool = option(
+        True,
+        "On CPU, train and evaluate the no-tool baseline in a second process beside the crop-tool SFT, half "
+        "the threads each (sooner than one after the other: the tiny model uses two threads poorly).",
+    )
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(1e-4, "GRPO learning rate.")
     group_size: int = option(4, "GRPO samples per prompt.")

@@ -109,20 +109,42 @@ def _stripes(direction: str, side: int, width: int) -> Image.Image:
 def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, int] = (896, 672), tile: int = 28,
               clutter: int = 60, distractors: int = 1, direct_share: float = 0.2, grid: int | None = None,
               margin: int | None = None, glyph: str = "digit", min_pixels: int = 3136, max_pixels: int = 200704,
-              factor: int = 28, convention: Convention = "absolute") -> list[Row]:  # fmt: skip
+              factor: int = 28, convention: Convention = "absolute", workers: int = 1) -> list[Row]:  # fmt: skip
     """Build ``n`` zoom rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``).
 
+    Row ``i`` draws from its own generator, seeded by ``(seed, i)``: the rows are the same whatever ``n`` and
+    however many ``workers`` (processes) draw them.
+
     ``grid``: tiles on a grid x grid layout (see ``draw_task``); ``margin``: fixed context (original pixels)
-    around the tile in the gold crop, else 8-24 at random; ``glyph``: what the tile shows (``GLYPHS``). ``min_pixels``/``max_pixels``/``factor``/``convention``
-    are the policy's (``Policy.pixel_budget``,
+    around the tile in the gold crop, else 8-24 at random; ``glyph``: what the tile shows (``GLYPHS``).
+    ``min_pixels``/``max_pixels``/``factor``/``convention`` are the policy's (``Policy.pixel_budget``,
     ``image_factor``, ``coord_convention``): the crop box in the gold call is written in the frame that
     policy sees, and the crop observation is made with its budget.
     """
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
+    knobs = dict(size=size, tile=tile, clutter=clutter, distractors=distractors, direct_share=direct_share, grid=grid,
+                 margin=margin, glyph=glyph, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor,
+                 convention=convention)  # fmt: skip
+    if workers <= 1 or n < 2 * workers:
+        return _zoom_rows(out_dir, range(n), seed=seed, **knobs)
+    import functools
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    chunks = [range(n * k // workers, n * (k + 1) // workers) for k in range(workers)]
+    # spawn: a clean interpreter, not a fork of a caller that may hold torch's thread pools
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = pool.map(functools.partial(_zoom_rows, out_dir, seed=seed, **knobs), chunks)
+        return [row for part in parts for row in part]
+
+
+def _zoom_rows(out_dir: Path, indices: range, *, seed: int, size: tuple[int, int], tile: int, clutter: int,
+               distractors: int, direct_share: float, grid: int | None, margin: int | None, glyph: str,
+               min_pixels: int, max_pixels: int, factor: int, convention: Convention) -> list[Row]:  # fmt: skip
     rows = []
-    for i in range(n):
+    for i in indices:
+        rng = random.Random(f"zoom/{seed}/{i}")
         color = rng.choice(list(COLORS))
         direct = rng.random() < direct_share
         # A "direct" row's tile is large, and its stripes wide, so the global view shows the answer.

@@ -195,7 +195,8 @@ def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module
                   find_unused: bool) -> TrainBackend:  # fmt: skip
     """AdamW + warmup/cosine over ``model``'s trainable parameters, under DDP or DeepSpeed (``train.deepspeed``)."""
     optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
-                                eps=optim.eps, vision_lr_scale=optim.vision_lr_scale)  # fmt: skip
+                                eps=optim.eps, vision_lr_scale=optim.vision_lr_scale,
+                                fused=not train.deepspeed)  # fmt: skip
     scheduler = warmup_cosine(optimizer, warmup_steps=optim.warmup_steps, total_steps=total_steps,
                               min_ratio=optim.min_lr_ratio)  # fmt: skip
     if train.deepspeed:

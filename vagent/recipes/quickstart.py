@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -87,14 +88,21 @@ def main(argv: list[str] | None = None) -> int:
             f"out_dir={out / run}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
             f"train.epochs={epochs}", *common]))  # fmt: skip
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
-    sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
-                                                            *common]))  # fmt: skip
-    notool_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft-notool'}", "data.tools=[]",
-                                                               f"data.train={data['sft_mix_notool']}", *common]))  # fmt: skip
+    rollout = config_to_dict(cfg.rollout)
+    evaluation = dict(test=str(data["test"]), out=str(out), rollout=rollout, toolbox=cfg.toolbox,
+                      device=cfg.model.device or "cpu")  # fmt: skip
+    notool_args = [f"out_dir={out / 'sft-notool'}", "data.tools=[]", f"data.train={data['sft_mix_notool']}", *common]
+    baseline = _Beside.start(cfg, out / "sft-notool" / "log.txt", _baseline, notool_args, evaluation)
+    try:
+        sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}",
+                                                                f"data.train={data['sft_mix']}", *common]))  # fmt: skip
+        notool_model, notool_eval = baseline.result() if baseline else _baseline(notool_args, None)
+    finally:
+        if baseline:
+            baseline.stop()
     times["sft"] = time.perf_counter() - t
 
     t = stage(4, "GRPO from the SFT policy")
-    rollout = config_to_dict(cfg.rollout)
     grpo_model = None
     if cfg.grpo_steps:
         grpo_model = grpo.train(load_config(grpo.GRPOConfig, None, [
@@ -112,15 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             "sft, tool taken away": (sft_model, [])}  # fmt: skip
     if grpo_model is not None:
         runs = {"grpo + crop": (grpo_model, ["crop"]), **runs}
+    results = {name: notool_eval if name == "no-tool baseline" and notool_eval else
+               _evaluate(name, model_dir, tools, **evaluation) for name, (model_dir, tools) in runs.items()}  # fmt: skip
     test_rows = load_rows(data["test"])
-    limits = RolloutLimits(**{k: v for k, v in rollout.items() if k != "tools"} | {"temperature": 0.0})
-    results = {}
-    for name, (model_dir, tools) in runs.items():
-        policy = load_policy(model_dir, device=cfg.model.device or "cpu")
-        run_dir = out / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
-        results[name] = (run_dir, evaluate(policy, BENCHMARKS["synthetic"], test_rows, run_dir, tools=tools,
-                                           limits=limits, batch_size=16, services=tool_services(cfg.toolbox),
-                                           label=name))  # fmt: skip
     times["eval"] = time.perf_counter() - t
 
     t = stage(6, "report")
@@ -130,6 +132,97 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see the crops.")
     return 0
+
+
+def _evaluate(name: str, model_dir: Path, tools: list[str], *, test: str, out: str, rollout: dict[str, Any],
+              toolbox: Any, device: str) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+    """One policy on the test split, greedy: (its eval dir, its metrics)."""
+    limits = RolloutLimits(**{k: v for k, v in rollout.items() if k != "tools"} | {"temperature": 0.0})
+    run_dir = Path(out) / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
+    policy = load_policy(model_dir, device=device)
+    return run_dir, evaluate(policy, BENCHMARKS["synthetic"], load_rows(test), run_dir, tools=tools, limits=limits,
+                             batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
+
+
+def _baseline(sft_args: list[str], evaluation: dict[str, Any] | None) -> tuple[Path, tuple[Path, dict] | None]:
+    """Train the no-tool baseline and, given ``evaluation``, evaluate it: (its model dir, its evaluation)."""
+    model_dir = sft.train(load_config(sft.SFTConfig, None, sft_args))
+    return model_dir, _evaluate("no-tool baseline", model_dir, [], **evaluation) if evaluation else None
+
+
+class _Beside:
+    """A job in a second process on half the CPU threads, beside the main process on the other half.
+
+    On 2 cores the tiny model's steps use two threads poorly (a perception step took 0.45 s on one thread and
+    0.39 s on two), so two trainings side by side, one thread each, finish sooner than one after the other
+    (docs/PERFORMANCE.md). The job's output goes to ``log``; its result (or its traceback) comes back through a
+    pipe, and ``stop`` ends it if the main process gives up first.
+    """
+
+    def __init__(self, process, conn, log: Path, threads: int) -> None:
+        self.process, self.conn, self.log, self.threads = process, conn, log, threads
+
+    @classmethod
+    def start(cls, cfg: QuickstartConfig, log: Path, fn, *args) -> _Beside | None:
+        """None (run it in this process) unless parallel_baseline is on, on CPU, with two threads or more."""
+        import multiprocessing
+
+        import torch
+
+        total = torch.get_num_threads()
+        if not cfg.parallel_baseline or (cfg.model.device or "cpu") != "cpu" or total < 2:
+            return None
+        log.parent.mkdir(parents=True, exist_ok=True)
+        context = multiprocessing.get_context("spawn")  # a clean interpreter: no forked torch thread pools
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=_beside_main, args=(send, total // 2, str(log), fn, args), daemon=True)
+        process.start()
+        send.close()  # the child holds the only write end: its death reads as EOF
+        torch.set_num_threads(total - total // 2)
+        print(f"the no-tool baseline trains and is evaluated beside it in process {process.pid} on {total // 2} of "
+              f"{total} CPU threads (log: {log})", flush=True)  # fmt: skip
+        return cls(process, receive, log, total)
+
+    def result(self) -> Any:
+        import torch
+
+        print(f"waiting for the no-tool baseline (log: {self.log})", flush=True)
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            status, value = "error", f"the process ended without a result (exit code {self.process.exitcode})"
+        torch.set_num_threads(self.threads)
+        if status != "ok":
+            raise RuntimeError(f"the no-tool baseline failed; its log is {self.log}:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+
+
+def _beside_main(conn, threads: int, log: str, fn, args) -> None:
+    import os
+    import traceback
+
+    import torch
+
+    with open(log, "a", buffering=1) as f:  # the job's prints, progress bars and warnings, fd-level included
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = sys.stderr = f
+        torch.set_num_threads(threads)
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            conn.close()
 
 
 def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
@@ -154,7 +247,8 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         return paths
     # margin 0: the gold crop is the tile's box, the box the grounding rows answer
     knobs = dict(size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0, direct_share=cfg.direct_share,
-                 grid=cfg.grid or None, margin=0, glyph=cfg.glyph, **policy.frame)  # fmt: skip
+                 grid=cfg.grid or None, margin=0, glyph=cfg.glyph, workers=min(os.cpu_count() or 1, 8),
+                 **policy.frame)  # fmt: skip
     train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
     pool = zoom_rows(out, cfg.warmup_rows, seed=cfg.seed + 20_000, **knobs) if cfg.warmup_rows else []

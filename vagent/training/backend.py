@@ -45,6 +45,7 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     vision_lr_scale: float = 1.0,
+    fused: bool = True,
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; no weight decay on biases and norm weights (1-D tensors).
 
@@ -52,6 +53,10 @@ def build_optimizer(
     merger, which projects into the language model, keeps ``lr``), as Qwen-VL fine-tuning recipes give the
     vision tower its own, lower rate. The language model's groups come first, so group 0 (the rate the logs
     report) is at ``lr`` whenever the language model trains.
+
+    ``fused``: torch's fused kernel where every parameter allows it (on CPU one step over the tiny model's 4.7M
+    parameters took 3 ms instead of 18 ms); DeepSpeed, which flattens and partitions the parameters, asks for
+    the plain one.
     """
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
@@ -61,10 +66,12 @@ def build_optimizer(
     if not groups:
         raise ValueError("the model has no trainable parameters")
     order = [(False, True), (False, False), (True, True), (True, False)]
+    fused = fused and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                          for group in groups.values() for p in group)  # fmt: skip
     return torch.optim.AdamW(
         [{"params": groups[key], "weight_decay": weight_decay if key[1] else 0.0,
           "lr": lr * (vision_lr_scale if key[0] else 1.0)} for key in order if key in groups],
-        lr=lr, betas=betas, eps=eps,
+        lr=lr, betas=betas, eps=eps, fused=fused or None,
     )  # fmt: skip
 
 
