@@ -1,0 +1,160 @@
+"""The quickstart's SFT step on CPU: its kernels, and two trainings side by side against one after the other.
+
+    python benchmarks/cpu_step.py [--steps 30] [--rows 96]
+
+Workload: the quickstart's own rows (its tiny `small` Qwen2.5-VL, 672x504 zoom images with a 126-px tile,
+micro-batches of 8): *perception* rows (a gold crop shown alone, the warm-up's longest phase) and the
+crop-tool *SFT mix* (gold crop-then-answer trajectories). All numbers come from one run of this script:
+
+* kernels, one process, the machine's threads: four setups, the vision patch embedding as torch's Conv3d or as
+  the matmul vagent runs (``patch_embeds_as_matmul``), and AdamW as torch's default (for-each) or fused
+  kernel. They take turns, one step each on the same batch; median step over ``--steps`` after 2 warm-up
+  steps.
+* side by side (the quickstart's ``parallel_baseline``): two trainings of ``--steps`` + 2 steps each, one after
+  the other on all threads, against both at once in two processes on half the threads each. Wall time of the
+  steps (each process loads and encodes its batches first, then waits for the go).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from data_pipelines.synthetic.zoom import zoom_rows
+from vagent.algorithms import token_nll_sum
+from vagent.config import QuickstartConfig
+from vagent.data import load_rows, write_rows
+from vagent.model import load_policy, policy_logits
+from vagent.recipes.common import tiny_checkpoint
+from vagent.recipes.quickstart import _support_rows
+from vagent.training.backend import build_optimizer
+from vagent.training.data import SFTDataset
+
+
+def build(work: Path, n: int) -> tuple[Path, dict[str, Path]]:
+    cfg = QuickstartConfig()
+    model = tiny_checkpoint(cfg.model, work)
+    policy = load_policy(model, device="cpu")
+    rows = zoom_rows(work / "data", n, seed=0, size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0,
+                     direct_share=cfg.direct_share, grid=cfg.grid, margin=0, glyph=cfg.glyph, **policy.frame)  # fmt: skip
+    support = _support_rows(rows, policy)
+    sets = {"perception": [r for r in support if r.source.endswith("perception")],
+            "SFT mix": rows + [r for r in support if not r.source.endswith("reading")]}  # fmt: skip
+    return model, {name: write_rows(r, work / f"{name.replace(' ', '_')}.jsonl") for name, r in sets.items()}
+
+
+def batches(model: Path, rows: Path, n: int) -> tuple[object, list[dict]]:
+    policy = load_policy(model, device="cpu")
+    min_pixels, max_pixels = policy.pixel_budget
+    data = SFTDataset(load_rows(rows), policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                      factor=policy.image_factor, default_tools=["crop"], max_length=4096, micro_batch_size=8,
+                      seed=0, group_by_length=True, group_batches=16)  # fmt: skip
+    return policy, [data[g % data.batches_per_epoch] for g in range(n)]
+
+
+def setup(model: Path, *, matmul: bool = True, fused: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    net = load_policy(model, device="cpu").model.train()
+    if not matmul:
+        for module in net.modules():
+            module.__dict__.pop("forward", None)  # back to the class's forward: torch's Conv3d
+    return net, build_optimizer(net, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=fused)
+
+
+def step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
+    """Seconds of one training step: forward, backward, clip, AdamW."""
+    t = time.perf_counter()
+    logits = policy_logits(net, batch, share_prefix=True)
+    token_nll_sum(logits, batch["input_ids"], batch["loss_mask"]).backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def kernels(model: Path, rows: Path, steps: int) -> dict[tuple[bool, bool], float]:
+    """Median step of each (matmul, fused) setup. The setups take turns, one step each on the same batch, so a
+    machine that slows down or speeds up mid-run slows every setup alike."""
+    setups = {(m, f): setup(model, matmul=m, fused=f) for m in (False, True) for f in (False, True)}
+    _, todo = batches(model, rows, steps + 2)
+    times: dict[tuple[bool, bool], list[float]] = {key: [] for key in setups}
+    for batch in todo:
+        for key, (net, optimizer) in setups.items():
+            times[key].append(step(net, optimizer, batch))
+    return {key: statistics.median(t[2:]) for key, t in times.items()}
+
+
+def worker(model: str, rows: str, steps: int, threads: int) -> None:
+    """Load and encode, say so, wait for a line on stdin, then train: the parent times the steps alone."""
+    torch.set_num_threads(threads)
+    net, optimizer = setup(Path(model))
+    _, todo = batches(Path(model), Path(rows), steps)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for batch in todo:
+        step(net, optimizer, batch)
+
+
+def side_by_side(model: Path, rows: Path, steps: int, threads: int) -> tuple[float, float]:
+    """(seconds of two trainings one after the other on ``threads``, seconds of both at once on half each)."""
+
+    def start(n_threads: int) -> subprocess.Popen:
+        cmd = [sys.executable, __file__, "--worker", str(model), str(rows), str(steps), str(n_threads)]
+        job = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True)  # fmt: skip
+        if job.stdout.readline().strip() != "ready":
+            raise SystemExit(f"worker failed: {' '.join(cmd)}")
+        return job
+
+    def run(jobs: list[subprocess.Popen]) -> float:
+        t = time.perf_counter()
+        for job in jobs:
+            job.stdin.write("go\n")
+            job.stdin.flush()
+        for job in jobs:
+            job.wait()
+        return time.perf_counter() - t
+
+    serial = sum(run([start(threads)]) for _ in range(2))
+    return serial, run([start(threads // 2), start(threads - threads // 2)])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        model, rows, steps, threads = sys.argv[2:6]
+        return worker(model, rows, int(steps), int(threads))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=96)
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="vagent-bench-cpu-") as tmp:
+        model, sets = build(Path(tmp), args.rows)
+        print(f"# The quickstart's SFT step on CPU: {threads} threads, micro-batch 8, {args.steps} steps each\n")
+        print("| rows | patch embedding | AdamW | step (s) | x |")
+        print("|---|---|---|---:|---:|")
+        for name, rows in sets.items():
+            medians = kernels(model, rows, args.steps)
+            base = medians[False, False]
+            for (matmul, fused), median in medians.items():
+                print(f"| {name} | {'matmul' if matmul else 'Conv3d'} | {'fused' if fused else 'for-each'} | "
+                      f"{median:.3f} | {base / median:.2f} |", flush=True)  # fmt: skip
+        if threads < 2:
+            print("\n(one thread: no side-by-side measurement)")
+            return
+        print(f"\n| rows | two trainings one after the other, {threads} threads | side by side, {threads // 2} + "
+              f"{threads - threads // 2} threads | x |")  # fmt: skip
+        print("|---|---:|---:|---:|")
+        for name, rows in sets.items():
+            serial, parallel = side_by_side(model, rows, args.steps, threads)
+            print(f"| {name} | {serial:.1f} s | {parallel:.1f} s | {serial / parallel:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
