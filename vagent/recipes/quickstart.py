@@ -153,10 +153,11 @@ def _baseline(sft_args: list[str], evaluation: dict[str, Any] | None) -> tuple[P
 class _Beside:
     """A job in a second process on half the CPU threads, beside the main process on the other half.
 
-    On 2 cores the tiny model's steps use two threads poorly (a perception step took 0.45 s on one thread and
-    0.39 s on two), so two trainings side by side, one thread each, finish sooner than one after the other
-    (docs/PERFORMANCE.md). The job's output goes to ``log``; its result (or its traceback) comes back through a
-    pipe, and ``stop`` ends it if the main process gives up first.
+    On 2 cores the tiny model's steps use two threads poorly, so two trainings side by side, one thread each,
+    finish 1.3-1.5x sooner than one after the other on both (``benchmarks/cpu_step.py``). Each side keeps one
+    thread count from start to end, so a seed gives the same numbers however the two sides' timing falls. The
+    job's output goes to ``log``; its result (or its traceback) comes back through a pipe, and ``stop`` ends it
+    if the main process gives up first.
     """
 
     def __init__(self, process, conn, log: Path, threads: int) -> None:
