@@ -50,13 +50,14 @@ def build(work: Path, n: int) -> tuple[Path, dict[str, Path]]:
     return model, {name: write_rows(r, work / f"{name.replace(' ', '_')}.jsonl") for name, r in sets.items()}
 
 
-def batches(model: Path, rows: Path, n: int) -> tuple[object, list[dict]]:
+def batches(model: Path, rows: Path, n: int) -> list[dict]:
+    """``n`` encoded micro-batches of 8 (the epoch's, repeated as needed)."""
     policy = load_policy(model, device="cpu")
     min_pixels, max_pixels = policy.pixel_budget
     data = SFTDataset(load_rows(rows), policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
                       factor=policy.image_factor, default_tools=["crop"], max_length=4096, micro_batch_size=8,
                       seed=0, group_by_length=True, group_batches=16)  # fmt: skip
-    return policy, [data[g % data.batches_per_epoch] for g in range(n)]
+    return [data[g % data.batches_per_epoch] for g in range(n)]
 
 
 def setup(model: Path, *, matmul: bool = True, fused: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -82,7 +83,7 @@ def kernels(model: Path, rows: Path, steps: int) -> dict[tuple[bool, bool], floa
     """Median step of each (matmul, fused) setup. The setups take turns, one step each on the same batch, so a
     machine that slows down or speeds up mid-run slows every setup alike."""
     setups = {(m, f): setup(model, matmul=m, fused=f) for m in (False, True) for f in (False, True)}
-    _, todo = batches(model, rows, steps + 2)
+    todo = batches(model, rows, steps + 2)
     times: dict[tuple[bool, bool], list[float]] = {key: [] for key in setups}
     for batch in todo:
         for key, (net, optimizer) in setups.items():
@@ -94,7 +95,7 @@ def worker(model: str, rows: str, steps: int, threads: int) -> None:
     """Load and encode, say so, wait for a line on stdin, then train: the parent times the steps alone."""
     torch.set_num_threads(threads)
     net, optimizer = setup(Path(model))
-    _, todo = batches(Path(model), Path(rows), steps)
+    todo = batches(Path(model), Path(rows), steps)
     print("ready", flush=True)
     sys.stdin.readline()
     for batch in todo:

@@ -529,10 +529,10 @@ def patch_embeds_as_matmul(model: torch.nn.Module) -> int:
     kernel in size) as the matrix product it is; returns how many were switched.
 
     The Qwen-VL patch embedding flattens to ``patches @ weight.T``, but as a Conv3d on CPU its backward alone
-    took 22 ms of a 340 ms tiny-model SFT step (the step 1.09-1.10x faster as a matmul: ``benchmarks/cpu_step.py``;
-    vLLM runs it as a linear layer for the same reason). The
-    weights, their names and the checkpoint stay the Conv3d's; only ``forward`` changes, on the Conv3d itself,
-    so module hooks (DeepSpeed ZeRO-3 gathering) still fire, and inputs of any other shape take the convolution.
+    took 22 ms of a 340 ms tiny-model SFT step (the step is 1.09-1.10x faster as a matmul:
+    ``benchmarks/cpu_step.py``; vLLM runs it as a linear layer for the same reason). The weights, their names
+    and the checkpoint stay the Conv3d's; only ``forward`` changes, on the Conv3d itself, so module hooks
+    (DeepSpeed ZeRO-3 gathering) still fire, and inputs of any other shape take the convolution.
     """
     switched = 0
     for name, module in model.named_modules():

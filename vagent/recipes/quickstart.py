@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             f"train.epochs={epochs}", *common]))  # fmt: skip
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     rollout = config_to_dict(cfg.rollout)
-    evaluation = dict(test=str(data["test"]), out=str(out), rollout=rollout, toolbox=cfg.toolbox,
+    test_rows = load_rows(data["test"])
+    evaluation = dict(test_rows=test_rows, out=str(out), rollout=rollout, toolbox=cfg.toolbox,
                       device=cfg.model.device or "cpu")  # fmt: skip
     notool_args = [f"out_dir={out / 'sft-notool'}", "data.tools=[]", f"data.train={data['sft_mix_notool']}", *common]
     baseline = _Beside.start(cfg, out / "sft-notool" / "log.txt", _baseline, notool_args, evaluation)
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"grpo + crop": (grpo_model, ["crop"]), **runs}
     results = {name: notool_eval if name == "no-tool baseline" and notool_eval else
                _evaluate(name, model_dir, tools, **evaluation) for name, (model_dir, tools) in runs.items()}  # fmt: skip
-    test_rows = load_rows(data["test"])
     times["eval"] = time.perf_counter() - t
 
     t = stage(6, "report")
@@ -134,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _evaluate(name: str, model_dir: Path, tools: list[str], *, test: str, out: str, rollout: dict[str, Any],
+def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, out: str, rollout: dict[str, Any],
               toolbox: Any, device: str) -> tuple[Path, dict[str, Any]]:  # fmt: skip
     """One policy on the test split, greedy: (its eval dir, its metrics)."""
     limits = RolloutLimits(**{k: v for k, v in rollout.items() if k != "tools"} | {"temperature": 0.0})
     run_dir = Path(out) / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
     policy = load_policy(model_dir, device=device)
-    return run_dir, evaluate(policy, BENCHMARKS["synthetic"], load_rows(test), run_dir, tools=tools, limits=limits,
+    return run_dir, evaluate(policy, BENCHMARKS["synthetic"], test_rows, run_dir, tools=tools, limits=limits,
                              batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
 
 
@@ -208,7 +208,6 @@ class _Beside:
 
 
 def _beside_main(conn, threads: int, log: str, fn, args) -> None:
-    import os
     import traceback
 
     import torch
