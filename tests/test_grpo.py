@@ -34,6 +34,19 @@ def test_group_advantages_by_hand():
         group_advantages(torch.tensor([1.0, 2.0, 3.0]), 2)
 
 
+def test_negative_scale_weights_only_the_losers():
+    # group (1, 0, 0, 0): mean 0.25, std sqrt(0.1875) -> (+1.732, -0.577 x 3); the losers' share is scaled
+    full = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4)
+    half = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4, negative_scale=0.5)
+    winners = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4, negative_scale=0.0)
+    assert half[0] == full[0] == winners[0] == pytest.approx(3**0.5, abs=1e-4)
+    assert half[1:4].tolist() == pytest.approx((full[1:4] / 2).tolist())
+    assert winners[1:].tolist() == [0.0] * 7  # a solved group stays at 0 either way
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="negative_scale"):
+            load_config(GRPOConfig, None, [f"grpo.negative_scale={bad}"])
+
+
 def test_clipped_loss_by_hand_with_clip_higher():
     # one sequence, tokens 1..3 sampled; ratios e^0.5=1.65, e^-0.5=0.61, 1.0 against old log-probs 0
     lp = torch.tensor([[0.0, 0.5, -0.5, 0.0]], requires_grad=True)

@@ -434,6 +434,10 @@ class GRPOAlgoConfig:
     mini_batches: int = option(1, "Optimizer steps per pass: the batch is split into this many mini-batches.")
     micro_batch_size: int = option(4, "Trajectories per forward pass.")
     scale_by_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO, mean-centering only).")
+    negative_scale: float = option(
+        1.0,
+        "Multiplies negative advantages: 1 = GRPO; < 1 leans on the samples that beat their group; 0 = winners only.",
+    )
     clip_low: float = option(0.2, "PPO clip below: ratio >= 1 - clip_low.")
     clip_high: float = option(0.28, "PPO clip above (DAPO clip-higher): ratio <= 1 + clip_high.")
     aggregation: Literal["token", "sequence"] = option(
@@ -452,6 +456,8 @@ class GRPOAlgoConfig:
             raise ValueError("grpo.group_size must be >= 2 (advantages compare samples of one prompt)")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.kl_coef >= 0 and self.max_refill_rounds >= 0):
             raise ValueError("need 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, max_refill_rounds >= 0")
+        if not 0 <= self.negative_scale <= 1:
+            raise ValueError(f"grpo.negative_scale must be in [0, 1], got {self.negative_scale}")
 
 
 @dataclass
@@ -526,6 +532,9 @@ class QuickstartConfig:
     )
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(1e-4, "GRPO learning rate.")
+    grpo_negative_scale: float = option(
+        0.0, "GRPO's weight on the samples that lost to their group (grpo.negative_scale; 0: learn from the winners)."
+    )
     group_size: int = option(4, "GRPO samples per prompt.")
     prompts_per_step: int = option(8, "GRPO prompts per step.")
     rollout: RolloutConfig = option(
@@ -547,6 +556,8 @@ class QuickstartConfig:
             raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
+        if not 0 <= self.grpo_negative_scale <= 1:  # checked here, not after the SFT stage
+            raise ValueError(f"grpo_negative_scale must be in [0, 1], got {self.grpo_negative_scale}")
         epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]
         if isinstance(self.warmup_epochs, list) and len(epochs) != len(self.warmup_phases):
             raise ValueError(f"warmup_epochs lists {len(epochs)} numbers for {len(self.warmup_phases)} warmup_phases "

@@ -22,12 +22,16 @@ Aggregation = Literal["token", "sequence"]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+                     negative_scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
     """A_i = (r_i - mean(group)) / (std(group) + eps); without ``scale_by_std`` only the mean is removed
     (Dr. GRPO: dividing by the std up-weights groups that are nearly solved or nearly failed).
 
     Args:
         rewards: (N,) with N = n_groups * group_size, groups consecutive.
+        negative_scale: multiplies the advantages below zero. 1 is GRPO; below 1 the update leans on the
+            samples that beat their group (positive-sample reinforcement sharpens the policy toward what it
+            gets right; pushing down the losers spreads probability mass and raises entropy); 0 trains on
+            the winners only.
 
     Returns:
         (N,) advantages; a group whose rewards are all equal gets 0 everywhere.
@@ -36,6 +40,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
     tensor([ 1.7320, -0.5773, -0.5773, -0.5773])
     >>> group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, scale_by_std=False)
     tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    >>> group_advantages(torch.tensor([1.0, 0.0]), 2, negative_scale=0.25)
+    tensor([ 1.0000, -0.2500])
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be (n_groups * {group_size},), got {tuple(rewards.shape)}")
@@ -44,6 +50,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
     if scale_by_std:
         # population std (unbiased=False): a group of 2 with rewards {1, 0} gives advantages +-1
         centered = centered / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    if negative_scale != 1.0:
+        centered = torch.where(centered < 0, centered * negative_scale, centered)
     return centered.view(-1)
 
 

@@ -222,7 +222,9 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
     t0 = time.perf_counter()
     trajectories = [t for group, _, _ in kept for t in group]
     rewards = torch.tensor([r for _, _, group_rewards in kept for r in group_rewards])
-    advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std)  # (N,)
+    advantages = group_advantages(
+        rewards, algo.group_size, scale_by_std=algo.scale_by_std, negative_scale=algo.negative_scale
+    )  # (N,)
     min_pixels, max_pixels = policy.pixel_budget
     encoded = []
     for t in trajectories:

@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             f"seed={cfg.seed}", f"data.train={data['train']}", f"train.max_steps={cfg.grpo_steps}",
             f"grpo.group_size={cfg.group_size}", f"grpo.prompts_per_step={cfg.prompts_per_step}",
             "grpo.micro_batch_size=8", f"grpo.rollout_batch_size={cfg.group_size * cfg.prompts_per_step}",
-            f"optim.lr={cfg.grpo_lr}", "train.precision=fp32", "train.save_every=0", "train.resume=auto",
-            f"rewards.weights={REWARDS}", *(f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()),
+            f"grpo.negative_scale={cfg.grpo_negative_scale}", f"optim.lr={cfg.grpo_lr}", "train.precision=fp32",
+            "train.save_every=0", "train.resume=auto", f"rewards.weights={REWARDS}",
+            *(f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()),
         ]))  # fmt: skip
     times["grpo"] = time.perf_counter() - t
 
