@@ -10,6 +10,9 @@ crop-tool *SFT mix* (gold crop-then-answer trajectories). All numbers come from 
   the matmul vagent runs (``patch_embeds_as_matmul``), and AdamW as torch's default (for-each) or fused
   kernel. They take turns, one step each on the same batch; median step over ``--steps`` after 2 warm-up
   steps.
+* micro-batch size, one process, the machine's threads: micro-batches of 8 (the quickstart's) and 16, taking
+  turns; median seconds per row. Where 16 rows cost about twice 8, the step is compute, not per-step overhead,
+  and fewer, larger steps would not make the same epochs sooner.
 * side by side (the quickstart's ``parallel_baseline``): two trainings of ``--steps`` + 2 steps each, one after
   the other on all threads, against both at once in two processes on half the threads each. Wall time of the
   steps (each process loads and encodes its batches first, then waits for the go).
@@ -50,12 +53,12 @@ def build(work: Path, n: int) -> tuple[Path, dict[str, Path]]:
     return model, {name: write_rows(r, work / f"{name.replace(' ', '_')}.jsonl") for name, r in sets.items()}
 
 
-def batches(model: Path, rows: Path, n: int) -> list[dict]:
-    """``n`` encoded micro-batches of 8 (the epoch's, repeated as needed)."""
+def batches(model: Path, rows: Path, n: int, size: int = 8) -> list[dict]:
+    """``n`` encoded micro-batches of ``size`` rows (the epoch's, repeated as needed)."""
     policy = load_policy(model, device="cpu")
     min_pixels, max_pixels = policy.pixel_budget
     data = SFTDataset(load_rows(rows), policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
-                      factor=policy.image_factor, default_tools=["crop"], max_length=4096, micro_batch_size=8,
+                      factor=policy.image_factor, default_tools=["crop"], max_length=4096, micro_batch_size=size,
                       seed=0, group_by_length=True, group_batches=16)  # fmt: skip
     return [data[g % data.batches_per_epoch] for g in range(n)]
 
@@ -89,6 +92,18 @@ def kernels(model: Path, rows: Path, steps: int) -> dict[tuple[bool, bool], floa
         for key, (net, optimizer) in setups.items():
             times[key].append(step(net, optimizer, batch))
     return {key: statistics.median(t[2:]) for key, t in times.items()}
+
+
+def per_row(model: Path, rows: Path, steps: int, sizes: tuple[int, ...] = (8, 16)) -> dict[int, float]:
+    """Median seconds per row of a step at each micro-batch size; the sizes take turns, as in ``kernels``."""
+    setups = {size: setup(model) for size in sizes}
+    todo = {size: batches(model, rows, steps + 2, size) for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for i in range(steps + 2):
+        for size, (net, optimizer) in setups.items():
+            batch = todo[size][i]
+            times[size].append(step(net, optimizer, batch) / batch["input_ids"].shape[0])
+    return {size: statistics.median(t[2:]) for size, t in times.items()}
 
 
 def worker(model: str, rows: str, steps: int, threads: int) -> None:
@@ -146,6 +161,11 @@ def main() -> None:
             for (matmul, fused), median in medians.items():
                 print(f"| {name} | {'matmul' if matmul else 'Conv3d'} | {'fused' if fused else 'for-each'} | "
                       f"{median:.3f} | {base / median:.2f} |", flush=True)  # fmt: skip
+        print("\n| rows | micro-batch 8, s per row | micro-batch 16, s per row | x |")
+        print("|---|---:|---:|---:|")
+        for name, rows in sets.items():
+            rates = per_row(model, rows, args.steps)
+            print(f"| {name} | {rates[8]:.4f} | {rates[16]:.4f} | {rates[8] / rates[16]:.2f} |", flush=True)
         if threads < 2:
             print("\n(one thread: no side-by-side measurement)")
             return

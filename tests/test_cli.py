@@ -79,6 +79,8 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
     assert "checkpoint dir not found" in capsys.readouterr().err
     assert main(["quickstart", "rollout.max_turns=zero"]) == 2
     assert "'rollout.max_turns' expects an integer" in capsys.readouterr().err
+    assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "grpo_negative_scale=2"]) == 2  # before any training
+    assert "grpo_negative_scale must be in [0, 1]" in capsys.readouterr().err
 
 
 def test_quickstart_runs_end_to_end(tmp_path):
@@ -86,8 +88,11 @@ def test_quickstart_runs_end_to_end(tmp_path):
     GRPO, four evaluations and the report with its pictures."""
     done = _run(VAGENT, "quickstart", "--config", str(ROOT / "configs/quickstart/tiny_cpu.yaml"), f"out_dir={tmp_path}",
                 "model.tiny.size=tiny", "train_rows=8", "test_rows=4", "warmup_rows=8", "warmup_epochs=1", "sft_epochs=1",
-                "grpo_steps=1", "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8")  # fmt: skip
+                "grpo_steps=1", "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8",
+                "grpo_negative_scale=0.5")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    (state,) = (tmp_path / "grpo" / "checkpoints").glob("step-*/trainer_state.json")
+    assert json.loads(state.read_text())["config"]["grpo"]["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
     report = (tmp_path / "report.md").read_text()
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report

@@ -533,7 +533,7 @@ class QuickstartConfig:
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(1e-4, "GRPO learning rate.")
     grpo_negative_scale: float = option(
-        0.0, "GRPO's weight on the samples that lost to their group (grpo.negative_scale; 0: learn from the winners)."
+        1.0, "GRPO's weight on the samples that lost to their group (grpo.negative_scale; 0: learn from the winners)."
     )
     group_size: int = option(4, "GRPO samples per prompt.")
     prompts_per_step: int = option(8, "GRPO prompts per step.")
