@@ -92,7 +92,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
                 "grpo_negative_scale=0.5")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (state,) = (tmp_path / "grpo" / "checkpoints").glob("step-*/trainer_state.json")
-    assert json.loads(state.read_text())["config"]["grpo"]["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
+    grpo_config = json.loads(state.read_text())["config"]["grpo"]
+    assert grpo_config["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
     report = (tmp_path / "report.md").read_text()
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report
