@@ -29,9 +29,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
     Args:
         rewards: (N,) with N = n_groups * group_size, groups consecutive.
         negative_scale: multiplies the advantages below zero. 1 is GRPO; below 1 the update leans on the
-            samples that beat their group (positive-sample reinforcement sharpens the policy toward what it
-            gets right; pushing down the losers spreads probability mass and raises entropy); 0 trains on
-            the winners only.
+            samples that beat their group; 0 trains on the winners only. Pushing a sampled token down
+            spreads its probability over the others: in the quickstart it raised the entropy, and winners
+            only lowered it (docs/PERFORMANCE.md).
 
     Returns:
         (N,) advantages; a group whose rewards are all equal gets 0 everywhere.
