@@ -36,9 +36,10 @@ def test_group_advantages_by_hand():
 
 def test_negative_scale_weights_only_the_losers():
     # group (1, 0, 0, 0): mean 0.25, std sqrt(0.1875) -> (+1.732, -0.577 x 3); the losers' share is scaled
-    full = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4)
-    half = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4, negative_scale=0.5)
-    winners = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4, negative_scale=0.0)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    full = group_advantages(rewards, 4)
+    half = group_advantages(rewards, 4, negative_scale=0.5)
+    winners = group_advantages(rewards, 4, negative_scale=0.0)
     assert half[0] == full[0] == winners[0] == pytest.approx(3**0.5, abs=1e-4)
     assert half[1:4].tolist() == pytest.approx((full[1:4] / 2).tolist())
     assert winners[1:].tolist() == [0.0] * 7  # a solved group stays at 0 either way
