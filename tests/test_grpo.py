@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch
 
 from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
 from vagent.config import ConfigError, GRPOConfig, load_config
+from vagent.data import load_rows
 from vagent.data.batching import collate
 from vagent.data.encode import encode_messages
 from vagent.model import load_policy, policy_logits
@@ -145,6 +147,79 @@ def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, tiny_qwen25)
     assert list((tmp_path / "rollouts").glob("*.html")), "the rollouts of a checkpointed step are written to look at"
 
 
+def _weights(model_dir):
+    return load_policy(model_dir, device="cpu").model.state_dict()
+
+
+def _val_rows(tmp_path):
+    from data_pipelines.synthetic.zoom import zoom_rows
+    from vagent.data import write_rows
+
+    write_rows(zoom_rows(tmp_path / "val", 3, seed=99), tmp_path / "val" / "val.jsonl")
+    return tmp_path / "val" / "val.jsonl"
+
+
+def test_validation_leaves_training_alone_and_a_run_that_never_beats_its_start_hands_it_back(tmp_path, tiny_qwen25):
+    plain = grpo.train(load_config(GRPOConfig, CONFIG, _overrides(tmp_path / "plain", tiny_qwen25)))
+    val = _val_rows(tmp_path)
+    kept = grpo.train(load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path / "kept", tiny_qwen25),
+                                                       f"val.rows={val}", "val.every=2", "val.keep_best=true"]))  # fmt: skip
+
+    def training(out):
+        return [
+            (r["step"], r["reward"], r["response_len"]) for r in read_metrics(out / "metrics.jsonl") if "reward" in r
+        ]
+
+    # greedy validation runs under a forked RNG: the training draws are those of the run without it
+    assert training(tmp_path / "kept") == training(tmp_path / "plain")
+    records = [r for r in read_metrics(tmp_path / "kept" / "metrics.jsonl") if "val/accuracy" in r]
+    assert [r["step"] for r in records] == [0, 2, 4]
+    for r in records:
+        assert 0 <= r["val/accuracy"] <= 1 and 0 <= r["val/answered"] <= 1 and math.isfinite(r["val/reward"])
+    # a random policy answers nothing right: every validation ties with the start, and ties keep the earlier step
+    assert all(r["val/accuracy"] == 0 for r in records) and records[-1]["val/best_step"] == 0
+    start, trained, published = _weights(tiny_qwen25), _weights(plain), _weights(kept)
+    assert any(not torch.equal(start[k], trained[k]) for k in start), "the run must have moved the weights"
+    assert all(torch.equal(start[k], published[k]) for k in start), "model/ must be the start it never beat"
+    assert [d.name for d in (tmp_path / "kept" / "best").iterdir()] == ["step-00000000"]
+    assert (tmp_path / "kept" / "rollouts" / "val-step-00000004.html").is_file()
+
+
+def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(tmp_path, tiny_qwen25, monkeypatch):
+    import vagent.rewards as rewards
+
+    val = _val_rows(tmp_path)
+    val_ids = {r.id for r in load_rows(val)}
+    scripted = iter([0.0, 1.0, 0.5])  # steps 0, 2, 4: step 2 is the best
+    real = rewards.REWARDS["accuracy"]
+
+    def accuracy(trajectories, rows):
+        if {t.task_id for t in trajectories} <= val_ids:
+            value = next(scripted)
+            return [value] * len(trajectories)
+        return real(trajectories, rows)
+
+    monkeypatch.setitem(rewards.REWARDS, "accuracy", accuracy)
+    out = tmp_path / "run"
+    model_dir = grpo.train(load_config(GRPOConfig, CONFIG, [
+        *_overrides(out, tiny_qwen25), f"val.rows={val}", "val.every=2", "val.keep_best=true",
+    ]))  # fmt: skip
+    best = [r["val/best_step"] for r in read_metrics(out / "metrics.jsonl") if "val/best_step" in r]
+    assert best == [0, 2, 2]
+    step2, published = _weights(out / "checkpoints" / "step-00000002" / "model"), _weights(model_dir)
+    assert all(torch.equal(step2[k], published[k]) for k in step2)
+    assert [d.name for d in (out / "best").iterdir()] == ["step-00000002"]
+    state = json.loads((out / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert state["best_val"] == {"step": 2, "accuracy": 1.0}
+
+
+def test_val_settings_are_checked_at_load():
+    with pytest.raises(ConfigError, match="val.keep_best needs val.rows"):
+        load_config(GRPOConfig, CONFIG, ["val.keep_best=true"])
+    with pytest.raises(ConfigError, match="val.every"):
+        load_config(GRPOConfig, CONFIG, ["val.every=-1"])
+
+
 KILL_AT_STEP = """
 import os, signal, sys
 from vagent.training import metrics
@@ -161,9 +236,11 @@ grpo.main(sys.argv[2:])
 
 def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    val = [f"val.rows={_val_rows(tmp_path)}", "val.every=2", "val.keep_best=true"]
 
-    def run(out, kill_at=0):
-        cmd = [sys.executable, "-c", KILL_AT_STEP, str(kill_at), "--config", str(CONFIG), *_overrides(out, tiny_qwen25)]
+    def run(out, kill_at=-1):  # -1: never (step 0 is logged: the validation before the first step)
+        cmd = [sys.executable, "-c", KILL_AT_STEP, str(kill_at), "--config", str(CONFIG), *_overrides(out, tiny_qwen25),
+               *val]  # fmt: skip
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
     full = run(tmp_path / "full")
@@ -174,9 +251,14 @@ def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25):
     assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr[-2000:]
 
     def curve(out):
-        return [(r["step"], r["reward"], r["response_len"]) for r in read_metrics(out / "metrics.jsonl")]
+        return [(r["step"], r.get("reward"), r.get("response_len"), r.get("val/reward"), r.get("val/best_step"))
+                for r in read_metrics(out / "metrics.jsonl")]  # fmt: skip
 
     assert curve(tmp_path / "killed") == curve(tmp_path / "full")
+    # the best directory the checkpoint named survived the kill, and no other is left
+    assert [d.name for d in (tmp_path / "killed" / "best").iterdir()] == [
+        d.name for d in (tmp_path / "full" / "best").iterdir()
+    ]
 
 
 def _even_tokens(trajectories, rows):

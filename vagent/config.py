@@ -461,6 +461,27 @@ class GRPOAlgoConfig:
 
 
 @dataclass
+class GRPOValConfig:
+    rows: str | None = option(
+        None,
+        "Held-out rows the policy answers greedily, with the same rewards, before the first step, every "
+        "`every` steps and after the last (verl's val_before_train and test_freq); None = no validation.",
+    )
+    every: int = option(4, "GRPO steps between validations (0 = before the first step and after the last only).")
+    keep_best: bool = option(
+        False,
+        "Publish as model/ the weights with the best validation accuracy (the start included: a GRPO run that "
+        "only lost hands back its start), not the last; ties keep the earlier step. Needs rows.",
+    )
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"val.every must be >= 0, got {self.every}")
+        if self.keep_best and not self.rows:
+            raise ValueError("val.keep_best needs val.rows (the held-out rows the best step is chosen on)")
+
+
+@dataclass
 class RewardConfig:
     weights: dict[str, float] = option(
         {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2, "overlong": 0.5},
@@ -479,6 +500,7 @@ class GRPOConfig:
     data: GRPODataConfig = option(GRPODataConfig(), "Prompts.")
     rollout: RolloutConfig = option(RolloutConfig(), "Episode limits and sampling.")
     grpo: GRPOAlgoConfig = option(GRPOAlgoConfig(), "Group size, batch shapes, clipping, KL, dynamic sampling.")
+    val: GRPOValConfig = option(GRPOValConfig(), "Greedy validation on held-out rows during training; keep the best.")
     rewards: RewardConfig = option(RewardConfig(), "Reward weights and options.")
     optim: OptimConfig = option(OptimConfig(), "Optimizer and schedule (grad_accum is unused: see grpo.mini_batches).")
     train: TrainConfig = option(

@@ -24,11 +24,19 @@ Each step reads top to bottom in timed stages (verl's driver loop):
 Checkpoints and ``resume=auto`` work as in SFT (the data position is the number of prompts consumed).
 Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
 checkpoint.
+
+With ``val.rows`` the policy answers held-out rows greedily before the first step, every ``val.every`` steps
+and after the last (``val/*`` in the metrics, the trajectories under ``rollouts/val-step-*``). With
+``val.keep_best`` the weights of the best validation accuracy, the start included, are kept under
+``out_dir/best/`` and published as ``model/``: on a small budget one draw of prompts and samples can undo what
+SFT taught, and the held-out check hands back the start instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import shutil
 import sys
 import time
 from collections import Counter, defaultdict
@@ -113,10 +121,17 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)")  # fmt: skip
 
     fingerprint = {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path)}
+    val = _Validation(cfg, env, out, load_rows(cfg.val.rows, known_tools=TOOLS) if cfg.val.rows else [], limits,
+                      services, bf16)  # fmt: skip
+    if val.rows:
+        fingerprint["val_data"] = ckpt.file_digest(cfg.val.rows)
     state = resume_training(resume_from, backend, fingerprint, cfg.train.allow_changes, env)
     start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
     logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
                            wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
+    val.resume(state.get("best_val"))
+    if val.rows and start_step == 0:
+        val(0, policy, backend, logger)
 
     # -- loop -----------------------------------------------------------------------------------------------
     bar = tqdm(total=total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
@@ -181,15 +196,92 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
         bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
         if done % cfg.train.log_every == 0 or done == total_steps:
             logger.log(done, {**record, "lr": lr, "peak_mem_gb": peak_memory_gb(env)})
+        if val.rows and (done == total_steps or (cfg.val.every and done % cfg.val.every == 0)):
+            bar.clear()
+            val(done, policy, backend, logger)
         if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
-            _save(cfg, backend, policy, root, done, consumed, fingerprint, env, last, out)
+            _save(cfg, backend, policy, root, done, consumed, fingerprint, env, last, out, val)
     bar.close()
 
-    final = _save(cfg, backend, policy, root, total_steps, consumed, fingerprint, env, last, out)
+    final = _save(cfg, backend, policy, root, total_steps, consumed, fingerprint, env, last, out, val)
     logger.close()
-    model_dir = publish_model(final, out, env)  # the final model at a stable path
+    if cfg.val.keep_best and val.best is not None:
+        final = val.directory(val.best["step"])
+        say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
+                 f"{val.last_accuracy:.3f})")  # fmt: skip
+    model_dir = publish_model(final, out, env)  # the final (or the best) model at a stable path
     say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
     return model_dir
+
+
+class _Validation:
+    """Greedy rollouts of held-out rows scored with the training rewards, and (``val.keep_best``) the weights of the
+    best accuracy so far under ``out/best/step-N/model``.
+
+    A best directory is only deleted once a committed checkpoint names a later best, so a resumed run always
+    finds the one its checkpoint recorded; directories a killed attempt wrote after its last checkpoint are
+    deleted on resume. Validation runs under a forked RNG: the training draws are the same with it or without.
+    """
+
+    def __init__(self, cfg: GRPOConfig, env: DistEnv, out: Path, rows: list[Row], limits: RolloutLimits,
+                 services: dict[str, Any], bf16: bool) -> None:  # fmt: skip
+        self.cfg, self.env, self.out, self.rows, self.services, self.bf16 = cfg, env, out, rows, services, bf16
+        self.limits = dataclasses.replace(limits, temperature=0.0)
+        self.best: dict[str, Any] | None = None  # {"step", "accuracy"}
+        self.last_accuracy = float("nan")
+
+    def directory(self, step: int) -> Path:
+        return self.out / "best" / f"step-{step:08d}"
+
+    def resume(self, best: dict[str, Any] | None) -> None:
+        """Adopt the checkpoint's best (None on a fresh run) and delete every other best directory."""
+        self.best = best if self.cfg.val.keep_best else None
+        self.prune()
+
+    def prune(self) -> None:
+        if self.env.is_main and (self.out / "best").is_dir():
+            keep = self.directory(self.best["step"]).name if self.best else None
+            for d in (self.out / "best").iterdir():
+                if d.name != keep:
+                    shutil.rmtree(d, ignore_errors=True)
+        barrier()
+
+    def __call__(self, step: int, policy: Policy, backend, logger: MetricsLogger) -> None:
+        env = self.env
+        mine = self.rows[env.rank :: env.world_size]
+        backend.module.eval()
+        devices = [env.device] if env.device.type == "cuda" else []
+        with torch.no_grad(), autocast(env.device, self.bf16), torch.random.fork_rng(devices=devices):
+            tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
+            trajectories = run(policy, tasks, 1, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
+                               **self.services)  # fmt: skip
+        totals, parts = combine(trajectories, mine, self.cfg.rewards.weights, self.cfg.rewards.options)
+        correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, mine)
+        sums = all_reduce_sum(torch.tensor([sum(correct), sum(totals), sum(t.stop_reason == "answered" for t in
+                                            trajectories), sum(len(t.tool_results) for t in trajectories),
+                                            len(mine)], dtype=torch.float64, device=env.device)).tolist()  # fmt: skip
+        n = max(sums[4], 1.0)
+        record = {"val/accuracy": sums[0] / n, "val/reward": sums[1] / n, "val/answered": sums[2] / n,
+                  "val/tool_calls_per_traj": sums[3] / n}  # fmt: skip
+        self.last_accuracy = record["val/accuracy"]
+        if self.cfg.val.keep_best and (self.best is None or self.last_accuracy > self.best["accuracy"]):
+            self.best = {"step": step, "accuracy": self.last_accuracy}
+            if env.is_main:
+                tmp = self.out / "best" / f".tmp-step-{step:08d}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                ckpt.save_model(backend.model, policy.processor, tmp / "model")
+                shutil.rmtree(self.directory(step), ignore_errors=True)
+                tmp.rename(self.directory(step))
+            barrier()
+        if self.best is not None:
+            record["val/best_step"] = self.best["step"]
+        logger.log(step, record)
+        if env.is_main:
+            write_jsonl(trajectories, self.out / "rollouts" / f"val-step-{step:08d}.jsonl")
+            write_html(trajectories, self.out / "rollouts" / f"val-step-{step:08d}.html",
+                       title=f"GRPO validation at step {step} (rank 0, greedy)")  # fmt: skip
+        say(env, f"val at step {step}: accuracy {record['val/accuracy']:.3f}, reward {record['val/reward']:.3f} "
+                 f"({len(self.rows)} rows, greedy)")  # fmt: skip
 
 
 def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed: int) -> list[Row]:
@@ -366,9 +458,11 @@ def _prompts(cfg: GRPOConfig, env: DistEnv, out: Path, policy: Policy) -> str:
 
 
 def _save(cfg: GRPOConfig, backend, policy: Policy, root: Path, step: int, consumed: int,
-          fingerprint: dict[str, Any], env: DistEnv, last: list[Trajectory], out: Path) -> Path:  # fmt: skip
-    final = save_checkpoint(backend, policy.processor, root, step, {**fingerprint, "prompts_consumed": consumed}, env,
+          fingerprint: dict[str, Any], env: DistEnv, last: list[Trajectory], out: Path, val: _Validation) -> Path:  # fmt: skip
+    final = save_checkpoint(backend, policy.processor, root, step,
+                            {**fingerprint, "prompts_consumed": consumed, "best_val": val.best}, env,
                             cfg.train.keep_last)  # fmt: skip
+    val.prune()  # the checkpoint names the best from now on: older best directories can go
     if env.is_main and last:  # what the policy did at this step, to look at
         write_jsonl(last, out / "rollouts" / f"step-{step:08d}.jsonl")
         write_html(last, out / "rollouts" / f"step-{step:08d}.html", title=f"GRPO step {step} (rank 0)")
