@@ -11,6 +11,7 @@ from videos import write_video
 from vagent.cli import build_parser, main
 from vagent.data import load_rows
 from vagent.training.data import gold_conversation
+from vagent.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 VAGENT = str(Path(sys.executable).parent / "vagent")  # the console script of the environment running the tests
@@ -81,6 +82,8 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
     assert "'rollout.max_turns' expects an integer" in capsys.readouterr().err
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "grpo_negative_scale=2"]) == 2  # before any training
     assert "grpo_negative_scale must be in [0, 1]" in capsys.readouterr().err
+    assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "val_rows=-1"]) == 2
+    assert "need val_rows >= 0" in capsys.readouterr().err
 
 
 def test_quickstart_runs_end_to_end(tmp_path):
@@ -89,12 +92,20 @@ def test_quickstart_runs_end_to_end(tmp_path):
     done = _run(VAGENT, "quickstart", "--config", str(ROOT / "configs/quickstart/tiny_cpu.yaml"), f"out_dir={tmp_path}",
                 "model.tiny.size=tiny", "train_rows=8", "test_rows=4", "warmup_rows=8", "warmup_epochs=1", "sft_epochs=1",
                 "grpo_steps=1", "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8",
-                "grpo_negative_scale=0.5")  # fmt: skip
+                "grpo_negative_scale=0.5", "val_rows=3")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (state,) = (tmp_path / "grpo" / "checkpoints").glob("step-*/trainer_state.json")
-    grpo_config = json.loads(state.read_text())["config"]["grpo"]
-    assert grpo_config["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
+    grpo_config = json.loads(state.read_text())["config"]
+    assert grpo_config["grpo"]["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
+    assert grpo_config["val"]["keep_best"] and grpo_config["val"]["rows"] == str(tmp_path / "data" / "val.jsonl")
+    val = load_rows(tmp_path / "data" / "val.jsonl")
+    assert len(val) == 3 and not {r.images[0] for r in val} & {
+        r.images[0] for r in load_rows(tmp_path / "data" / "test.jsonl")
+    }
+    checks = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
+    assert [r["step"] for r in checks] == [0, 1]  # before the first step and after the last
     report = (tmp_path / "report.md").read_text()
+    assert "GRPO policy = " in report and "val rows: step 0 " in report
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report

@@ -526,6 +526,12 @@ class QuickstartConfig:
     )
     train_rows: int = option(448, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
     test_rows: int = option(192, "Held-out rows the policies are evaluated on.")
+    val_rows: int = option(
+        64,
+        "Held-out rows (other images than train and test) GRPO answers greedily every grpo_val_every steps, its "
+        "start included; the best step is the GRPO policy (0: no validation, the last step).",
+    )
+    grpo_val_every: int = option(4, "GRPO steps between validations on the val rows.")
     image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
     grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
     tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
@@ -578,6 +584,8 @@ class QuickstartConfig:
             raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
+        if self.val_rows < 0 or self.grpo_val_every < 0:
+            raise ValueError(f"need val_rows >= 0 and grpo_val_every >= 0, got {self.val_rows}, {self.grpo_val_every}")
         if not 0 <= self.grpo_negative_scale <= 1:  # checked here, not after the SFT stage
             raise ValueError(f"grpo_negative_scale must be in [0, 1], got {self.grpo_negative_scale}")
         epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]

@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             f"grpo.negative_scale={cfg.grpo_negative_scale}", f"optim.lr={cfg.grpo_lr}", "train.precision=fp32",
             "train.save_every=0", "train.resume=auto", f"rewards.weights={REWARDS}",
             *(f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()),
+            *([f"val.rows={data['val']}", f"val.every={cfg.grpo_val_every}", "val.keep_best=true"]
+              if cfg.val_rows else []),
         ]))  # fmt: skip
     times["grpo"] = time.perf_counter() - t
 
@@ -242,7 +244,14 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     answered directly without tools, twice for the small tiles, + the perception and grounding rows), test."""
     from data_pipelines.synthetic.zoom import zoom_rows
 
-    names = ("train", *(f"warmup_{phase}" for phase in WARMUP), "sft_mix", "sft_mix_notool", "test")
+    names = (
+        "train",
+        *(f"warmup_{phase}" for phase in WARMUP),
+        "sft_mix",
+        "sft_mix_notool",
+        "test",
+        *(["val"] if cfg.val_rows else []),
+    )
     paths = {name: out / f"{name}.jsonl" for name in names}
     if all(p.is_file() for p in paths.values()):
         return paths
@@ -252,6 +261,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
                  **policy.frame)  # fmt: skip
     train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
     test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
+    val = zoom_rows(out, cfg.val_rows, seed=cfg.seed + 30_000, **knobs) if cfg.val_rows else []
     pool = zoom_rows(out, cfg.warmup_rows, seed=cfg.seed + 20_000, **knobs) if cfg.warmup_rows else []
     warmup = _support_rows(pool, policy)
     notool = []
@@ -269,6 +279,8 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         r.__class__(**{**r.__dict__, "id": f"{r.id}-again"}) for r in notool if not r.extra["difficulty"]["direct"]
     ]
     write_rows(test, paths["test"])
+    if cfg.val_rows:
+        write_rows(val, paths["val"])
     for phase in WARMUP:
         write_rows([r for r in warmup if r.source.endswith(phase)], paths[f"warmup_{phase}"])
     write_rows(notool + again + shared, paths["sft_mix_notool"])
@@ -276,8 +288,8 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     write_rows(train, paths["train"])
     print(f"{len(train)} train rows ({sum(r.extra['difficulty']['direct'] for r in train)} readable without a tool) "
           f"+ {len(shared)} perception and grounding rows for both SFT mixes and {len(reading)} reading rows for the "
-          f"crop-tool one, {len(warmup)} warm-up rows of other images, {len(test)} test rows, images "
-          f"{cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
+          f"crop-tool one, {len(warmup)} warm-up rows of other images, {len(test)} test rows, "
+          f"{len(val)} val rows for GRPO, images {cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
     return paths
 
 
@@ -352,6 +364,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         f"{'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
         "",
         *_grpo_vs_sft(samples),
+        *_grpo_kept(out),
         "## Which answers does each policy get right?",
         "",
         *_per_answer(samples),
@@ -406,6 +419,22 @@ def _grpo_vs_sft(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
             "the other way round.", ""]  # fmt: skip
 
 
+def _grpo_kept(out: Path) -> list[str]:
+    """Which GRPO step the report's GRPO policy is, and the validation accuracy of each step checked."""
+    records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
+    if not records:
+        return []
+    best = records[-1].get("val/best_step", records[-1]["step"])
+    checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}" for r in records)
+    kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
+    return [f"GRPO policy = {kept} (greedy accuracy on the {_val_count(out)} val rows: {checks}).", ""]
+
+
+def _val_count(out: Path) -> int:
+    path = out / "data" / "val.jsonl"
+    return sum(1 for _ in path.open()) if path.is_file() else 0
+
+
 def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Accuracy per gold answer (rows: policies): a policy that guesses one answer shows it here, not in the mean."""
     golds = sorted({str(s["gold"][0]) for rows in samples.values() for s in rows if s["gold"]})
@@ -449,6 +478,8 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
     records = read_metrics(out / "grpo" / "metrics.jsonl")
     if records:
         fig, ax = plt.subplots(figsize=(6, 3.5))
+        val = [r for r in records if "val/accuracy" in r]
+        records = [r for r in records if "reward" in r]
         steps = [r["step"] for r in records]
         for key in ("reward", "accuracy", "reward/crop_iou", "tool_calls_per_traj"):
             values = [r.get(key, float("nan")) for r in records]
@@ -456,6 +487,8 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
             # each point is one step's few rollouts; the trend is their running mean (as TensorBoard smooths)
             ax.plot(steps, [sum(values[max(0, i - 3) : i + 1]) / len(values[max(0, i - 3) : i + 1])
                             for i in range(len(values))], color=line.get_color())  # fmt: skip
+        if val:
+            ax.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "k--s", label="val accuracy (greedy)")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
         ax.set_title("GRPO: each step's rollout mean (dots), running mean of 4 (line)")
