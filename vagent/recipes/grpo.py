@@ -248,6 +248,7 @@ class _Validation:
 
     def __call__(self, step: int, policy: Policy, backend, logger: MetricsLogger) -> None:
         env = self.env
+        t0 = time.perf_counter()
         mine = self.rows[env.rank :: env.world_size]
         backend.module.eval()
         devices = [env.device] if env.device.type == "cuda" else []
@@ -262,7 +263,7 @@ class _Validation:
                                             len(mine)], dtype=torch.float64, device=env.device)).tolist()  # fmt: skip
         n = max(sums[4], 1.0)
         record = {"val/accuracy": sums[0] / n, "val/reward": sums[1] / n, "val/answered": sums[2] / n,
-                  "val/tool_calls_per_traj": sums[3] / n}  # fmt: skip
+                  "val/tool_calls_per_traj": sums[3] / n, "time/val": time.perf_counter() - t0}  # fmt: skip
         self.last_accuracy = record["val/accuracy"]
         if self.cfg.val.keep_best and (self.best is None or self.last_accuracy > self.best["accuracy"]):
             self.best = {"step": step, "accuracy": self.last_accuracy}
@@ -281,7 +282,7 @@ class _Validation:
             write_html(trajectories, self.out / "rollouts" / f"val-step-{step:08d}.html",
                        title=f"GRPO validation at step {step} (rank 0, greedy)")  # fmt: skip
         say(env, f"val at step {step}: accuracy {record['val/accuracy']:.3f}, reward {record['val/reward']:.3f} "
-                 f"({len(self.rows)} rows, greedy)")  # fmt: skip
+                 f"({len(self.rows)} rows, greedy, {record['time/val']:.0f}s)")  # fmt: skip
 
 
 def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed: int) -> list[Row]:
