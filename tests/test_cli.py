@@ -81,7 +81,9 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
     assert main(["quickstart", "rollout.max_turns=zero"]) == 2
     assert "'rollout.max_turns' expects an integer" in capsys.readouterr().err
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "grpo_negative_scale=2"]) == 2  # before any training
-    assert "grpo_negative_scale must be in [0, 1]" in capsys.readouterr().err
+    assert "grpo.negative_scale must be in [0, 1], got 2.0 (from the quickstart's" in capsys.readouterr().err
+    assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "group_size=1"]) == 2
+    assert "grpo.group_size must be >= 2" in capsys.readouterr().err
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "val_rows=-1"]) == 2
     assert "need val_rows >= 0" in capsys.readouterr().err
 
