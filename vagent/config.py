@@ -586,14 +586,15 @@ class QuickstartConfig:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
         if self.val_rows < 0 or self.grpo_val_every < 0:
             raise ValueError(f"need val_rows >= 0 and grpo_val_every >= 0, got {self.val_rows}, {self.grpo_val_every}")
-        # GRPO's and its optimizer's own checks of the knobs the quickstart hands them, at load and not after SFT
-        for section in [] if not self.grpo_steps else (GRPOAlgoConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
-                                       negative_scale=self.grpo_negative_scale), OptimConfig(lr=self.grpo_lr)):  # fmt: skip
-            try:
-                section.validate()
-            except ValueError as e:
-                raise ValueError(f"{e} (from the quickstart's group_size, prompts_per_step, grpo_negative_scale, "
-                                 "grpo_lr)") from None  # fmt: skip
+        if self.grpo_steps:  # GRPO's and its optimizer's own checks of the knobs handed to them, at load, not after SFT
+            algo = GRPOAlgoConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
+                                  negative_scale=self.grpo_negative_scale)  # fmt: skip
+            for section in (algo, OptimConfig(lr=self.grpo_lr)):
+                try:
+                    section.validate()
+                except ValueError as e:
+                    raise ValueError(f"{e} (from the quickstart's group_size, prompts_per_step, grpo_negative_scale, "
+                                     "grpo_lr)") from None  # fmt: skip
         epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]
         if isinstance(self.warmup_epochs, list) and len(epochs) != len(self.warmup_phases):
             raise ValueError(f"warmup_epochs lists {len(epochs)} numbers for {len(self.warmup_phases)} warmup_phases "
