@@ -220,7 +220,8 @@ class _Validation:
 
     A best directory is only deleted once a committed checkpoint names a later best, so a resumed run always
     finds the one its checkpoint recorded; directories a killed attempt wrote after its last checkpoint are
-    deleted on resume. Validation runs under a forked RNG: the training draws are the same with it or without.
+    deleted on resume. Validation runs under a forked RNG and takes nothing from training's random numbers (with
+    tool calls the engine's batches follow tool timing, so runs are not bit-identical anyway: README, GRPO).
     """
 
     def __init__(self, cfg: GRPOConfig, env: DistEnv, out: Path, rows: list[Row], limits: RolloutLimits,

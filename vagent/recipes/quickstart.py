@@ -491,7 +491,8 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
             ax.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "k--s", label="val accuracy (greedy)")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-        ax.set_title("GRPO: each step's rollout mean (dots), running mean of 4 (line)")
+        ax.set_title("GRPO: rollout mean per step (dots), its running mean of 4 (lines)"
+                     + ("; greedy val accuracy (squares)" if val else ""), fontsize=9)  # fmt: skip
         fig.tight_layout()
         fig.savefig(out / "grpo.png", dpi=110)
         plt.close(fig)
