@@ -146,19 +146,21 @@ def test_synthetic_grounding_rows_score_their_own_gold_answer_as_a_perfect_box(t
 
 
 def test_synthetic_zoom_rows_are_the_same_whatever_their_number_and_workers(tmp_path):
-    from data_pipelines.synthetic.zoom import zoom_rows
+    from data_pipelines.synthetic.zoom import spawn_pool, zoom_rows
 
     knobs = dict(size=(336, 252), tile=60, clutter=10, distractors=0, direct_share=0.3, grid=2, margin=0,
                  glyph="stripes", min_pixels=3136, max_pixels=50176)  # fmt: skip
     one = zoom_rows(tmp_path / "one", 5, seed=4, **knobs)
     two = zoom_rows(tmp_path / "two", 5, seed=4, workers=2, **knobs)  # two processes, each a share of the rows
+    with spawn_pool(2) as pool:  # processes already up, as the quickstart's splits share them
+        again = zoom_rows(tmp_path / "again", 5, seed=4, workers=2, pool=pool, **knobs)
     fewer = zoom_rows(tmp_path / "fewer", 3, seed=4, **knobs)
     other = zoom_rows(tmp_path / "other", 5, seed=5, **knobs)
 
     def content(rows, root):
         return [json.loads(json.dumps(r.__dict__, default=lambda o: o.__dict__).replace(str(root), "")) for r in rows]
 
-    assert content(one, tmp_path / "one") == content(two, tmp_path / "two")
+    assert content(one, tmp_path / "one") == content(two, tmp_path / "two") == content(again, tmp_path / "again")
     assert content(one, tmp_path / "one")[:3] == content(fewer, tmp_path / "fewer")
     assert content(one, tmp_path / "one") != content(other, tmp_path / "other")
     for a, b in zip(one, two, strict=True):

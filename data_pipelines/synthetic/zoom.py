@@ -15,7 +15,10 @@ The gold trajectory's tool turn is what the rollout engine would show: the build
 from __future__ import annotations
 
 import argparse
+import functools
+import multiprocessing
 import random
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -109,11 +112,13 @@ def _stripes(direction: str, side: int, width: int) -> Image.Image:
 def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, int] = (896, 672), tile: int = 28,
               clutter: int = 60, distractors: int = 1, direct_share: float = 0.2, grid: int | None = None,
               margin: int | None = None, glyph: str = "digit", min_pixels: int = 3136, max_pixels: int = 200704,
-              factor: int = 28, convention: Convention = "absolute", workers: int = 1) -> list[Row]:  # fmt: skip
+              factor: int = 28, convention: Convention = "absolute", workers: int = 1,
+              pool: Executor | None = None) -> list[Row]:  # fmt: skip
     """Build ``n`` zoom rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``).
 
     Row ``i`` draws from its own generator, seeded by ``(seed, i)``: the rows are the same whatever ``n`` and
-    however many ``workers`` (processes) draw them.
+    however many ``workers`` (processes) draw them. ``pool`` (``spawn_pool(workers)``) draws them in processes
+    that are already up: several splits share one pool, and each worker pays its imports once.
 
     ``grid``: tiles on a grid x grid layout (see ``draw_task``); ``margin``: fixed context (original pixels)
     around the tile in the gold crop, else 8-24 at random; ``glyph``: what the tile shows (``GLYPHS``).
@@ -128,15 +133,18 @@ def zoom_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: tuple[int, in
                  convention=convention)  # fmt: skip
     if workers <= 1 or n < 2 * workers:
         return _zoom_rows(out_dir, range(n), seed=seed, **knobs)
-    import functools
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     chunks = [range(n * k // workers, n * (k + 1) // workers) for k in range(workers)]
-    # spawn: a clean interpreter, not a fork of a caller that may hold torch's thread pools
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = pool.map(functools.partial(_zoom_rows, out_dir, seed=seed, **knobs), chunks)
-        return [row for part in parts for row in part]
+    draw = functools.partial(_zoom_rows, out_dir, seed=seed, **knobs)
+    if pool is not None:
+        return [row for part in pool.map(draw, chunks) for row in part]
+    with spawn_pool(workers) as own:
+        return [row for part in own.map(draw, chunks) for row in part]
+
+
+def spawn_pool(workers: int) -> ProcessPoolExecutor:
+    """Worker processes for ``zoom_rows``, spawned: a clean interpreter, not a fork of a caller that may hold
+    torch's thread pools."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
 
 def _zoom_rows(out_dir: Path, indices: range, *, seed: int, size: tuple[int, int], tile: int, clutter: int,

@@ -242,7 +242,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
     the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
     answered directly without tools, twice for the small tiles, + the perception and grounding rows), test."""
-    from data_pipelines.synthetic.zoom import zoom_rows
+    from data_pipelines.synthetic.zoom import spawn_pool, zoom_rows
 
     names = (
         "train",
@@ -259,10 +259,11 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     knobs = dict(size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0, direct_share=cfg.direct_share,
                  grid=cfg.grid or None, margin=0, glyph=cfg.glyph, workers=min(os.cpu_count() or 1, 8),
                  **policy.frame)  # fmt: skip
-    train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, **knobs)
-    test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, **knobs)
-    val = zoom_rows(out, cfg.val_rows, seed=cfg.seed + 30_000, **knobs) if cfg.val_rows else []
-    pool = zoom_rows(out, cfg.warmup_rows, seed=cfg.seed + 20_000, **knobs) if cfg.warmup_rows else []
+    with spawn_pool(knobs["workers"]) as drawing:  # one pool for the four splits: each process imports once
+        train = zoom_rows(out, cfg.train_rows, seed=cfg.seed, pool=drawing, **knobs)
+        test = zoom_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, pool=drawing, **knobs)
+        val = zoom_rows(out, cfg.val_rows, seed=cfg.seed + 30_000, pool=drawing, **knobs) if cfg.val_rows else []
+        pool = zoom_rows(out, cfg.warmup_rows, seed=cfg.seed + 20_000, pool=drawing, **knobs) if cfg.warmup_rows else []
     warmup = _support_rows(pool, policy)
     notool = []
     for row in train:  # the same images and answers, answered without looking closer
