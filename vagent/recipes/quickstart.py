@@ -7,14 +7,15 @@ Stages (each with its own progress bar; times are reported):
 1. a tiny random Qwen2.5-VL checkpoint, built locally;
 2. synthetic zoom tasks: a cluttered image with one colored tile whose 1-px stripes (in one of four
    directions) blur at the model's global resolution but are readable after a crop (some tiles are drawn
-   large: no tool needed), split into train and a held-out test set, with gold crop-then-answer
-   trajectories (the crop is the real tool's output);
+   large: no tool needed), split into train, a val set GRPO checks itself on and a held-out test set, with
+   gold crop-then-answer trajectories (the crop is the real tool's output);
 3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
    (read the stripes from a gold crop); from it the cold start on the gold trajectories plus reading rows
    (the same trajectories with the crop call shown but not trained), and a no-tool baseline on the same
    rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
-   when the answer is right;
+   when the answer is right; every few steps it answers the val rows greedily, and its best step there,
+   the SFT start included, is the GRPO policy;
 5. evaluation on the test split: the SFT and GRPO policies with the crop tool, the no-tool baseline,
    and the SFT policy with its tool taken away;
 6. ``report.md``: the results table, tool-use statistics (also split into rows that need the tool and
@@ -241,7 +242,8 @@ def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
     the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
-    answered directly without tools, twice for the small tiles, + the perception and grounding rows), test."""
+    answered directly without tools, twice for the small tiles, + the perception and grounding rows), test, and
+    val (the held-out rows GRPO picks its best step on; other images than test)."""
     from data_pipelines.synthetic.zoom import spawn_pool, zoom_rows
 
     names = (
