@@ -367,7 +367,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         f"{'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
         "",
         *_grpo_vs_sft(samples),
-        *_grpo_kept(out),
+        *_grpo_kept(out, cfg.val_rows),
         "## Which answers does each policy get right?",
         "",
         *_per_answer(samples),
@@ -422,7 +422,7 @@ def _grpo_vs_sft(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
             "the other way round.", ""]  # fmt: skip
 
 
-def _grpo_kept(out: Path) -> list[str]:
+def _grpo_kept(out: Path, val_rows: int) -> list[str]:
     """Which GRPO step the report's GRPO policy is, and the validation accuracy of each step checked."""
     records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     if not records:
@@ -430,12 +430,7 @@ def _grpo_kept(out: Path) -> list[str]:
     best = records[-1].get("val/best_step", records[-1]["step"])
     checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}" for r in records)
     kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
-    return [f"GRPO policy = {kept} (greedy accuracy on the {_val_count(out)} val rows: {checks}).", ""]
-
-
-def _val_count(out: Path) -> int:
-    path = out / "data" / "val.jsonl"
-    return sum(1 for _ in path.open()) if path.is_file() else 0
+    return [f"GRPO policy = {kept} (greedy accuracy on the {val_rows} val rows: {checks}).", ""]
 
 
 def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
