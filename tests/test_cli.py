@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,14 @@ def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_pat
     job = _Beside.start(cfg, tmp_path / "ok.txt", json.loads, "[1, 2]")
     assert torch.get_num_threads() == 1  # the other thread is the job's
     assert job.result() == [1, 2] and torch.get_num_threads() == 2
+    job.stop()
+    job = _Beside.start(cfg, tmp_path / "slow.txt", time.sleep, 1.0)
+    before_step = job.hand_over(0.6)  # the crop-tool SFT's hook: all threads from 60% of its steps on
+    before_step(5, 10)
+    assert not job.done and torch.get_num_threads() == 1  # before that step it neither waits nor takes a thread
+    before_step(6, 10)
+    assert job.done and torch.get_num_threads() == 2  # at it: waits for the job, then has both threads
+    assert job.result() is None  # the result is kept, not read from the pipe twice
     job.stop()
     with pytest.raises(RuntimeError, match=r"(?s)failed; its log is .*bad.txt.*JSONDecodeError"):
         _Beside.start(cfg, tmp_path / "bad.txt", json.loads, "{bad").result()

@@ -181,6 +181,10 @@ def test_validation_leaves_training_alone_and_a_run_that_never_beats_its_start_h
     start, trained, published = _weights(tiny_qwen25), _weights(plain), _weights(kept)
     assert any(not torch.equal(start[k], trained[k]) for k in start), "the run must have moved the weights"
     assert all(torch.equal(start[k], published[k]) for k in start), "model/ must be the start it never beat"
+    # byte for byte too: the quickstart then reuses its SFT evaluation instead of running the same policy again
+    from vagent.recipes.quickstart import _same_weights
+
+    assert _same_weights(kept, tiny_qwen25) and not _same_weights(plain, tiny_qwen25)
     assert [d.name for d in (tmp_path / "kept" / "best").iterdir()] == ["step-00000000"]
     assert (tmp_path / "kept" / "rollouts" / "val-step-00000004.html").is_file()
 

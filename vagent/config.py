@@ -556,7 +556,8 @@ class QuickstartConfig:
     parallel_baseline: bool = option(
         True,
         "On CPU, train and evaluate the no-tool baseline in a second process beside the crop-tool SFT, half "
-        "the threads each (sooner than one after the other: the tiny model uses two threads poorly).",
+        "the threads each (sooner than one after the other: the tiny model uses two threads poorly); from 60% "
+        "of its steps on, the crop-tool SFT has all the threads.",
     )
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(1e-4, "GRPO learning rate.")

@@ -50,6 +50,10 @@ from vagent.training.metrics import read_metrics
 # Warm-up phases (cfg.warmup_phases), each a plain SFT run on other images' rows. Mixed in one run, grounding and
 # perception were not learned within the budget; alone, each is (docs/PERFORMANCE.md).
 WARMUP = ("grounding", "perception", "reading")
+# The fraction of the crop-tool SFT's steps after which it takes the baseline's thread back. The baseline side
+# (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured: a step
+# sooner, the main side waits; later, one core idles until then.
+HANDOVER = 0.6
 REWARDS = "{accuracy: 1.0, format: 0.2, crop_iou: 0.5, tool_bonus: 0.2, invalid_calls: 0.2}"
 
 
@@ -96,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     notool_args = [f"out_dir={out / 'sft-notool'}", "data.tools=[]", f"data.train={data['sft_mix_notool']}", *common]
     baseline = _Beside.start(cfg, out / "sft-notool" / "log.txt", _baseline, notool_args, evaluation)
     try:
-        sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}",
-                                                                f"data.train={data['sft_mix']}", *common]))  # fmt: skip
+        sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
+                                                                *common]),
+                              before_step=baseline.hand_over(HANDOVER) if baseline else None)  # fmt: skip
         notool_model, notool_eval = baseline.result() if baseline else _baseline(notool_args, None)
     finally:
         if baseline:
@@ -125,8 +130,16 @@ def main(argv: list[str] | None = None) -> int:
             "sft, tool taken away": (sft_model, [])}  # fmt: skip
     if grpo_model is not None:
         runs = {"grpo + crop": (grpo_model, ["crop"]), **runs}
-    results = {name: notool_eval if name == "no-tool baseline" and notool_eval else
-               _evaluate(name, model_dir, tools, **evaluation) for name, (model_dir, tools) in runs.items()}  # fmt: skip
+    results = {}
+    for name, (model_dir, tools) in reversed(runs.items()):  # GRPO last: it may be its SFT start, already evaluated
+        if name == "no-tool baseline" and notool_eval:
+            results[name] = notool_eval
+        elif name == "grpo + crop" and _same_weights(model_dir, sft_model):
+            print("GRPO kept its SFT start (no step beat it on the val rows): its evaluation is SFT + crop's")
+            results[name] = results["sft + crop"]
+        else:
+            results[name] = _evaluate(name, model_dir, tools, **evaluation)
+    results = {name: results[name] for name in runs}
     times["eval"] = time.perf_counter() - t
 
     t = stage(6, "report")
@@ -136,6 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see the crops.")
     return 0
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    """Whether two HF model dirs hold the same weight files, byte for byte."""
+    from vagent.training.checkpoint import file_digest
+
+    files = sorted(p.name for p in Path(a).glob("*.safetensors"))
+    return (
+        bool(files)
+        and files == sorted(p.name for p in Path(b).glob("*.safetensors"))
+        and all(file_digest(Path(a) / f) == file_digest(Path(b) / f) for f in files)
+    )
 
 
 def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, out: str, rollout: dict[str, Any],
@@ -158,14 +183,17 @@ class _Beside:
     """A job in a second process on half the CPU threads, beside the main process on the other half.
 
     On 2 cores the tiny model's steps use two threads poorly, so two trainings side by side, one thread each,
-    finish 1.3-1.5x sooner than one after the other on both (``benchmarks/cpu_step.py``). Each side keeps one
-    thread count from start to end, so a seed gives the same numbers however the two sides' timing falls. The
-    job's output goes to ``log``; its result (or its traceback) comes back through a pipe, and ``stop`` ends it
-    if the main process gives up first.
+    finish 1.3-1.5x sooner than one after the other on both (``benchmarks/cpu_step.py``). The job is the shorter
+    side; ``hand_over`` lets the main side's training take the job's threads back at a fixed step, after waiting
+    for the job if it is not done. A fixed step, not whenever the job happens to end: the thread count changes
+    the floating-point sums, so a seed gives the same numbers however the two sides' timing falls. The job's
+    output goes to ``log``; its result (or its traceback) comes back through a pipe, and ``stop`` ends it if the
+    main process gives up first.
     """
 
     def __init__(self, process, conn, log: Path, threads: int) -> None:
         self.process, self.conn, self.log, self.threads = process, conn, log, threads
+        self.done, self.value = False, None
 
     @classmethod
     def start(cls, cfg: QuickstartConfig, log: Path, fn, *args) -> _Beside | None:
@@ -189,8 +217,11 @@ class _Beside:
         return cls(process, receive, log, total)
 
     def result(self) -> Any:
+        """The job's return value, once it ends (then this process has all the threads again)."""
         import torch
 
+        if self.done:
+            return self.value
         print(f"waiting for the no-tool baseline (log: {self.log})", flush=True)
         try:
             status, value = self.conn.recv()
@@ -200,7 +231,18 @@ class _Beside:
         torch.set_num_threads(self.threads)
         if status != "ok":
             raise RuntimeError(f"the no-tool baseline failed; its log is {self.log}:\n{value}")
+        self.done, self.value = True, value
         return value
+
+    def hand_over(self, at: float):
+        """A ``before_step`` hook for the main side's training: from the fraction ``at`` of its steps on, it runs
+        on all the threads (waiting for the job first if the job is still running)."""
+
+        def before_step(step: int, total_steps: int) -> None:
+            if not self.done and step >= at * total_steps:
+                self.result()
+
+        return before_step
 
     def stop(self) -> None:
         import torch

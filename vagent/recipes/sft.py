@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,17 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: SFTConfig) -> Path:
-    """Run SFT; returns the final HF model dir (``out_dir/model``)."""
+def train(cfg: SFTConfig, before_step: Callable[[int, int], None] | None = None) -> Path:
+    """Run SFT; returns the final HF model dir (``out_dir/model``). ``before_step(step, total_steps)``, if given, runs
+    before each optimizer step (the quickstart hands CPU threads over with it)."""
     env = init_distributed(cfg.model.device)
     out = Path(cfg.out_dir)
     try:
-        return _train(cfg, env, out)
+        return _train(cfg, env, out, before_step)
     finally:
         shutdown()
 
 
-def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
+def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
@@ -112,6 +114,8 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path) -> Path:
     bar = tqdm(total=total_steps, initial=start_step, desc="sft", disable=not env.is_main, dynamic_ncols=True)
     model.train()
     for step in range(start_step, total_steps):
+        if before_step is not None:
+            before_step(step, total_steps)
         t0 = time.perf_counter()
         micro = [to_device(next(batches), env.device) for _ in range(accum)]
         # counts over the whole step (all micro-batches, all ranks): the loss is the step's token mean
