@@ -51,8 +51,8 @@ from vagent.training.metrics import read_metrics
 # perception were not learned within the budget; alone, each is (docs/PERFORMANCE.md).
 WARMUP = ("grounding", "perception", "reading")
 # The fraction of the crop-tool SFT's steps after which it takes the baseline's thread back. The baseline side
-# (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured: a step
-# sooner, the main side waits; later, one core idles until then.
+# (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured. Where it
+# ends later, the crop-tool SFT waits for it there; where it ends sooner, one core idles until that step.
 HANDOVER = 0.6
 REWARDS = "{accuracy: 1.0, format: 0.2, crop_iou: 0.5, tool_bonus: 0.2, invalid_calls: 0.2}"
 
