@@ -118,7 +118,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
         assert Image.open(tmp_path / picture).size[0] > 300
     assert "done:" in (tmp_path / "sft-notool" / "log.txt").read_text()  # the baseline trained in its own process
     assert (tmp_path / "eval" / "no-tool-baseline" / "metrics.json").is_file()
-    html = (tmp_path / "eval" / "grpo-with-crop" / "trajectories.html").read_text()
+    kept_start = "GRPO policy = its SFT start" in report  # a random tiny policy answers no val row: it ties
+    assert (tmp_path / "eval" / "grpo-with-crop").exists() != kept_start  # a kept start is not evaluated twice
+    html = (tmp_path / report.split("- grpo + crop: [")[1].split("]")[0]).read_text()  # the viewer the report links
     assert html.count("data:image/") >= 4  # each test image, inline
     train = [json.loads(line) for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
     crop_rows = [r for r in train if len(r["messages"]) == 3]
