@@ -128,18 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     t = stage(5, "evaluation on the held-out test split")
     runs = {"sft + crop": (sft_model, ["crop"]), "no-tool baseline": (notool_model, []),
             "sft, tool taken away": (sft_model, [])}  # fmt: skip
-    if grpo_model is not None:
-        runs = {"grpo + crop": (grpo_model, ["crop"]), **runs}
-    results = {}
-    for name, (model_dir, tools) in reversed(runs.items()):  # GRPO last: it may be its SFT start, already evaluated
-        if name == "no-tool baseline" and notool_eval:
-            results[name] = notool_eval
-        elif name == "grpo + crop" and _same_weights(model_dir, sft_model):
+    results = {name: notool_eval if name == "no-tool baseline" and notool_eval else
+               _evaluate(name, model_dir, tools, **evaluation) for name, (model_dir, tools) in runs.items()}  # fmt: skip
+    if grpo_model is not None:  # last: when it kept its SFT start, that policy's evaluation is already there
+        if _same_weights(grpo_model, sft_model):
             print("GRPO kept its SFT start (no step beat it on the val rows): its evaluation is SFT + crop's")
-            results[name] = results["sft + crop"]
+            grpo_eval = results["sft + crop"]
         else:
-            results[name] = _evaluate(name, model_dir, tools, **evaluation)
-    results = {name: results[name] for name in runs}
+            grpo_eval = _evaluate("grpo + crop", grpo_model, ["crop"], **evaluation)
+        results = {"grpo + crop": grpo_eval, **results}
     times["eval"] = time.perf_counter() - t
 
     t = stage(6, "report")
