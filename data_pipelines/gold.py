@@ -9,7 +9,7 @@ from PIL import Image
 
 from vagent.chat import observation_content
 from vagent.geometry import Convention, original_to_model
-from vagent.media import resize_to_budget
+from vagent.media import smart_resize
 from vagent.toolbox import ToolContext, call_tool
 from vagent.types import ToolCall
 
@@ -20,9 +20,8 @@ def model_box(box, image_size: tuple[int, int], *, min_pixels: int, max_pixels: 
               convention: Convention) -> list[int]:  # fmt: skip
     """An original-pixel box in the frame the policy sees (what it writes in a tool call or an answer)."""
     width, height = image_size
-    probe = Image.new("RGB", (width, height))  # only the size matters for the resize rule
-    seen = resize_to_budget(probe, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor).size
-    return [round(v) for v in original_to_model(box, convention, seen, image_size)]
+    seen_height, seen_width = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+    return [round(v) for v in original_to_model(box, convention, (seen_width, seen_height), image_size)]
 
 
 def crop_then_answer(image: Image.Image, box, crop_path: Path, *, look: str, read: str, answer: str, margin: int,
@@ -31,7 +30,8 @@ def crop_then_answer(image: Image.Image, box, crop_path: Path, *, look: str, rea
     engine would show (the real ``crop`` output, saved next to ``crop_path`` as ``<stem>-0.png``), then think
     ``read`` and answer."""
     region = (box[0] - margin, box[1] - margin, box[2] + margin, box[3] + margin)
-    seen = resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor).size
+    height, width = smart_resize(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+    seen = (width, height)  # the frame the policy sees; only its size matters here
     bbox = [round(v) for v in original_to_model(region, convention, seen, image.size)]
     context = ToolContext(images=[image], model_sizes=[seen], convention=convention, min_pixels=min_pixels,
                           max_pixels=max_pixels, image_factor=factor)  # fmt: skip

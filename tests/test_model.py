@@ -237,7 +237,7 @@ def _tool_batch(policy, n=3):
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_shared_prefix_forward_matches_the_full_forward_gradients_included(tmp_path, family):
-    from vagent.algorithms.sft import token_nll_sum
+    from vagent.algorithms.sft import token_nll_sum, trained_positions
     from vagent.model import policy_logits, shared_prefix_length
 
     path = build_tiny_checkpoint(tmp_path / family, family=family, size="nano", min_pixels=32 * 32 * 4)
@@ -250,9 +250,9 @@ def test_shared_prefix_forward_matches_the_full_forward_gradients_included(tmp_p
     assert prefix > 100 and (ids[:, :prefix] == ids[:1, :prefix]).all() and (ids[:, prefix] == ids[0, prefix]).all()
     assert batch["attention_mask"].sum(1).unique().numel() == 3
 
-    def run(share, keep=0):
+    def run(share, keep=0, positions=None):
         model.zero_grad()
-        logits = policy_logits(model, batch, logits_to_keep=keep, share_prefix=share)
+        logits = policy_logits(model, batch, logits_to_keep=keep, share_prefix=share, positions=positions)
         if keep:
             return logits.detach(), None
         token_nll_sum(logits, ids, batch["loss_mask"]).backward()
@@ -270,6 +270,18 @@ def test_shared_prefix_forward_matches_the_full_forward_gradients_included(tmp_p
     assert full_grads.keys() == shared_grads.keys() and len(full_grads) > 10
     for name, grad in full_grads.items():
         assert torch.allclose(grad, shared_grads[name], atol=1e-6, rtol=1e-3), name
+    # the head on the trained positions alone: the same logits there and the same gradients, shared or not
+    trained = trained_positions(batch["loss_mask"])
+    assert 0 < int(trained.sum()) < int(real.sum())
+    for share in (False, True):
+        picked, picked_grads = run(share, positions=trained)
+        assert picked.shape == (int(trained.sum()), full.shape[-1])
+        assert torch.allclose(picked, full[trained], atol=1e-4)
+        assert picked_grads.keys() == full_grads.keys()
+        for name, grad in full_grads.items():
+            assert torch.allclose(grad, picked_grads[name], atol=1e-6, rtol=1e-3), name
+    with pytest.raises(ValueError, match="not both"):
+        policy_logits(model, batch, logits_to_keep=3, positions=trained)
     width = ids.shape[1]
     for keep in (5, width - prefix, width - prefix + 7):  # the rows' own part only, exactly it, and into the prefix
         kept, _ = run(True, keep)

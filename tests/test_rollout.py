@@ -91,7 +91,8 @@ def test_run_groups_samples_by_task(policy):
 
 
 def test_the_samples_of_one_task_are_prefilled_once(policy):
-    """A GRPO group's identical prompts run through the model once; each sample still decodes on its own."""
+    """A GRPO group's identical prompts run through the model once, and the system prompt the tasks share once
+    for all of them; each sample still decodes on its own."""
     tasks = [
         Task(id="a", question="Q?", images=[IMAGE], tools=[]),
         Task(id="b", question="Other?", images=[IMAGE], tools=[]),
@@ -100,8 +101,11 @@ def test_the_samples_of_one_task_are_prefilled_once(policy):
     stats: dict[str, float] = {}
     group = run(policy, tasks, n_samples=3, limits=limits, stats=stats)
     alone = [run(policy, [task], limits=limits)[0] for task in tasks]
-    prompts = [t.loss_mask.index(1) for t in alone]  # tokens before the first sampled one
-    assert stats["prefill_tokens"] == sum(prompts)
+    prompts = [t.token_ids[: t.loss_mask.index(1)] for t in alone]  # the tokens before the first sampled one
+    vision_start = policy.model.config.vision_start_token_id
+    shared = prompts[0].index(vision_start)  # the two prompts differ only after their (identical) image
+    assert prompts[0][:shared] == prompts[1][:shared] and shared >= 16
+    assert stats["prefill_tokens"] == sum(map(len, prompts)) - shared
     assert [t.token_ids for t in group] == [t.token_ids for t in alone for _ in range(3)]
 
 

@@ -14,8 +14,10 @@ Two transformers 5.x pitfalls handled here, both silent if missed:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,7 +270,12 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
 
 
 def policy_logits(
-    model: torch.nn.Module, batch: dict[str, Any], logits_to_keep: int = 0, *, share_prefix: bool = True
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    logits_to_keep: int = 0,
+    *,
+    share_prefix: bool = True,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One forward of a multimodal batch with fresh multimodal RoPE positions.
 
@@ -284,10 +291,23 @@ def policy_logits(
         share_prefix: Run the text prefix that every row starts with (the system prompt and its tool
             schemas) once instead of once per row, when the model allows it (see ``shared_prefix_length``).
             The result is the same up to float rounding, gradients included.
+        positions: (B, T) bool, the positions whose logits a loss reads (SFT: those before a trained token).
+            The language-model head then runs on these alone, and its output, its backward and the loss's
+            gradient buffer are (N, V) instead of (B, T, V); the rest of the forward is unchanged.
 
     Returns:
-        (B, T, V) logits (``(B, logits_to_keep, V)`` when set); position t predicts token t + 1.
+        (B, T, V) logits (``(B, logits_to_keep, V)`` when set; ``(N, V)`` for the N ``positions``, row by row,
+        when those are given); position t predicts token t + 1.
     """
+    if positions is not None:
+        if logits_to_keep:
+            raise ValueError("policy_logits takes logits_to_keep or positions, not both")
+        with _hidden_states(model) as hidden:
+            policy_logits(model, batch, share_prefix=share_prefix)
+        if len(hidden) == 2:  # the shared prefix (batch 1), then the rows' own parts: _prefix_shared_logits
+            hidden = [torch.cat([hidden[0].expand(len(positions), -1, -1), hidden[1]], dim=1)]
+        (states,) = hidden
+        return _unwrap(model).get_output_embeddings()(states[positions])
     config = _unwrap(model).config
     inputs = {k: v for k, v in batch.items() if v is not None and k in _FORWARD_KEYS}
     if "mm_token_type_ids" not in inputs and ("pixel_values" in inputs or "pixel_values_videos" in inputs):
@@ -304,6 +324,24 @@ def policy_logits(
         logits = model(**inputs, use_cache=False, **extra).logits
     reset_rope_deltas(model)
     return logits
+
+
+@contextlib.contextmanager
+def _hidden_states(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within the block, every forward hands the language-model head none of its positions and leaves the
+    final hidden states (after the last norm) in the yielded list, one (B, T, H) tensor per model call.
+    A hook on the head module, so DDP, DeepSpeed and peft wrappers run their forwards as they always do."""
+    hidden: list[torch.Tensor] = []
+
+    def keep(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = _unwrap(model).get_output_embeddings().register_forward_pre_hook(keep)
+    try:
+        yield hidden
+    finally:
+        handle.remove()
 
 
 MIN_SHARED_PREFIX = 16  # below this, a second forward call costs more than the tokens it saves

@@ -160,7 +160,7 @@ def _zoom_rows(out_dir: Path, indices: range, *, seed: int, size: tuple[int, int
                                       clutter=clutter, distractors=distractors, color=color,
                                       grid=None if direct else grid, glyph=glyph, stripe=4 if direct else 1)  # fmt: skip
         image_path = out_dir / "images" / f"zoom-{seed}-{i}.png"
-        image.save(image_path)
+        image.save(image_path, compress_level=1)  # lossless all the same; encoding is most of a row's cost
         what, question = GLYPHS[glyph]
         words = {"color": color, "digit": digit, "what": what}
         if direct:

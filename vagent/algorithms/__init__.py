@@ -8,7 +8,7 @@ from vagent.algorithms.grpo import (
     policy_loss,
     sampled_logprobs,
 )
-from vagent.algorithms.sft import token_nll_sum, trained_token_count
+from vagent.algorithms.sft import token_nll_sum, trained_positions, trained_token_count
 
 __all__ = [
     "aggregate",
@@ -18,5 +18,6 @@ __all__ = [
     "policy_loss",
     "sampled_logprobs",
     "token_nll_sum",
+    "trained_positions",
     "trained_token_count",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_nll_sum", "trained_token_count"]
+__all__ = ["token_nll_sum", "trained_positions", "trained_token_count"]
 
 
 def trained_token_count(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -20,11 +20,20 @@ def trained_token_count(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask[:, 1:].sum()
 
 
+def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits the loss reads: t, where token t + 1 is trained. (B, T) -> (B, T) bool; pass
+    it to ``policy_logits(..., positions=)`` and the head's logits come only for these."""
+    positions = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    positions[:, :-1] = loss_mask[:, 1:].bool()
+    return positions
+
+
 def token_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Summed negative log-likelihood of the trained tokens.
 
     Args:
-        logits: (B, T, V) the model's outputs; position t predicts token t + 1.
+        logits: (B, T, V) the model's outputs, position t predicting token t + 1; or (N, V), those of the
+            ``trained_positions`` alone, row by row (``policy_logits(..., positions=)``).
         input_ids: (B, T) the tokens.
         loss_mask: (B, T) 1 = train on this token (gold assistant content), 0 = prompt, tool output, padding.
 
@@ -39,6 +48,6 @@ def token_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torc
     2.7726
     """
     trained = loss_mask[:, 1:].bool()  # (B, T-1) 1 = the token at t+1 is trained
-    predicted = logits[:, :-1][trained].float()  # (N, V)
+    predicted = (logits if logits.dim() == 2 else logits[:, :-1][trained]).float()  # (N, V)
     targets = input_ids[:, 1:][trained]  # (N,)
     return F.cross_entropy(predicted, targets, reduction="sum")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vagent.algorithms import token_nll_sum, trained_token_count
+from vagent.algorithms import token_nll_sum, trained_positions, trained_token_count
 from vagent.config import SFTConfig, config_to_dict
 from vagent.data import load_rows
 from vagent.model import Policy, policy_logits
@@ -128,7 +128,8 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
         loss_sum = torch.zeros((), device=env.device)
         for k, batch in enumerate(micro):
             with backend.accumulating(last=k == accum - 1):
-                logits = policy_logits(backend.module, batch, share_prefix=cfg.train.share_prefix)
+                logits = policy_logits(backend.module, batch, share_prefix=cfg.train.share_prefix,
+                                       positions=trained_positions(batch["loss_mask"]))  # fmt: skip
                 nll = token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
                 backend.backward(nll / n_trained)
             loss_sum += nll.detach()
@@ -190,7 +191,8 @@ def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_p
         for g in range(env.rank, val_set.batches_per_epoch, env.world_size):
             batch = to_device(val_set[g], env.device)
             with backend.accumulating(last=True):
-                logits = policy_logits(backend.module, batch, share_prefix=share_prefix)
+                logits = policy_logits(backend.module, batch, share_prefix=share_prefix,
+                                       positions=trained_positions(batch["loss_mask"]))  # fmt: skip
                 sums[0] += token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
             sums[1] += trained_token_count(batch["loss_mask"])
     backend.module.train()

@@ -21,9 +21,12 @@ How the cache is kept (why it is exact):
 * ``reuse_cache=False`` drops each row's cache at the end of its turn, so every turn re-prefills the
   whole sequence: the reference for exactness tests and the baseline of the prefill benchmark.
 
+* Rows that start together and begin with the same text (the system prompt with its tool schemas)
+  prefill that prefix once, at batch 1; each row then gets a copy of its cache, as if stored.
+
 Not safe, so not done: sliding-window layers (the cache would not be a plain concatenation; such
-models raise at construction) and sharing prefixes between the ``n`` samples of a task (their caches
-are independent copies).
+models raise at construction) and sharing caches between the ``n`` samples of a task beyond the
+prefill (their caches are independent copies).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from vagent.model import Policy
+from vagent.model import MIN_SHARED_PREFIX, Policy
 
 __all__ = ["HFBackend", "TurnRequest", "TurnResult"]
 
@@ -211,6 +214,7 @@ class HFBackend:
 
     def _prefill_unique(self, requests: list[TurnRequest], stored: list[_Stored | None]):
         device = self.policy.device
+        stored = self._shared_prefix(requests, stored)
         cached = [s.length if s else 0 for s in stored]
         new = [r.ids[c:] for r, c in zip(requests, cached, strict=True)]
         lc, lp = max(cached), max(len(n) for n in new)
@@ -255,6 +259,33 @@ class HFBackend:
             keep = mask[i].nonzero().squeeze(1).to(device)
             compact.append([(k[i : i + 1, :, keep], v[i : i + 1, :, keep]) for k, v in kv])
         return logits, rows, compact
+
+    def _shared_prefix(self, requests: list[TurnRequest], stored: list[_Stored | None]) -> list[_Stored | None]:
+        """Give the rows that start fresh the cache of the text they all begin with (the system prompt with its
+        tool schemas: most of a tool prompt's tokens), run once at batch 1, as if each had it stored; their
+        prefill then runs only the rest. The prefix stops before the first vision token (a text prefix's RoPE
+        positions are plain 0..n-1, as in the whole row) and leaves every row at least one token of its own.
+        Each row gets its own copy, as from a stored cache. Off with ``reuse_cache=False`` (the reference)."""
+        fresh = [i for i, s in enumerate(stored) if s is None]
+        if len(fresh) < 2 or not self.reuse_cache:
+            return stored
+        first = requests[fresh[0]].ids
+        length = min(len(requests[i].ids) for i in fresh) - 1
+        vision = set(self._suppress)
+        length = next((t for t, token in enumerate(first[:length]) if token in vision), length)
+        for i in fresh[1:]:
+            ids = requests[i].ids
+            length = next((t for t in range(length) if ids[t] != first[t]), length)
+        if length < MIN_SHARED_PREFIX:
+            return stored
+        device = self.policy.device
+        ids = torch.tensor([first[:length]], device=device)
+        positions = torch.arange(length, device=device).view(1, 1, -1).expand(3, 1, -1)
+        mask = torch.ones_like(ids)
+        _, cache = self._forward(ids, mask, positions, None, torch.tensor([length - 1], device=device))
+        self.prefill_tokens += length
+        prefix = _Stored(kv=_tensors(cache), length=length, images=0)
+        return [prefix if s is None else s for s in stored]
 
     def _decode(self) -> torch.Tensor:
         device = self.policy.device
