@@ -10,6 +10,9 @@ crop-tool *SFT mix* (gold crop-then-answer trajectories). All numbers come from 
   the matmul vagent runs (``patch_embeds_as_matmul``), and AdamW as torch's default (for-each) or fused
   kernel. They take turns, one step each on the same batch; median step over ``--steps`` after 2 warm-up
   steps.
+* the LM head, one process, the machine's threads: the output projection over every position, or only over the
+  positions the loss trains (``policy_logits(..., positions=trained_positions(loss_mask))``, what vagent runs);
+  taking turns, as above.
 * micro-batch size, one process, the machine's threads: micro-batches of 8 (the quickstart's) and 16, taking
   turns; median seconds per row. Where 16 rows cost about twice 8, the step is compute, not per-step overhead,
   and fewer, larger steps would not make the same epochs sooner.
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from data_pipelines.synthetic.zoom import zoom_rows
-from vagent.algorithms import token_nll_sum
+from vagent.algorithms import token_nll_sum, trained_positions
 from vagent.config import QuickstartConfig
 from vagent.data import load_rows, write_rows
 from vagent.model import load_policy, policy_logits
@@ -71,10 +74,12 @@ def setup(model: Path, *, matmul: bool = True, fused: bool = True) -> tuple[torc
     return net, build_optimizer(net, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=fused)
 
 
-def step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
-    """Seconds of one training step: forward, backward, clip, AdamW."""
+def step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, trained_only: bool = True) -> float:
+    """Seconds of one training step: forward, backward, clip, AdamW (the head on the trained positions only, or
+    on every position)."""
     t = time.perf_counter()
-    logits = policy_logits(net, batch, share_prefix=True)
+    positions = trained_positions(batch["loss_mask"]) if trained_only else None
+    logits = policy_logits(net, batch, share_prefix=True, positions=positions)
     token_nll_sum(logits, batch["input_ids"], batch["loss_mask"]).backward()
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
     optimizer.step()
@@ -92,6 +97,16 @@ def kernels(model: Path, rows: Path, steps: int) -> dict[tuple[bool, bool], floa
         for key, (net, optimizer) in setups.items():
             times[key].append(step(net, optimizer, batch))
     return {key: statistics.median(t[2:]) for key, t in times.items()}
+
+
+def head(model: Path, rows: Path, steps: int) -> dict[bool, float]:
+    """Median step with the LM head on the trained positions only (True) and on every position (False)."""
+    setups = {only: setup(model) for only in (False, True)}
+    times: dict[bool, list[float]] = {only: [] for only in setups}
+    for batch in batches(model, rows, steps + 2):
+        for only, (net, optimizer) in setups.items():
+            times[only].append(step(net, optimizer, batch, trained_only=only))
+    return {only: statistics.median(t[2:]) for only, t in times.items()}
 
 
 def per_row(model: Path, rows: Path, steps: int, sizes: tuple[int, ...] = (8, 16)) -> dict[int, float]:
@@ -161,6 +176,12 @@ def main() -> None:
             for (matmul, fused), median in medians.items():
                 print(f"| {name} | {'matmul' if matmul else 'Conv3d'} | {'fused' if fused else 'for-each'} | "
                       f"{median:.3f} | {base / median:.2f} |", flush=True)  # fmt: skip
+        print("\n| rows | LM head on every position, step (s) | on the trained positions only (s) | x |")
+        print("|---|---:|---:|---:|")
+        for name, rows in sets.items():
+            medians = head(model, rows, args.steps)
+            print(f"| {name} | {medians[False]:.3f} | {medians[True]:.3f} | {medians[False] / medians[True]:.2f} |",
+                  flush=True)  # fmt: skip
         print("\n| rows | micro-batch 8, s per row | micro-batch 16, s per row | x |")
         print("|---|---:|---:|---:|")
         for name, rows in sets.items():

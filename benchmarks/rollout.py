@@ -12,7 +12,8 @@ Reported:
   it (the same token schedule, the bare forwards: sampling, cache bookkeeping, tokenization, tool
   dispatch and Python are the overhead);
 * prefill ratio = tokens run through prefill / unique tokens of the trajectories, with KV-cache
-  reuse and without it (every turn re-prefills its whole prefix);
+  reuse and without it (every turn re-prefills its whole prefix), and with reuse but without the shared
+  prefix (each row prefills the system prompt the rows share on its own), with its generation time;
 * async overlap with the sleeping tool: T_async (rows run their tools while others generate),
   T_sync (turn-synchronous: every row waits for every tool before the next turn), and the bound
   T_bound = max(generation-only time, the longest row's critical path = the row's generation time
@@ -103,6 +104,7 @@ def main() -> None:
     timed_run(policy, work[:2], limits)  # warm-up (allocator, kernels)
     t_gen, gen_out, gen_stats, gen_finish = median_run(policy, work, limits, args.repeat)
     _, noreuse_out, noreuse_stats, _ = timed_run(policy, work, limits, reuse_cache=False)
+    t_unshared, unshared_out, unshared_stats, _ = median_run(policy, work, limits, args.repeat, share_prefix=False)
     solo = {
         task.id: median_run(policy, [task], limits, args.repeat)[0] for task in work
     }  # each row's generation, alone
@@ -113,6 +115,7 @@ def main() -> None:
 
     same = [t.token_ids for t in gen_out] == [t.token_ids for t in async_out] == [t.token_ids for t in sync_out]
     same = same and [t.token_ids for t in gen_out] == [t.token_ids for t in noreuse_out]
+    same = same and [t.token_ids for t in gen_out] == [t.token_ids for t in unshared_out]
     unique = sum(len(t.token_ids) for t in gen_out)
     sampled = sum(sum(t.loss_mask) for t in gen_out)
     calls = {t.task_id: t.metrics.get("tool_calls", 0) for t in gen_out}
@@ -131,10 +134,12 @@ def main() -> None:
     )
     print(f"| prefill ratio with cache reuse | {gen_stats['prefill_tokens'] / unique:.3f} | <= 1.1 |")
     print(f"| prefill ratio without reuse | {noreuse_stats['prefill_tokens'] / unique:.3f} | |")
+    print(f"| prefill ratio with reuse, shared prefix per row | {unshared_stats['prefill_tokens'] / unique:.3f} | |")
     print(
         f"| forward passes (reuse / no reuse) | {gen_stats['forward_passes']} / {noreuse_stats['forward_passes']} | |"
     )
     print(f"| T_gen (tools instant) | {t_gen:.2f} s | |")
+    print(f"| T_gen, shared prefix per row | {t_unshared:.2f} s ({t_unshared / t_gen:.2f}x) | |")
     print(f"| T_async ({args.tool_s:g} s tool, concurrent) | {t_async:.2f} s | |")
     print(f"| T_sync (turn-synchronous) | {t_sync:.2f} s | |")
     print(f"| T_bound | {t_bound:.2f} s | |")

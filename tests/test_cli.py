@@ -137,16 +137,14 @@ def test_quickstart_runs_end_to_end(tmp_path):
 def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_path):
     import torch
 
-    from vagent.config import QuickstartConfig
     from vagent.recipes.quickstart import _Beside
 
     torch.set_num_threads(2)
-    cfg = QuickstartConfig()
-    job = _Beside.start(cfg, tmp_path / "ok.txt", json.loads, "[1, 2]")
+    job = _Beside.start(True, "cpu", tmp_path / "ok.txt", "the job", json.loads, "[1, 2]")
     assert torch.get_num_threads() == 1  # the other thread is the job's
     assert job.result() == [1, 2] and torch.get_num_threads() == 2
     job.stop()
-    job = _Beside.start(cfg, tmp_path / "slow.txt", time.sleep, 1.0)
+    job = _Beside.start(True, "cpu", tmp_path / "slow.txt", "the job", time.sleep, 1.0)
     before_step = job.hand_over(0.6)  # the crop-tool SFT's hook: all threads from 60% of its steps on
     before_step(5, 10)
     assert not job.done and torch.get_num_threads() == 1  # before that step it neither waits nor takes a thread
@@ -154,11 +152,12 @@ def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_pat
     assert job.done and torch.get_num_threads() == 2  # at it: waits for the job, then has both threads
     assert job.result() is None  # the result is kept, not read from the pipe twice
     job.stop()
-    with pytest.raises(RuntimeError, match=r"(?s)failed; its log is .*bad.txt.*JSONDecodeError"):
-        _Beside.start(cfg, tmp_path / "bad.txt", json.loads, "{bad").result()
+    with pytest.raises(RuntimeError, match=r"(?s)the job failed; its log is .*bad.txt.*JSONDecodeError"):
+        _Beside.start(True, "cpu", tmp_path / "bad.txt", "the job", json.loads, "{bad").result()
     with pytest.raises(RuntimeError, match="ended without a result \\(exit code 3\\)"):
-        _Beside.start(cfg, tmp_path / "died.txt", os._exit, 3).result()  # killed, OOM: no hang
-    assert _Beside.start(QuickstartConfig(parallel_baseline=False), tmp_path / "x.txt", json.loads, "1") is None
+        _Beside.start(True, "cpu", tmp_path / "died.txt", "the job", os._exit, 3).result()  # killed, OOM: no hang
+    assert _Beside.start(False, "cpu", tmp_path / "x.txt", "the job", json.loads, "1") is None  # parallel_* off
+    assert _Beside.start(True, "cuda", tmp_path / "x.txt", "the job", json.loads, "1") is None  # CPU only
 
 
 def test_wilson_interval_matches_the_textbook_values():

@@ -107,6 +107,10 @@ def test_the_samples_of_one_task_are_prefilled_once(policy):
     assert prompts[0][:shared] == prompts[1][:shared] and shared >= 16
     assert stats["prefill_tokens"] == sum(map(len, prompts)) - shared
     assert [t.token_ids for t in group] == [t.token_ids for t in alone for _ in range(3)]
+    unshared: dict[str, float] = {}
+    assert [t.token_ids for t in run(policy, tasks, n_samples=3, limits=limits, stats=unshared, share_prefix=False)] \
+        == [t.token_ids for t in group]  # fmt: skip
+    assert unshared["prefill_tokens"] == sum(map(len, prompts))
 
 
 def test_turn_cut_by_its_token_budget_is_max_tokens(policy):

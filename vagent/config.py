@@ -559,6 +559,11 @@ class QuickstartConfig:
         "the threads each (sooner than one after the other: the tiny model uses two threads poorly); from 60% "
         "of its steps on, the crop-tool SFT has all the threads.",
     )
+    parallel_eval: bool = option(
+        True,
+        "On CPU, evaluate the SFT policy (with and without its tool) in a second process beside GRPO, half the "
+        "threads each; from a quarter of its steps on, GRPO has all the threads.",
+    )
     grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
     grpo_lr: float = option(1e-4, "GRPO learning rate.")
     grpo_negative_scale: float = option(

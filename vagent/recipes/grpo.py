@@ -40,6 +40,7 @@ import shutil
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,19 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: GRPOConfig) -> Path:
-    """Run GRPO; returns the final HF model dir (``out_dir/model``)."""
+def train(cfg: GRPOConfig, before_step: Callable[[int, int], None] | None = None) -> Path:
+    """Run GRPO; returns the final HF model dir (``out_dir/model``). ``before_step(step, total_steps)``, if given, runs
+    before each step's rollouts (the quickstart hands CPU threads over with it)."""
     unknown = sorted(set(cfg.rewards.weights) - set(REWARDS))
     if unknown:
         raise ConfigError(f"rewards.weights names unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
     env = init_distributed(cfg.model.device)
     try:
-        return _train(cfg, env, Path(cfg.out_dir))
+        return _train(cfg, env, Path(cfg.out_dir), before_step)
     finally:
         shutdown()
 
 
-def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
+def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
@@ -137,6 +139,8 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path) -> Path:
     bar = tqdm(total=total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
     last: list[Trajectory] = []
     for step in range(start_step, total_steps):
+        if before_step is not None:
+            before_step(step, total_steps)
         timer: dict[str, float] = defaultdict(float)
         t_step = time.perf_counter()
 

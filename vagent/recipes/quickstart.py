@@ -54,6 +54,10 @@ WARMUP = ("grounding", "perception", "reading")
 # (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured. Where it
 # ends later, the crop-tool SFT waits for it there; where it ends sooner, one core idles until that step.
 HANDOVER = 0.6
+# The fraction of GRPO's steps after which it takes back the thread of the SFT policy's evaluations beside it. At
+# seed 0 on the slower 2-core machine the evaluations (192 test rows with the crop tool, 192 without) ended 58 s
+# into GRPO, between the starts of its steps 3 (50 s) and 4 (65 s), counting from 1.
+GRPO_HANDOVER = 0.25
 REWARDS = "{accuracy: 1.0, format: 0.2, crop_iou: 0.5, tool_bonus: 0.2, invalid_calls: 0.2}"
 
 
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the crop-tool cold start and the no-tool "
                  "baseline")  # fmt: skip
-    common = [f"model.device={cfg.model.device or 'cpu'}", f"seed={cfg.seed}", "data.micro_batch_size=8",
+    device = cfg.model.device or "cpu"
+    common = [f"model.device={device}", f"seed={cfg.seed}", "data.micro_batch_size=8",
               f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05", "train.precision=fp32",
               "train.save_every=0", "train.resume=auto"]  # fmt: skip
     start = base
@@ -95,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     rollout = config_to_dict(cfg.rollout)
     test_rows = load_rows(data["test"])
-    evaluation = dict(test_rows=test_rows, out=str(out), rollout=rollout, toolbox=cfg.toolbox,
-                      device=cfg.model.device or "cpu")  # fmt: skip
+    evaluation = dict(test_rows=test_rows, out=str(out), rollout=rollout, toolbox=cfg.toolbox, device=device)
     notool_args = [f"out_dir={out / 'sft-notool'}", "data.tools=[]", f"data.train={data['sft_mix_notool']}", *common]
-    baseline = _Beside.start(cfg, out / "sft-notool" / "log.txt", _baseline, notool_args, evaluation)
+    baseline = _Beside.start(cfg.parallel_baseline, device, out / "sft-notool" / "log.txt",
+                             "the no-tool baseline (its SFT and evaluation)", _baseline, notool_args,
+                             evaluation)  # fmt: skip
     try:
         sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
                                                                 *common]),
@@ -110,26 +116,35 @@ def main(argv: list[str] | None = None) -> int:
     times["sft"] = time.perf_counter() - t
 
     t = stage(4, "GRPO from the SFT policy")
-    grpo_model = None
-    if cfg.grpo_steps:
-        grpo_model = grpo.train(load_config(grpo.GRPOConfig, None, [
-            f"out_dir={out / 'grpo'}", f"model.path={sft_model}", f"model.device={cfg.model.device or 'cpu'}",
-            f"seed={cfg.seed}", f"data.train={data['train']}", f"train.max_steps={cfg.grpo_steps}",
-            f"grpo.group_size={cfg.group_size}", f"grpo.prompts_per_step={cfg.prompts_per_step}",
-            "grpo.micro_batch_size=8", f"grpo.rollout_batch_size={cfg.group_size * cfg.prompts_per_step}",
-            f"grpo.negative_scale={cfg.grpo_negative_scale}", f"optim.lr={cfg.grpo_lr}", "train.precision=fp32",
-            "train.save_every=0", "train.resume=auto", f"rewards.weights={REWARDS}",
-            *(f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()),
-            *([f"val.rows={data['val']}", f"val.every={cfg.grpo_val_every}", "val.keep_best=true"]
-              if cfg.val_rows else []),
-        ]))  # fmt: skip
-    times["grpo"] = time.perf_counter() - t
+    # The SFT policy's evaluations run beside GRPO (on CPU, with parallel_eval), the rest after it.
+    sft_runs = {"sft + crop": (sft_model, ["crop"]), "sft, tool taken away": (sft_model, [])}
+    beside = _Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, device, out / "eval" / "log-sft.txt",
+                           "the SFT policy's evaluation (with and without its tool)", _evaluate_runs, sft_runs,
+                           evaluation)  # fmt: skip
+    try:
+        grpo_model = None
+        if cfg.grpo_steps:
+            grpo_model = grpo.train(load_config(grpo.GRPOConfig, None, [
+                f"out_dir={out / 'grpo'}", f"model.path={sft_model}", f"model.device={device}",
+                f"seed={cfg.seed}", f"data.train={data['train']}", f"train.max_steps={cfg.grpo_steps}",
+                f"grpo.group_size={cfg.group_size}", f"grpo.prompts_per_step={cfg.prompts_per_step}",
+                "grpo.micro_batch_size=8", f"grpo.rollout_batch_size={cfg.group_size * cfg.prompts_per_step}",
+                f"grpo.negative_scale={cfg.grpo_negative_scale}", f"optim.lr={cfg.grpo_lr}", "train.precision=fp32",
+                "train.save_every=0", "train.resume=auto", f"rewards.weights={REWARDS}",
+                *(f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()),
+                *([f"val.rows={data['val']}", f"val.every={cfg.grpo_val_every}", "val.keep_best=true"]
+                  if cfg.val_rows else []),
+            ]), before_step=beside.hand_over(GRPO_HANDOVER) if beside else None)  # fmt: skip
+        times["grpo (SFT evaluated beside it)" if beside else "grpo"] = time.perf_counter() - t
 
-    t = stage(5, "evaluation on the held-out test split")
-    runs = {"sft + crop": (sft_model, ["crop"]), "no-tool baseline": (notool_model, []),
-            "sft, tool taken away": (sft_model, [])}  # fmt: skip
-    results = {name: notool_eval if name == "no-tool baseline" and notool_eval else
-               _evaluate(name, model_dir, tools, **evaluation) for name, (model_dir, tools) in runs.items()}  # fmt: skip
+        t = stage(5, "evaluation on the held-out test split")
+        results = beside.result() if beside else _evaluate_runs(sft_runs, evaluation)
+    finally:
+        if beside:
+            beside.stop()
+    results = {**results, "no-tool baseline": notool_eval or _evaluate("no-tool baseline", notool_model, [],
+                                                                       **evaluation)}  # fmt: skip
+    results = {name: results[name] for name in ("sft + crop", "no-tool baseline", "sft, tool taken away")}
     if grpo_model is not None:  # last: when it kept its SFT start, that policy's evaluation is already there
         if _same_weights(grpo_model, sft_model):
             print("GRPO kept its SFT start (no step beat it on the val rows): its evaluation is SFT + crop's")
@@ -170,6 +185,11 @@ def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, 
                              batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
 
 
+def _evaluate_runs(runs: dict[str, tuple[Path, list[str]]], evaluation: dict[str, Any]) -> dict[str, tuple[Path, dict]]:
+    """``_evaluate`` each of ``runs`` (name: (model dir, tools)), one after the other."""
+    return {name: _evaluate(name, model_dir, tools, **evaluation) for name, (model_dir, tools) in runs.items()}
+
+
 def _baseline(sft_args: list[str], evaluation: dict[str, Any] | None) -> tuple[Path, tuple[Path, dict] | None]:
     """Train the no-tool baseline and, given ``evaluation``, evaluate it: (its model dir, its evaluation)."""
     model_dir = sft.train(load_config(sft.SFTConfig, None, sft_args))
@@ -188,19 +208,20 @@ class _Beside:
     main process gives up first.
     """
 
-    def __init__(self, process, conn, log: Path, threads: int) -> None:
-        self.process, self.conn, self.log, self.threads = process, conn, log, threads
+    def __init__(self, process, conn, log: Path, threads: int, what: str) -> None:
+        self.process, self.conn, self.log, self.threads, self.what = process, conn, log, threads, what
         self.done, self.value = False, None
 
     @classmethod
-    def start(cls, cfg: QuickstartConfig, log: Path, fn, *args) -> _Beside | None:
-        """None (run it in this process) unless parallel_baseline is on, on CPU, with two threads or more."""
+    def start(cls, on: bool, device: str, log: Path, what: str, fn, *args) -> _Beside | None:
+        """Start ``fn(*args)`` beside this process; ``what`` names it in messages. None (run it in this process)
+        unless ``on``, on CPU, with two threads or more."""
         import multiprocessing
 
         import torch
 
         total = torch.get_num_threads()
-        if not cfg.parallel_baseline or (cfg.model.device or "cpu") != "cpu" or total < 2:
+        if not on or device != "cpu" or total < 2:
             return None
         log.parent.mkdir(parents=True, exist_ok=True)
         context = multiprocessing.get_context("spawn")  # a clean interpreter: no forked torch thread pools
@@ -209,9 +230,9 @@ class _Beside:
         process.start()
         send.close()  # the child holds the only write end: its death reads as EOF
         torch.set_num_threads(total - total // 2)
-        print(f"the no-tool baseline trains and is evaluated beside it in process {process.pid} on {total // 2} of "
-              f"{total} CPU threads (log: {log})", flush=True)  # fmt: skip
-        return cls(process, receive, log, total)
+        print(f"{what} runs beside it in process {process.pid} on {total // 2} of {total} CPU threads (log: {log})",
+              flush=True)  # fmt: skip
+        return cls(process, receive, log, total, what)
 
     def result(self) -> Any:
         """The job's return value, once it ends (then this process has all the threads again)."""
@@ -219,7 +240,7 @@ class _Beside:
 
         if self.done:
             return self.value
-        print(f"waiting for the no-tool baseline (log: {self.log})", flush=True)
+        print(f"waiting for {self.what} (log: {self.log})", flush=True)
         try:
             status, value = self.conn.recv()
         except EOFError:
@@ -227,13 +248,13 @@ class _Beside:
             status, value = "error", f"the process ended without a result (exit code {self.process.exitcode})"
         torch.set_num_threads(self.threads)
         if status != "ok":
-            raise RuntimeError(f"the no-tool baseline failed; its log is {self.log}:\n{value}")
+            raise RuntimeError(f"{self.what} failed; its log is {self.log}:\n{value}")
         self.done, self.value = True, value
         return value
 
     def hand_over(self, at: float):
-        """A ``before_step`` hook for the main side's training: from the fraction ``at`` of its steps on, it runs
-        on all the threads (waiting for the job first if the job is still running)."""
+        """A ``before_step`` hook for the main side's training (SFT or GRPO): from the fraction ``at`` of its steps
+        on, it runs on all the threads (waiting for the job first if the job is still running)."""
 
         def before_step(step: int, total_steps: int) -> None:
             if not self.done and step >= at * total_steps:

@@ -164,7 +164,7 @@ class _Engine:
     """Runs rows to completion; see the module docstring."""
 
     def __init__(self, policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                 on_turn, progress, turn_barrier=False):  # fmt: skip
+                 on_turn, progress, turn_barrier=False, share_prefix=True):  # fmt: skip
         self.policy, self.limits = policy, limits
         self.turn_barrier = turn_barrier
         self.search, self.sandbox = search, sandbox
@@ -176,6 +176,7 @@ class _Engine:
             top_p=limits.top_p,
             stop_strings=STOP_STRINGS,
             reuse_cache=reuse_cache,
+            share_prefix=share_prefix,
         )
         self.pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="vagent-tool")
         tokenizer = policy.tokenizer
@@ -444,6 +445,7 @@ def run(
     progress: Callable[[Trajectory], None] | None = None,
     *,
     reuse_cache: bool = True,
+    share_prefix: bool = True,
     tool_workers: int = 8,
     tool_timeout_s: float = 60.0,
     on_turn: Callable[[Message, Observation | None], None] | None = None,
@@ -461,6 +463,8 @@ def run(
         batch_size: Rows in flight at once (generating or waiting for tools).
         progress: Called with each trajectory as it finishes.
         reuse_cache: Keep each row's KV cache across turns (False: re-prefill every turn).
+        share_prefix: Prefill the prompt text that rows starting together share (the system prompt with its tool
+            schemas) once, not once per row (False: the reference, for benchmarks).
         tool_workers: Threads running tool calls.
         tool_timeout_s: A tool turn that takes longer is abandoned with a ``timeout`` observation.
         on_turn: Called with every new assistant/tool message (streaming displays), and for a tool message the
@@ -475,7 +479,7 @@ def run(
     limits = limits or RolloutLimits()
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
     engine = _Engine(policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                     on_turn, progress, turn_barrier)  # fmt: skip
+                     on_turn, progress, turn_barrier, share_prefix)  # fmt: skip
     done = engine.run(jobs)
     if stats is not None:
         backend = engine.backend

@@ -20,9 +20,9 @@ How the cache is kept (why it is exact):
   token's position is the row's largest position + 1 in all three axes.
 * ``reuse_cache=False`` drops each row's cache at the end of its turn, so every turn re-prefills the
   whole sequence: the reference for exactness tests and the baseline of the prefill benchmark.
-
 * Rows that start together and begin with the same text (the system prompt with its tool schemas)
-  prefill that prefix once, at batch 1; each row then gets a copy of its cache, as if stored.
+  prefill that prefix once, at batch 1; each row then gets a copy of its cache, as if stored
+  (``share_prefix=False`` prefills it per row: the benchmark's baseline).
 
 Not safe, so not done: sliding-window layers (the cache would not be a plain concatenation; such
 models raise at construction) and sharing caches between the ``n`` samples of a task beyond the
@@ -101,6 +101,7 @@ class HFBackend:
         top_p: Nucleus mass.
         stop_strings: A turn ends when its text contains one of these (e.g. ``</tool_call>``) or at EOS.
         reuse_cache: Keep each row's KV cache between turns (prefill only new tokens).
+        share_prefix: Prefill the text that rows starting together share (the system prompt) once per batch.
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class HFBackend:
         top_p: float = 1.0,
         stop_strings: tuple[str, ...] = (),
         reuse_cache: bool = True,
+        share_prefix: bool = True,
     ) -> None:
         text_config = policy.model.config.get_text_config()
         if "sliding_attention" in (getattr(text_config, "layer_types", None) or []):
@@ -119,6 +121,7 @@ class HFBackend:
         self.temperature, self.top_p = temperature, top_p
         self.stop_strings = stop_strings
         self.reuse_cache = reuse_cache
+        self.share_prefix = share_prefix and reuse_cache
         self._suppress = policy.vision_placeholder_ids
         self._eos = set(policy.eos_token_ids)
         self._pad = policy.tokenizer.pad_token_id or 0
@@ -265,9 +268,9 @@ class HFBackend:
         tool schemas: most of a tool prompt's tokens), run once at batch 1, as if each had it stored; their
         prefill then runs only the rest. The prefix stops before the first vision token (a text prefix's RoPE
         positions are plain 0..n-1, as in the whole row) and leaves every row at least one token of its own.
-        Each row gets its own copy, as from a stored cache. Off with ``reuse_cache=False`` (the reference)."""
+        Each row gets its own copy, as from a stored cache. Off with ``share_prefix`` or ``reuse_cache`` False."""
         fresh = [i for i, s in enumerate(stored) if s is None]
-        if len(fresh) < 2 or not self.reuse_cache:
+        if len(fresh) < 2 or not self.share_prefix:
             return stored
         first = requests[fresh[0]].ids
         length = min(len(requests[i].ids) for i in fresh) - 1
