@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluation = dict(test_rows=test_rows, out=str(out), rollout=rollout, toolbox=cfg.toolbox, device=device)
     notool_args = [f"out_dir={out / 'sft-notool'}", "data.tools=[]", f"data.train={data['sft_mix_notool']}", *common]
     baseline = _Beside.start(cfg.parallel_baseline, device, out / "sft-notool" / "log.txt",
-                             "the no-tool baseline (its SFT and evaluation)", _baseline, notool_args,
+                             "the no-tool baseline's SFT and evaluation", _baseline, notool_args,
                              evaluation)  # fmt: skip
     try:
         sft_model = sft.train(load_config(sft.SFTConfig, None, [f"out_dir={out / 'sft'}", f"data.train={data['sft_mix']}",
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     # The SFT policy's evaluations run beside GRPO (on CPU, with parallel_eval), the rest after it.
     sft_runs = {"sft + crop": (sft_model, ["crop"]), "sft, tool taken away": (sft_model, [])}
     beside = _Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, device, out / "eval" / "log-sft.txt",
-                           "the SFT policy's evaluation (with and without its tool)", _evaluate_runs, sft_runs,
+                           "the SFT policy's evaluations, with its tool and without", _evaluate_runs, sft_runs,
                            evaluation)  # fmt: skip
     try:
         grpo_model = None
@@ -230,7 +230,7 @@ class _Beside:
         process.start()
         send.close()  # the child holds the only write end: its death reads as EOF
         torch.set_num_threads(total - total // 2)
-        print(f"{what} runs beside it in process {process.pid} on {total // 2} of {total} CPU threads (log: {log})",
+        print(f"beside it, in process {process.pid} on {total // 2} of {total} CPU threads: {what} (log: {log})",
               flush=True)  # fmt: skip
         return cls(process, receive, log, total, what)
 
