@@ -382,6 +382,19 @@ def _plain_module(model: torch.nn.Module) -> bool:
     return hasattr(model, "config") and not hasattr(model, "module")
 
 
+def cache_argument(module: torch.nn.Module) -> str:
+    """The name of a transformers forward's KV-cache argument: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The grown KV cache of a forward's output, under either name (see ``cache_argument``)."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
 def _prefix_shared_logits(
     model: torch.nn.Module, inputs: dict[str, Any], prefix: int, logits_to_keep: int
 ) -> torch.Tensor:
@@ -396,11 +409,12 @@ def _prefix_shared_logits(
     keep_rest = min(logits_to_keep, rest) if logits_to_keep else rest
     keep_prefix = (logits_to_keep - rest if logits_to_keep > rest else 0) if logits_to_keep else prefix
     cache = DynamicCache(config=model.config)  # a plain module (shared_prefix_length)
+    named = {cache_argument(model): cache}
     head = model(
         input_ids=input_ids[:1, :prefix],
         attention_mask=mask[:1, :prefix],
         position_ids=positions[:, :1, :prefix],
-        past_key_values=cache,
+        **named,
         use_cache=True,
         logits_to_keep=max(keep_prefix, 1),
     )
@@ -410,7 +424,7 @@ def _prefix_shared_logits(
         input_ids=input_ids[:, prefix:],
         attention_mask=mask,
         position_ids=positions[:, :, prefix:],
-        past_key_values=cache,
+        **named,
         use_cache=True,
         logits_to_keep=keep_rest,
         **media,
@@ -432,7 +446,8 @@ def _rope_positions(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Ten
         "input_ids": input_ids,
         "inputs_embeds": None,
         "attention_mask": mask,
-        "past_key_values": None,
+        "past_key_values": None,  # transformers < 5.24
+        "cache": None,  # its name from transformers 5.24 on
         **{k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")},
     }
     wanted = inspect.signature(inner.compute_3d_position_ids).parameters

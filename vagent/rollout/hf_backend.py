@@ -39,7 +39,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from vagent.model import MIN_SHARED_PREFIX, Policy
+from vagent.model import MIN_SHARED_PREFIX, Policy, cache_argument, output_cache
 
 __all__ = ["HFBackend", "TurnRequest", "TurnResult"]
 
@@ -123,6 +123,7 @@ class HFBackend:
         self.reuse_cache = reuse_cache
         self.share_prefix = share_prefix and reuse_cache
         self._suppress = policy.vision_placeholder_ids
+        self._cache_argument = cache_argument(policy.model.model)
         self._eos = set(policy.eos_token_ids)
         self._pad = policy.tokenizer.pad_token_id or 0
         self._stored: dict[Hashable, _Stored] = {}
@@ -175,7 +176,7 @@ class HFBackend:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past if past is not None else DynamicCache(),
+            **{self._cache_argument: past if past is not None else DynamicCache()},
             use_cache=True,
             **vision,
         )
@@ -185,7 +186,7 @@ class HFBackend:
         if logits.is_cuda:
             torch.cuda.synchronize()  # so forward_s is the forward's time, not its launch time
         self.forward_s += time.perf_counter() - start
-        return logits, out.past_key_values
+        return logits, output_cache(out)
 
     def _prefill(self, requests: list[TurnRequest]):
         """Prefill the queued turns; returns their next-token logits (B, V), decode rows and hole-free caches.
