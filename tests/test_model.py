@@ -314,11 +314,14 @@ def test_shared_prefix_is_only_taken_where_it_is_exact(policy):
     assert shared_prefix_length(Wrapper(model), batch) == 0
     positions = torch.arange(batch["input_ids"].shape[1]).expand(3, 3, -1)
     assert shared_prefix_length(model, dict(batch, position_ids=positions)) == 0  # the caller's positions win
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         assert shared_prefix_length(model, batch) == 0  # the replayed forward would write the cache again
     finally:
-        model.gradient_checkpointing_disable()
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     assert shared_prefix_length(model, batch) == prefix
 
 
