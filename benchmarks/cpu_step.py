@@ -87,30 +87,33 @@ def step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, tr
     return time.perf_counter() - t
 
 
-def kernels(model: Path, rows: Path, steps: int) -> dict[tuple[bool, bool], float]:
-    """Median step of each (matmul, fused) setup. The setups take turns, one step each on the same batch, so a
-    machine that slows down or speeds up mid-run slows every setup alike."""
-    setups = {(m, f): setup(model, matmul=m, fused=f) for m in (False, True) for f in (False, True)}
-    todo = batches(model, rows, steps + 2)
-    times: dict[tuple[bool, bool], list[float]] = {key: [] for key in setups}
+def take_turns(runs: dict, todo: list[dict]) -> dict:
+    """Median step of each run (key: (net, optimizer, ``step`` keywords)) over ``todo`` after 2 warm-up steps. The
+    runs take turns, one step each on the same batch, so a machine that slows down or speeds up mid-run slows
+    every run alike."""
+    times: dict = {key: [] for key in runs}
     for batch in todo:
-        for key, (net, optimizer) in setups.items():
-            times[key].append(step(net, optimizer, batch))
+        for key, (net, optimizer, options) in runs.items():
+            times[key].append(step(net, optimizer, batch, **options))
     return {key: statistics.median(t[2:]) for key, t in times.items()}
 
 
+def kernels(model: Path, rows: Path, steps: int) -> dict[tuple[bool, bool], float]:
+    """Median step of each (matmul, fused) setup, taking turns."""
+    runs = {(m, f): (*setup(model, matmul=m, fused=f), {}) for m in (False, True) for f in (False, True)}
+    return take_turns(runs, batches(model, rows, steps + 2))
+
+
 def head(model: Path, rows: Path, steps: int) -> dict[bool, float]:
-    """Median step with the LM head on the trained positions only (True) and on every position (False)."""
-    setups = {only: setup(model) for only in (False, True)}
-    times: dict[bool, list[float]] = {only: [] for only in setups}
-    for batch in batches(model, rows, steps + 2):
-        for only, (net, optimizer) in setups.items():
-            times[only].append(step(net, optimizer, batch, trained_only=only))
-    return {only: statistics.median(t[2:]) for only, t in times.items()}
+    """Median step with the LM head on the trained positions only (True) and on every position (False), taking
+    turns."""
+    runs = {only: (*setup(model), {"trained_only": only}) for only in (False, True)}
+    return take_turns(runs, batches(model, rows, steps + 2))
 
 
 def per_row(model: Path, rows: Path, steps: int, sizes: tuple[int, ...] = (8, 16)) -> dict[int, float]:
-    """Median seconds per row of a step at each micro-batch size; the sizes take turns, as in ``kernels``."""
+    """Median seconds per row of a step at each micro-batch size; the sizes take turns, as in ``take_turns`` (each
+    on its own batches)."""
     setups = {size: setup(model) for size in sizes}
     todo = {size: batches(model, rows, steps + 2, size) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}

@@ -139,13 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         times["grpo (SFT evaluated beside it)" if beside else "grpo"] = time.perf_counter() - t
 
         t = stage(5, "evaluation on the held-out test split")
-        results = beside.result() if beside else _evaluate_runs(sft_runs, evaluation)
+        sft_evals = beside.result() if beside else _evaluate_runs(sft_runs, evaluation)
     finally:
         if beside:
             beside.stop()
-    results = {**results, "no-tool baseline": notool_eval or _evaluate("no-tool baseline", notool_model, [],
-                                                                       **evaluation)}  # fmt: skip
-    results = {name: results[name] for name in ("sft + crop", "no-tool baseline", "sft, tool taken away")}
+    results = {"sft + crop": sft_evals["sft + crop"],
+               "no-tool baseline": notool_eval or _evaluate("no-tool baseline", notool_model, [], **evaluation),
+               "sft, tool taken away": sft_evals["sft, tool taken away"]}  # fmt: skip
     if grpo_model is not None:  # last: when it kept its SFT start, that policy's evaluation is already there
         if _same_weights(grpo_model, sft_model):
             print("GRPO kept its SFT start (no step beat it on the val rows): its evaluation is SFT + crop's")
