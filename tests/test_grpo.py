@@ -50,6 +50,14 @@ def test_negative_scale_weights_only_the_losers():
             load_config(GRPOConfig, None, [f"grpo.negative_scale={bad}"])
 
 
+def test_a_dynamic_sampling_refill_rolls_out_only_what_the_missing_groups_need():
+    assert grpo._refill_size(8, kept=6, rolled=8) == 3  # 2 missing at 3 kept in 4: ceil(2 * 8 / 6)
+    assert grpo._refill_size(8, kept=7, rolled=8) == 2
+    assert grpo._refill_size(8, kept=4, rolled=16) == 8  # 4 missing at 1 in 4 kept: capped at a whole round
+    assert grpo._refill_size(8, kept=0, rolled=8) == 8  # no share known yet
+    assert grpo._refill_size(1, kept=0, rolled=3) == 1
+
+
 def test_clipped_loss_by_hand_with_clip_higher():
     # one sequence, tokens 1..3 sampled; ratios e^0.5=1.65, e^-0.5=0.61, 1.0 against old log-probs 0
     lp = torch.tensor([[0.0, 0.5, -0.5, 0.0]], requires_grad=True)

@@ -10,7 +10,8 @@ Each step reads top to bottom in timed stages (verl's driver loop):
              waiting on them)
     reward   the configured rewards (``vagent.rewards``), each component kept for the log
     (dynamic sampling: groups whose rewards are all equal carry no signal; they are dropped and more
-             prompts rolled out, up to ``max_refill_rounds``; all ranks keep the same number of groups)
+             prompts rolled out, up to ``max_refill_rounds``, each refill only as many as the missing groups
+             need at the share kept so far; all ranks keep the same number of groups)
     logprob  the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked), and a
              forward pass scores them with the current weights: the "old" log-probs (the sampler's own
              log-probs differ by batching/cache numerics, so the ratio is taken against these; the
@@ -148,10 +149,13 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
         kept: list[tuple[list[Trajectory], Row, list[float]]] = []  # per group: samples, row, rewards
         seen: list[Trajectory] = []
         components: dict[str, list[float]] = defaultdict(list)
-        rounds = 0
+        rounds, rolled, enough = 0, 0, 0
         while True:
-            batch_rows = _rows_for(rows, consumed, env, algo.prompts_per_step, cfg.seed)
-            consumed += per_round
+            # a refill rolls out only what the kept groups lack, scaled by the share kept so far
+            n_prompts = algo.prompts_per_step if not rounds else _refill_size(algo.prompts_per_step, enough, rolled)
+            batch_rows = _rows_for(rows, consumed, env, n_prompts, cfg.seed)
+            consumed += n_prompts * env.world_size
+            rolled += n_prompts
             tasks = [Task.from_row(row, cfg.data.tools) for row in batch_rows]
             model.eval()
             t0 = time.perf_counter()
@@ -288,6 +292,20 @@ class _Validation:
                        title=f"GRPO validation at step {step} (rank 0, greedy)")  # fmt: skip
         say(env, f"val at step {step}: accuracy {record['val/accuracy']:.3f}, reward {record['val/reward']:.3f} "
                  f"({len(self.rows)} rows, greedy, {record['time/val']:.0f}s)")  # fmt: skip
+
+
+def _refill_size(wanted: int, kept: int, rolled: int) -> int:
+    """Prompts a dynamic-sampling refill rolls out on each rank: the groups still missing, divided by the share
+    of rolled-out prompts kept so far (one prompt at the least, ``wanted`` at the most).
+
+    >>> _refill_size(8, kept=6, rolled=8)  # 2 missing, 3 of 4 kept: 3 more
+    3
+    >>> _refill_size(8, kept=0, rolled=8)  # nothing kept yet: a whole round
+    8
+    """
+    if kept == 0:
+        return wanted
+    return max(1, min(wanted, math.ceil((wanted - kept) * rolled / kept)))
 
 
 def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed: int) -> list[Row]:
