@@ -513,6 +513,11 @@ def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _running_mean(values: list[float], n: int) -> list[float]:
+    """Mean of each value and the ``n - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i - n + 1) : i + 1]) / len(values[max(0, i - n + 1) : i + 1]) for i in range(len(values))]
+
+
 def _curves(cfg: QuickstartConfig, out: Path) -> None:
     import matplotlib
 
@@ -523,14 +528,18 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
     offset = 0  # each warm-up phase continues from the last; both SFT runs from the end of the warm-up
     for name in (*(run for run, _, _ in _warmup_runs(cfg)), "sft", "sft-notool"):
         records = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
-        ax.plot([offset + r["step"] for r in records], [r["loss"] for r in records], label=name)
+        steps, losses = [offset + r["step"] for r in records], [r["loss"] for r in records]
+        # one micro-batch's loss swings by two orders of magnitude (its rows' kinds differ): faint per-step
+        # points, and their running mean of 25 steps as the line to read (both SFT runs overlap in steps)
+        (line,) = ax.plot(steps, losses, alpha=0.2, linewidth=0.6)
+        ax.plot(steps, _running_mean(losses, 25), color=line.get_color(), label=name)
         if records and name.startswith("sft-warmup"):
             offset += records[-1]["step"]
     ax.set_xlabel("step")
     ax.set_ylabel("loss (trained tokens)")
     ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("SFT")
+    ax.legend(fontsize=8)
+    ax.set_title("SFT: loss per step (faint), its running mean of 25 (lines)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "sft_loss.png", dpi=110)
     plt.close(fig)
@@ -544,14 +553,13 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
             values = [r.get(key, float("nan")) for r in records]
             (line,) = ax.plot(steps, values, label=key, marker=".", alpha=0.35)
             # each point is one step's few rollouts; the trend is their running mean (as TensorBoard smooths)
-            ax.plot(steps, [sum(values[max(0, i - 3) : i + 1]) / len(values[max(0, i - 3) : i + 1])
-                            for i in range(len(values))], color=line.get_color())  # fmt: skip
+            ax.plot(steps, _running_mean(values, 4), color=line.get_color())
         if val:
             ax.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "k--s", label="val accuracy (greedy)")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
         ax.set_title("GRPO: rollout mean per step (dots), its running mean of 4 (lines)"
-                     + ("; greedy val accuracy (squares)" if val else ""), fontsize=9)  # fmt: skip
+                     + ("\nand greedy accuracy on held-out val rows (squares)" if val else ""), fontsize=9)  # fmt: skip
         fig.tight_layout()
         fig.savefig(out / "grpo.png", dpi=110)
         plt.close(fig)
