@@ -166,3 +166,19 @@ def test_synthetic_zoom_rows_are_the_same_whatever_their_number_and_workers(tmp_
     for a, b in zip(one, two, strict=True):
         assert Image.open(a.images[0]).tobytes() == Image.open(b.images[0]).tobytes()
     assert [r.id for r in two] == [f"zoom-4-{i}" for i in range(5)]
+
+
+def test_synthetic_zoom_gold_think_text_names_the_quarter_the_tile_is_in(tmp_path):
+    from data_pipelines.synthetic.zoom import zoom_rows
+
+    rows = zoom_rows(tmp_path, 24, seed=1, size=(336, 252), tile=60, clutter=5, distractors=0, direct_share=0.0,
+                     grid=2, glyph="stripes", max_pixels=50176)  # fmt: skip
+    named = set()
+    for row in rows:
+        x1, y1, x2, y2 = row.evidence.boxes[0]
+        where = f"{'top' if y1 + y2 < 252 else 'bottom'} {'left' if x1 + x2 < 336 else 'right'}"
+        think = row.messages[0]["content"]
+        assert f"at the {where}" in think, (where, think)
+        assert "stripes is" not in think  # "the stripes ... are unreadable"
+        named.add(where)
+    assert len(named) == 4  # every quarter drawn, so a constant word would fail

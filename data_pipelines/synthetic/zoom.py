@@ -31,10 +31,13 @@ from vagent.geometry import Convention
 __all__ = ["COLORS", "GLYPHS", "STRIPES", "draw_task", "zoom_rows"]
 
 COLORS = {"red": (200, 30, 30), "blue": (30, 60, 200), "green": (20, 140, 40), "purple": (130, 40, 160)}
+# The look templates say which quarter the tile is in (``_where``), as a person would before cropping. Without it,
+# the quickstart's policy tied its crop box to which template it sampled first; with it, its SFT answered better
+# at both seeds measured, though its quarter words came out the same for every image (docs/PERFORMANCE.md).
 _LOOK = [
-    "The {color} tile is too small to read at this resolution. I will crop it.",
-    "I can see a small {color} tile but not its {what}. Let me zoom in on it.",
-    "The {what} on the {color} square is unreadable here; cropping that region should help.",
+    "The {color} tile at the {where} is too small to read at this resolution. I will crop it.",
+    "I can see a small {color} tile at the {where} but not its {what}. Let me zoom in on it.",
+    "The {what} on the {color} square at the {where} {are} unreadable here; cropping that region should help.",
 ]
 _READ = [
     "The crop shows the {what} clearly: {digit}.",
@@ -162,7 +165,8 @@ def _zoom_rows(out_dir: Path, indices: range, *, seed: int, size: tuple[int, int
         image_path = out_dir / "images" / f"zoom-{seed}-{i}.png"
         image.save(image_path, compress_level=1)  # lossless all the same; encoding is most of a row's cost
         what, question = GLYPHS[glyph]
-        words = {"color": color, "digit": digit, "what": what}
+        are = "are" if what.endswith("s") else "is"  # "the stripes ... are", "the digit ... is"
+        words = {"color": color, "digit": digit, "what": what, "where": _where(box, size), "are": are}
         if direct:
             messages = [{"role": "assistant",
                          "content": f"<think>{rng.choice(_DIRECT).format(**words)}</think>\n<answer>{digit}</answer>"}]  # fmt: skip
@@ -177,6 +181,13 @@ def _zoom_rows(out_dir: Path, indices: range, *, seed: int, size: tuple[int, int
                                                   "direct": direct, "glyph": glyph}},
         ))  # fmt: skip
     return rows
+
+
+def _where(box: tuple[int, int, int, int], size: tuple[int, int]) -> str:
+    """Which quarter of a ``size`` (width, height) image the center of ``box`` lies in: "top left" ... "bottom
+    right"."""
+    (x1, y1, x2, y2), (width, height) = box, size
+    return f"{'top' if y1 + y2 < height else 'bottom'} {'left' if x1 + x2 < width else 'right'}"
 
 
 def _crop_then_answer(image, box, rng, words, crop_path, margin, min_pixels, max_pixels, factor, convention):
