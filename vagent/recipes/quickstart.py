@@ -515,7 +515,11 @@ def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def _running_mean(values: list[float], n: int) -> list[float]:
     """Mean of each value and the ``n - 1`` before it (fewer at the start)."""
-    return [sum(values[max(0, i - n + 1) : i + 1]) / len(values[max(0, i - n + 1) : i + 1]) for i in range(len(values))]
+    means = []
+    for i in range(len(values)):
+        window = values[max(0, i - n + 1) : i + 1]
+        means.append(sum(window) / len(window))
+    return means
 
 
 def _curves(cfg: QuickstartConfig, out: Path) -> None:
