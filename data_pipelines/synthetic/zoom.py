@@ -42,7 +42,7 @@ _LOOK = [
 _READ = [
     "The crop shows the {what} clearly: {digit}.",
     "Now I can read it. The {color} tile shows {digit}.",
-    "After cropping, the {what} is {digit}.",
+    "After cropping, the {what} {are} {digit}.",
 ]
 _DIRECT = [
     "The {color} tile is large enough to read directly: {digit}.",
