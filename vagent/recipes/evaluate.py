@@ -88,10 +88,10 @@ def bar_chart(runs: list[dict[str, Any]], names: list[str], path: Path, title: s
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))], keys, rotation=20, ha="right")
     ax.set_ylim(0, 1.1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: inside, it hid bar labels
     ax.set_title(title or "eval comparison")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
