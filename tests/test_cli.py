@@ -113,6 +113,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
+    check = (tmp_path / "eval" / "sft-warmup-grounding" / "samples.jsonl").read_text().splitlines()
+    assert check and len(check) == len(load_rows(tmp_path / "data" / "grounding_check.jsonl"))  # every val small tile
+    assert "Warm-up check, sft-warmup-grounding (the tile's box): on " in report
     per_answer = report.split("## Which answers does each policy get right?")[1].split("##")[0]
     assert per_answer.count("| sft + crop |") == 1 and "most given answer" in per_answer
     for picture in ("results.png", "sft_loss.png", "grpo.png"):
@@ -160,6 +163,15 @@ def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_pat
         _Beside.start(True, "cpu", tmp_path / "died.txt", "the job", os._exit, 3).result()  # killed, OOM: no hang
     assert _Beside.start(False, "cpu", tmp_path / "x.txt", "the job", json.loads, "1") is None  # parallel_* off
     assert _Beside.start(True, "cuda", tmp_path / "x.txt", "the job", json.loads, "1") is None  # CPU only
+
+
+def test_the_grounding_check_says_when_the_warm_up_has_not_found_the_tile():
+    from vagent.recipes.quickstart import _check_line
+
+    stuck = _check_line({"n": 54, "mean_iou": 0.30, "iou_0.5": 0.30, "boxes": 1})  # one box for every image
+    assert "IoU >= 0.5 for 30%, 1 distinct box" in stuck and "has not learned where the tile is" in stuck
+    learned = _check_line({"n": 54, "mean_iou": 0.98, "iou_0.5": 1.0, "boxes": 4})
+    assert "mean IoU 0.98" in learned and "4 distinct boxes" in learned and "plateau" not in learned
 
 
 def test_wilson_interval_matches_the_textbook_values():

@@ -9,10 +9,10 @@ Stages (each with its own progress bar; times are reported):
    directions) blur at the model's global resolution but are readable after a crop (some tiles are drawn
    large: no tool needed), split into train, a val set GRPO checks itself on and a held-out test set, with
    gold crop-then-answer trajectories (the crop is the real tool's output);
-3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
-   (read the stripes from a gold crop); from it the cold start on the gold trajectories plus reading rows
-   (the same trajectories with the crop call shown but not trained), and a no-tool baseline on the same
-   rows answered directly, for the same number of steps;
+3. SFT: a warm-up on other images, first grounding rows (give the tile's box; the report checks it on the
+   val images), then perception rows (read the stripes from a gold crop); from it the cold start on the gold
+   trajectories plus reading rows (the same trajectories with the crop call shown but not trained), and a
+   no-tool baseline on the same rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
    when the answer is right; every few steps it answers the val rows greedily, and its best step there,
    the SFT start included, is the GRPO policy;
@@ -93,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"model.device={device}", f"seed={cfg.seed}", "data.micro_batch_size=8",
               f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05", "train.precision=fp32",
               "train.save_every=0", "train.resume=auto"]  # fmt: skip
-    start = base
+    start, checks = base, {}
     for run, phase, epochs in _warmup_runs(cfg):  # shared: the baseline gets the same budget
         start = sft.train(load_config(sft.SFTConfig, None, [
             f"out_dir={out / run}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
             f"train.epochs={epochs}", *common]))  # fmt: skip
+        if phase == "grounding" and "grounding_check" in data:  # before a later phase wears it down
+            checks[run] = _grounding_check(run, start, data["grounding_check"], out, device)
+    checks = {run: check for run, check in checks.items() if check}
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     rollout = config_to_dict(cfg.rollout)
     test_rows = load_rows(data["test"])
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t = stage(6, "report")
     times["report"] = 0.0
-    report = _report(cfg, out, results, test_rows, times, time.perf_counter() - t_start)
+    report = _report(cfg, out, results, test_rows, checks, times, time.perf_counter() - t_start)
     times["report"] = time.perf_counter() - t
     print(report)
     print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see the crops.")
@@ -184,6 +187,36 @@ def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, 
     policy = load_policy(model_dir, device=device)
     return run_dir, evaluate(policy, BENCHMARKS["synthetic"], test_rows, run_dir, tools=tools, limits=limits,
                              batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
+
+
+def _grounding_check(run: str, model_dir: Path, rows_path: Path, out: Path, device: str) -> dict[str, Any] | None:
+    """The grounding warm-up's checkpoint asked for the tile's box on the val images, greedy: mean IoU, the share
+    of boxes with IoU >= 0.5, and how many distinct boxes it answers. Its loss sits on a plateau (the format
+    learned, the cell not) for a few hundred steps before it drops; a run that stops there answers one box for
+    every image, and the crop-tool SFT is left to learn where to crop (docs/PERFORMANCE.md). None when no val image
+    has a small tile."""
+    if not rows_path.stat().st_size:
+        return None
+    rows = load_rows(rows_path)
+    run_dir = out / "eval" / run
+    limits = RolloutLimits(max_turns=1, max_new_tokens=32, temperature=0.0)
+    evaluate(load_policy(model_dir, device=device), BENCHMARKS["synthetic"], rows, run_dir, tools=[], limits=limits,
+             batch_size=16, label=f"{run}: the tile's box on {len(rows)} val images")  # fmt: skip
+    samples = read_samples(run_dir / "samples.jsonl")
+    ious = [s["accuracy"] for s in samples]
+    check = {"n": len(ious), "mean_iou": sum(ious) / len(ious), "iou_0.5": sum(i >= 0.5 for i in ious) / len(ious),
+             "boxes": len({str(s["prediction"]) for s in samples if s["prediction"] is not None})}  # fmt: skip
+    print(f"{run}: {_check_line(check)}", flush=True)
+    return check
+
+
+def _check_line(check: dict[str, Any]) -> str:
+    line = (f"on {check['n']} val images (greedy) mean IoU {check['mean_iou']:.2f}, IoU >= 0.5 for "
+            f"{check['iou_0.5']:.0%}, {check['boxes']} distinct box{'' if check['boxes'] == 1 else 'es'}")  # fmt: skip
+    if check["iou_0.5"] < 0.5:
+        line += (" - it has not learned where the tile is (the loss is still on its plateau), so the crop-tool SFT "
+                 "has to; a longer grounding phase (warmup_epochs' first number) usually gets past it")  # fmt: skip
+    return line
 
 
 def _evaluate_runs(runs: dict[str, tuple[Path, list[str]]], evaluation: dict[str, Any]) -> dict[str, tuple[Path, dict]]:
@@ -302,7 +335,7 @@ def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
 
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
-    the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
+    the grounding rows of the val images (the grounding warm-up's check), the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
     answered directly without tools, twice for the small tiles, + the perception and grounding rows), test, and
     val (the held-out rows GRPO picks its best step on; other images than test)."""
     from data_pipelines.synthetic.zoom import spawn_pool, zoom_rows
@@ -310,6 +343,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     names = (
         "train",
         *(f"warmup_{phase}" for phase in WARMUP),
+        *(["grounding_check"] if cfg.val_rows else []),
         "sft_mix",
         "sft_mix_notool",
         "test",
@@ -345,6 +379,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     write_rows(test, paths["test"])
     if cfg.val_rows:
         write_rows(val, paths["val"])
+        write_rows([r for r in _support_rows(val, policy) if r.source.endswith("grounding")], paths["grounding_check"])
     for phase in WARMUP:
         write_rows([r for r in warmup if r.source.endswith(phase)], paths[f"warmup_{phase}"])
     write_rows(notool + again + shared, paths["sft_mix_notool"])
@@ -388,7 +423,7 @@ def _support_rows(train, policy) -> list:
 
 
 def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dict[str, Any]]], test_rows,
-            times: dict[str, float], total: float) -> str:  # fmt: skip
+            checks: dict[str, dict[str, Any]], times: dict[str, float], total: float) -> str:  # fmt: skip
     names = list(results)
     metrics = [m for _, m in results.values()]
     bar_chart(metrics, names, out / "results.png", title="held-out test split")
@@ -441,6 +476,8 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         "",
         "## Training curves",
         "",
+        *[f"Warm-up check, {run} (the tile's box): {_check_line(check)}." for run, check in checks.items()],
+        *([""] if checks else []),
         "![SFT loss](sft_loss.png)",
         "",
         "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
