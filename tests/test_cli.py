@@ -113,9 +113,11 @@ def test_quickstart_runs_end_to_end(tmp_path):
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
-    check = (tmp_path / "eval" / "sft-warmup-grounding" / "samples.jsonl").read_text().splitlines()
-    assert check and len(check) == len(load_rows(tmp_path / "data" / "grounding_check.jsonl"))  # every val small tile
-    assert "Warm-up check, sft-warmup-grounding (the tile's box): on " in report
+    for phase in ("grounding", "perception"):  # each warm-up phase checked on every val image with a small tile
+        check = (tmp_path / "eval" / f"sft-warmup-{phase}" / "samples.jsonl").read_text().splitlines()
+        assert check and len(check) == len(load_rows(tmp_path / "data" / f"check_{phase}.jsonl"))
+    learned = report.split("## What the warm-up learned")[1].split("##")[0]
+    assert "- sft-warmup-grounding: the tile's box on " in learned and "- sft-warmup-perception: the stripes" in learned
     per_answer = report.split("## Which answers does each policy get right?")[1].split("##")[0]
     assert per_answer.count("| sft + crop |") == 1 and "most given answer" in per_answer
     for picture in ("results.png", "sft_loss.png", "grpo.png"):
@@ -165,13 +167,18 @@ def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_pat
     assert _Beside.start(True, "cuda", tmp_path / "x.txt", "the job", json.loads, "1") is None  # CPU only
 
 
-def test_the_grounding_check_says_when_the_warm_up_has_not_found_the_tile():
+def test_the_warm_up_checks_say_when_a_phase_has_not_learned_its_skill():
     from vagent.recipes.quickstart import _check_line
 
-    stuck = _check_line({"n": 54, "mean_iou": 0.30, "iou_0.5": 0.30, "boxes": 1})  # one box for every image
-    assert "IoU >= 0.5 for 30%, 1 distinct box" in stuck and "has not learned where the tile is" in stuck
-    learned = _check_line({"n": 54, "mean_iou": 0.98, "iou_0.5": 1.0, "boxes": 4})
-    assert "mean IoU 0.98" in learned and "4 distinct boxes" in learned and "plateau" not in learned
+    stuck = _check_line({"phase": "grounding", "scores": {"box": [1.0, 0.0, 0.0, 0.0]}, "answers": 1})  # one box
+    assert "mean IoU 0.25, IoU >= 0.5 for 25%, 1 distinct box " in stuck and "not learned where the tile is" in stuck
+    learned = _check_line({"phase": "grounding", "scores": {"box": [0.98, 1.0]}, "answers": 2})
+    assert "mean IoU 0.99" in learned and "2 distinct boxes" in learned and "plateau" not in learned
+    diagonals = {"falling": [0.0, 0.0], "horizontal": [1.0], "rising": [1.0, 0.0, 1.0], "vertical": [1.0]}
+    stuck = _check_line({"phase": "perception", "scores": diagonals, "answers": 3})
+    assert "accuracy 0.57 (falling 0/2, horizontal 1/1, rising 2/3, vertical 1/1)" in stuck
+    assert "it does not read falling (" in stuck
+    assert "plateau" not in _check_line({"phase": "perception", "scores": {"falling": [1.0, 0.0]}, "answers": 2})
 
 
 def test_wilson_interval_matches_the_textbook_values():

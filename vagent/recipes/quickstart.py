@@ -9,10 +9,10 @@ Stages (each with its own progress bar; times are reported):
    directions) blur at the model's global resolution but are readable after a crop (some tiles are drawn
    large: no tool needed), split into train, a val set GRPO checks itself on and a held-out test set, with
    gold crop-then-answer trajectories (the crop is the real tool's output);
-3. SFT: a warm-up on other images, first grounding rows (give the tile's box; the report checks it on the
-   val images), then perception rows (read the stripes from a gold crop); from it the cold start on the gold
-   trajectories plus reading rows (the same trajectories with the crop call shown but not trained), and a
-   no-tool baseline on the same rows answered directly, for the same number of steps;
+3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
+   (read the stripes from a gold crop), each phase checked on the val images; from it the cold start on
+   the gold trajectories plus reading rows (the same trajectories with the crop call shown but not
+   trained), and a no-tool baseline on the same rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
    when the answer is right; every few steps it answers the val rows greedily, and its best step there,
    the SFT start included, is the GRPO policy;
@@ -51,6 +51,8 @@ from vagent.training.metrics import read_metrics
 # Warm-up phases (cfg.warmup_phases), each a plain SFT run on other images' rows. Mixed in one run, grounding and
 # perception were not learned within the budget; alone, each is (docs/PERFORMANCE.md).
 WARMUP = ("grounding", "perception", "reading")
+# The warm-up phases whose checkpoints the report checks on the val images' rows of the phase (``_warmup_check``).
+CHECKED = ("grounding", "perception")
 # The fraction of the crop-tool SFT's steps after which it takes the baseline's thread back. The baseline side
 # (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured. Where it
 # ends later, the crop-tool SFT waits for it there; where it ends sooner, one core idles until that step.
@@ -98,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         start = sft.train(load_config(sft.SFTConfig, None, [
             f"out_dir={out / run}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
             f"train.epochs={epochs}", *common]))  # fmt: skip
-        if phase == "grounding" and "grounding_check" in data:  # before a later phase wears it down
-            checks[run] = _grounding_check(run, start, data["grounding_check"], out, device)
+        if f"check_{phase}" in data:  # before a later phase wears it down
+            checks[run] = _warmup_check(run, phase, start, data[f"check_{phase}"], out, device)
     checks = {run: check for run, check in checks.items() if check}
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     rollout = config_to_dict(cfg.rollout)
@@ -189,33 +191,49 @@ def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, 
                              batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
 
 
-def _grounding_check(run: str, model_dir: Path, rows_path: Path, out: Path, device: str) -> dict[str, Any] | None:
-    """The grounding warm-up's checkpoint asked for the tile's box on the val images, greedy: mean IoU, the share
-    of boxes with IoU >= 0.5, and how many distinct boxes it answers. Its loss sits on a plateau (the format
-    learned, the cell not) for a few hundred steps before it drops; a run that stops there answers one box for
-    every image, and the crop-tool SFT is left to learn where to crop (docs/PERFORMANCE.md). None when no val image
-    has a small tile."""
+def _warmup_check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, device: str) -> dict | None:
+    """A warm-up phase's checkpoint on the val images' rows of that phase (the grounding phase: the tile's box;
+    perception: the stripes read from the gold crop), greedy. Each phase's loss sits on a plateau (the format
+    learned, the skill not) for a few hundred steps before it drops, after a number of steps that varies with the
+    draw; a phase that stops on it leaves its skill to the crop-tool SFT (docs/PERFORMANCE.md). Returns the
+    scores (IoU or accuracy) per gold answer and the distinct answers; None when no val image has a small tile."""
     if not rows_path.stat().st_size:
         return None
     rows = load_rows(rows_path)
     run_dir = out / "eval" / run
     limits = RolloutLimits(max_turns=1, max_new_tokens=32, temperature=0.0)
     evaluate(load_policy(model_dir, device=device), BENCHMARKS["synthetic"], rows, run_dir, tools=[], limits=limits,
-             batch_size=16, label=f"{run}: the tile's box on {len(rows)} val images")  # fmt: skip
+             batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
     samples = read_samples(run_dir / "samples.jsonl")
-    ious = [s["accuracy"] for s in samples]
-    check = {"n": len(ious), "mean_iou": sum(ious) / len(ious), "iou_0.5": sum(i >= 0.5 for i in ious) / len(ious),
-             "boxes": len({str(s["prediction"]) for s in samples if s["prediction"] is not None})}  # fmt: skip
+    scores: dict[str, list[float]] = {}
+    for s in samples:
+        scores.setdefault(str(s["gold"][0]) if phase == "perception" else "box", []).append(s["accuracy"])
+    check = {"phase": phase, "scores": scores,
+             "answers": len({str(s["prediction"]) for s in samples if s["prediction"] is not None})}  # fmt: skip
     print(f"{run}: {_check_line(check)}", flush=True)
     return check
 
 
 def _check_line(check: dict[str, Any]) -> str:
-    line = (f"on {check['n']} val images (greedy) mean IoU {check['mean_iou']:.2f}, IoU >= 0.5 for "
-            f"{check['iou_0.5']:.0%}, {check['boxes']} distinct box{'' if check['boxes'] == 1 else 'es'}")  # fmt: skip
-    if check["iou_0.5"] < 0.5:
-        line += (" - it has not learned where the tile is (the loss is still on its plateau), so the crop-tool SFT "
-                 "has to; a longer grounding phase (warmup_epochs' first number) usually gets past it")  # fmt: skip
+    """One line saying what a warm-up phase learned, and what it did not (``_warmup_check``)."""
+    scores = check["scores"]
+    if check["phase"] == "grounding":
+        ious = scores["box"]
+        hit = sum(i >= 0.5 for i in ious) / len(ious)
+        line = (f"the tile's box on {len(ious)} val images (greedy): mean IoU {sum(ious) / len(ious):.2f}, IoU >= 0.5 "
+                f"for {hit:.0%}, {check['answers']} distinct box{'' if check['answers'] == 1 else 'es'}")  # fmt: skip
+        if hit < 0.5:
+            line += (" - it has not learned where the tile is (its loss is still on the plateau), so the crop-tool "
+                     "SFT has to; a longer grounding phase (warmup_epochs' first number) usually gets past it")  # fmt: skip
+        return line
+    n = sum(len(v) for v in scores.values())
+    right = sum(sum(v) for v in scores.values())
+    line = (f"the stripes read from the gold crop on {n} val images (greedy): accuracy {right / n:.2f} ("
+            + ", ".join(f"{gold} {sum(v):.0f}/{len(v)}" for gold, v in sorted(scores.items())) + ")")  # fmt: skip
+    missed = [gold for gold, v in sorted(scores.items()) if sum(v) < 0.5 * len(v)]
+    if missed:
+        line += (f" - it does not read {' or '.join(missed)} (its loss is still on the plateau), so the crop-tool SFT "
+                 "has to; a longer perception phase (warmup_epochs' last number) may get past it")  # fmt: skip
     return line
 
 
@@ -335,7 +353,7 @@ def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
 
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
-    the grounding rows of the val images (the grounding warm-up's check), the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
+    the grounding and perception rows of the val images (the warm-up's checks), the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
     answered directly without tools, twice for the small tiles, + the perception and grounding rows), test, and
     val (the held-out rows GRPO picks its best step on; other images than test)."""
     from data_pipelines.synthetic.zoom import spawn_pool, zoom_rows
@@ -343,7 +361,7 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     names = (
         "train",
         *(f"warmup_{phase}" for phase in WARMUP),
-        *(["grounding_check"] if cfg.val_rows else []),
+        *([f"check_{phase}" for phase in CHECKED] if cfg.val_rows else []),
         "sft_mix",
         "sft_mix_notool",
         "test",
@@ -379,7 +397,9 @@ def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     write_rows(test, paths["test"])
     if cfg.val_rows:
         write_rows(val, paths["val"])
-        write_rows([r for r in _support_rows(val, policy) if r.source.endswith("grounding")], paths["grounding_check"])
+        checked = _support_rows(val, policy)
+        for phase in CHECKED:
+            write_rows([r for r in checked if r.source.endswith(phase)], paths[f"check_{phase}"])
     for phase in WARMUP:
         write_rows([r for r in warmup if r.source.endswith(phase)], paths[f"warmup_{phase}"])
     write_rows(notool + again + shared, paths["sft_mix_notool"])
@@ -445,6 +465,9 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
     baseline = results["no-tool baseline"][1]["accuracy"]
     best = max((n for n in names if n.endswith("+ crop")), key=lambda n: results[n][1]["accuracy"])
     low, high = wilson_interval(sum(s["accuracy"] for s in samples[best]), len(samples[best]))
+    learned = [f"- {run}: {_check_line(check)}." for run, check in checks.items()]
+    if learned:
+        learned = ["## What the warm-up learned", "", *learned, ""]
     lines = [
         "# vagent quickstart report",
         "",
@@ -474,10 +497,9 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         "|---|---:|---:|---:|---:|",
         *split_lines,
         "",
+        *learned,
         "## Training curves",
         "",
-        *[f"Warm-up check, {run} (the tile's box): {_check_line(check)}." for run, check in checks.items()],
-        *([""] if checks else []),
         "![SFT loss](sft_loss.png)",
         "",
         "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
