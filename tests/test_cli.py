@@ -175,10 +175,12 @@ def test_the_warm_up_checks_say_when_a_phase_has_not_learned_its_skill():
     learned = _check_line({"phase": "grounding", "scores": {"box": [0.98, 1.0]}, "answers": 2})
     assert "mean IoU 0.99" in learned and "2 distinct boxes" in learned and "plateau" not in learned
     diagonals = {"falling": [0.0, 0.0], "horizontal": [1.0], "rising": [1.0, 0.0, 1.0], "vertical": [1.0]}
-    stuck = _check_line({"phase": "perception", "scores": diagonals, "answers": 3})
+    stuck = _check_line({"phase": "perception", "what": "stripes", "scores": diagonals, "answers": 3})
+    assert "the stripes read from the gold crop on 7 val images" in stuck
     assert "accuracy 0.57 (falling 0/2, horizontal 1/1, rising 2/3, vertical 1/1)" in stuck
     assert "it does not read falling (" in stuck
-    assert "plateau" not in _check_line({"phase": "perception", "scores": {"falling": [1.0, 0.0]}, "answers": 2})
+    digits = _check_line({"phase": "perception", "what": "digit", "scores": {"3": [1.0, 0.0]}, "answers": 2})
+    assert digits.startswith("the digit read from the gold crop") and "plateau" not in digits
 
 
 def test_wilson_interval_matches_the_textbook_values():

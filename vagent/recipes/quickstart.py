@@ -95,14 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"model.device={device}", f"seed={cfg.seed}", "data.micro_batch_size=8",
               f"optim.lr={cfg.sft_lr}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.05", "train.precision=fp32",
               "train.save_every=0", "train.resume=auto"]  # fmt: skip
+    from data_pipelines.synthetic.zoom import GLYPHS
+
     start, checks = base, {}
+    what = GLYPHS[cfg.glyph][0]  # "stripes", "digit": what the perception check reads
     for run, phase, epochs in _warmup_runs(cfg):  # shared: the baseline gets the same budget
         start = sft.train(load_config(sft.SFTConfig, None, [
             f"out_dir={out / run}", f"model.path={start}", f"data.train={data[f'warmup_{phase}']}",
             f"train.epochs={epochs}", *common]))  # fmt: skip
-        if f"check_{phase}" in data:  # before a later phase wears it down
-            checks[run] = _warmup_check(run, phase, start, data[f"check_{phase}"], out, device)
-    checks = {run: check for run, check in checks.items() if check}
+        if f"check_{phase}" in data:  # right after its phase: a later phase wears its skill down
+            check = _warmup_check(run, phase, what, start, data[f"check_{phase}"], out, device)
+            if check:
+                checks[run] = check
     common += [f"model.path={start}", f"train.epochs={cfg.sft_epochs}"]
     rollout = config_to_dict(cfg.rollout)
     test_rows = load_rows(data["test"])
@@ -191,9 +195,10 @@ def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, 
                              batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
 
 
-def _warmup_check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, device: str) -> dict | None:
+def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: Path, out: Path,
+                  device: str) -> dict | None:  # fmt: skip
     """A warm-up phase's checkpoint on the val images' rows of that phase (the grounding phase: the tile's box;
-    perception: the stripes read from the gold crop), greedy. Each phase's loss sits on a plateau (the format
+    perception: the glyph, ``what``, read from the gold crop), greedy. Each phase's loss sits on a plateau (the format
     learned, the skill not) for a few hundred steps before it drops, after a number of steps that varies with the
     draw; a phase that stops on it leaves its skill to the crop-tool SFT (docs/PERFORMANCE.md). Returns the
     scores (IoU or accuracy) per gold answer and the distinct answers; None when no val image has a small tile."""
@@ -208,7 +213,7 @@ def _warmup_check(run: str, phase: str, model_dir: Path, rows_path: Path, out: P
     scores: dict[str, list[float]] = {}
     for s in samples:
         scores.setdefault(str(s["gold"][0]) if phase == "perception" else "box", []).append(s["accuracy"])
-    check = {"phase": phase, "scores": scores,
+    check = {"phase": phase, "what": what, "scores": scores,
              "answers": len({str(s["prediction"]) for s in samples if s["prediction"] is not None})}  # fmt: skip
     print(f"{run}: {_check_line(check)}", flush=True)
     return check
@@ -228,7 +233,7 @@ def _check_line(check: dict[str, Any]) -> str:
         return line
     n = sum(len(v) for v in scores.values())
     right = sum(sum(v) for v in scores.values())
-    line = (f"the stripes read from the gold crop on {n} val images (greedy): accuracy {right / n:.2f} ("
+    line = (f"the {check['what']} read from the gold crop on {n} val images (greedy): accuracy {right / n:.2f} ("
             + ", ".join(f"{gold} {sum(v):.0f}/{len(v)}" for gold, v in sorted(scores.items())) + ")")  # fmt: skip
     missed = [gold for gold, v in sorted(scores.items()) if sum(v) < 0.5 * len(v)]
     if missed:
@@ -353,9 +358,10 @@ def _warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
 
 def _data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
-    the grounding and perception rows of the val images (the warm-up's checks), the two SFT mixes (train + the reading, perception and grounding rows of its images; and the same rows
-    answered directly without tools, twice for the small tiles, + the perception and grounding rows), test, and
-    val (the held-out rows GRPO picks its best step on; other images than test)."""
+    the grounding and perception rows of the val images (the warm-up's checks), the two SFT mixes (train + the
+    reading, perception and grounding rows of its images; and the same rows answered directly without tools,
+    twice for the small tiles, + the perception and grounding rows), test, and val (the held-out rows GRPO picks
+    its best step on; other images than test)."""
     from data_pipelines.synthetic.zoom import spawn_pool, zoom_rows
 
     names = (
