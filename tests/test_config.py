@@ -92,8 +92,8 @@ def test_validation_and_file_errors(tmp_path):
 
     every = load_config(QuickstartConfig, None, ["warmup_epochs=3"])
     assert _warmup_runs(every) == [
-        ("sft-warmup-grounding", "grounding", 3.0),
         ("sft-warmup-perception", "perception", 3.0),
+        ("sft-warmup-grounding", "grounding", 3.0),
     ]
     each = load_config(
         QuickstartConfig, None, ["warmup_phases=[perception, grounding, perception]", "warmup_epochs=[2, 0, 5]"]

@@ -541,12 +541,12 @@ class QuickstartConfig:
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
     warmup_rows: int = option(3000, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
     warmup_epochs: float | list[float] = option(
-        [2.0, 4.0],
+        [4.0, 2.0],
         "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' "
         "order (0 skips a phase).",
     )
     warmup_phases: list[str] = option(
-        ["grounding", "perception"],
+        ["perception", "grounding"],
         "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. grounding: "
         "give the tile's box; perception: read a gold crop shown alone; reading: read it in a gold trajectory "
         "(the crop call shown, not trained).",

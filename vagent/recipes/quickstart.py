@@ -229,7 +229,7 @@ def _check_line(check: dict[str, Any]) -> str:
                 f"for {hit:.0%}, {check['answers']} distinct box{'' if check['answers'] == 1 else 'es'}")  # fmt: skip
         if hit < 0.5:
             line += (" - it has not learned where the tile is (its loss is still on the plateau), so the crop-tool "
-                     "SFT has to; a longer grounding phase (warmup_epochs' first number) usually gets past it")  # fmt: skip
+                     "SFT has to; a longer grounding phase (its number in warmup_epochs) usually gets past it")  # fmt: skip
         return line
     n = sum(len(v) for v in scores.values())
     right = sum(sum(v) for v in scores.values())
@@ -238,7 +238,8 @@ def _check_line(check: dict[str, Any]) -> str:
     missed = [gold for gold, v in sorted(scores.items()) if sum(v) < 0.5 * len(v)]
     if missed:
         line += (f" - it does not read {' or '.join(missed)} (its loss is still on the plateau), so the crop-tool SFT "
-                 "has to; a longer perception phase (warmup_epochs' last number) may get past it")  # fmt: skip
+                 "has to; a longer perception phase (its number in warmup_epochs) may get past it, and so may putting "
+                 "it first in warmup_phases: after grounding it stays on the plateau longer (docs/PERFORMANCE.md)")  # fmt: skip
     return line
 
 
