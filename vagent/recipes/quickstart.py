@@ -9,8 +9,8 @@ Stages (each with its own progress bar; times are reported):
    directions) blur at the model's global resolution but are readable after a crop (some tiles are drawn
    large: no tool needed), split into train, a val set GRPO checks itself on and a held-out test set, with
    gold crop-then-answer trajectories (the crop is the real tool's output);
-3. SFT: a warm-up on other images, first grounding rows (give the tile's box), then perception rows
-   (read the stripes from a gold crop), each phase checked on the val images; from it the cold start on
+3. SFT: a warm-up on other images, first perception rows (read the stripes from a gold crop), then
+   grounding rows (give the tile's box), each phase checked on the val images; from it the cold start on
    the gold trajectories plus reading rows (the same trajectories with the crop call shown but not
    trained), and a no-tool baseline on the same rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
@@ -238,8 +238,8 @@ def _check_line(check: dict[str, Any]) -> str:
     missed = [gold for gold, v in sorted(scores.items()) if sum(v) < 0.5 * len(v)]
     if missed:
         line += (f" - it does not read {' or '.join(missed)} (its loss is still on the plateau), so the crop-tool SFT "
-                 "has to; a longer perception phase (its number in warmup_epochs) may get past it, and so may putting "
-                 "it first in warmup_phases: after grounding it stays on the plateau longer (docs/PERFORMANCE.md)")  # fmt: skip
+                 "has to; a longer perception phase (its number in warmup_epochs) may get past it (after a grounding "
+                 "phase it stays on the plateau longer: docs/PERFORMANCE.md)")  # fmt: skip
     return line
 
 
