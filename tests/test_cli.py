@@ -113,6 +113,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
     for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
         assert f"| {name} |" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
+    targets = report.split("## Targets")[1].split("##")[0]  # each target, measured: met or not on this toy budget
+    assert targets.count("| yes |") + targets.count("| **no** |") == 7 and "targets met at seed 0" in targets
+    assert f"| within 20 minutes | {report.split('Total time **')[1].split(' ')[0]} min |" in targets
     for phase in ("grounding", "perception"):  # each warm-up phase checked on every val image with a small tile
         check = (tmp_path / "eval" / f"sft-warmup-{phase}" / "samples.jsonl").read_text().splitlines()
         assert check and len(check) == len(load_rows(tmp_path / "data" / f"check_{phase}.jsonl"))
@@ -212,7 +215,10 @@ def test_the_default_quickstart_learns_to_look_closer(tmp_path):
     assert accuracy["tool"] > accuracy["baseline"], accuracy
     assert statistics.median(s["crop_iou"] for s in with_tool) >= 0.3
     assert all(s["tool_calls"] == 0 for s in baseline)
-    assert f"| sft + crop | 192 | {accuracy['tool']:.3f} |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert f"| sft + crop | 192 | {accuracy['tool']:.3f} |" in report
+    targets = report.split("## Targets")[1].split("##")[0]
+    assert f"/ {accuracy['baseline']:.3f})" in targets  # the ratio's baseline is the baseline's real accuracy
 
 
 def test_tools_list_names_every_tool(capsys):

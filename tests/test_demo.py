@@ -312,4 +312,6 @@ def test_browser_end_to_end(tool_calling_model, tmp_path):
         server.terminate()
         server.wait(timeout=30)
         log.close()
-    assert "Traceback" not in (tmp_path / "server.log").read_text()
+    logged = (tmp_path / "server.log").read_text()
+    if "Traceback" in logged:  # pytest.fail, not assert: pytest cuts a failed assert's explanation to a few lines
+        pytest.fail("the demo server logged a traceback:\n" + logged[max(0, logged.find("Traceback") - 500) :])

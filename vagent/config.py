@@ -541,7 +541,7 @@ class QuickstartConfig:
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
     warmup_rows: int = option(3000, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
     warmup_epochs: float | list[float] = option(
-        [4.0, 2.0],
+        [2.0, 2.0],
         "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' "
         "order (0 skips a phase).",
     )
