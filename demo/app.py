@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import io
 import logging
+import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -126,13 +130,42 @@ def services_for(search_corpus: str | None) -> tuple[list[str], dict[str, Any]]:
 # -- the request handler ------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _image_dir() -> Path:
+    import atexit
+    import shutil
+
+    folder = Path(tempfile.mkdtemp(prefix="vagent-demo-"))  # under the temp dir, which Gradio may serve from
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def _png(image):
+    """A PIL image as a PNG file named by its content, written once and atomically; None stays None.
+
+    Gradio saves a PIL image to its cache on every yield, rewriting the same file in place; a streaming handler
+    re-yields every earlier image each turn, so the browser could fetch a file mid-rewrite and the server fail
+    with "Too much data for declared Content-Length". A path is copied to the cache once, atomically."""
+    if image is None:
+        return None
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    data = buffer.getvalue()
+    path = _image_dir() / f"{hashlib.sha256(data).hexdigest()[:32]}.png"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return str(path)
+
+
 def _gradio_message(item: dict[str, Any]) -> dict[str, Any]:
     import gradio as gr
     from PIL import Image
 
     content = item["content"]
     if isinstance(content, Image.Image):
-        content = gr.Image(value=content, label=item.get("caption"), show_label=False)
+        content = gr.Image(value=_png(content), label=item.get("caption"), show_label=False)
     return {"role": item["role"], "content": content}
 
 
@@ -154,9 +187,13 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
         shown, looked = upload.image, Looked(image=upload.image)
     else:  # frames stand in for the video: browsers play few of the codecs people upload
         shown, looked = upload.poster, Looked(duration=upload.duration_s)
-    history += [{"role": "user", "content": gr.Image(value=shown, show_label=False)},
+
+    def seen() -> str | None:  # the original with the boxes looked at so far, as a file
+        return _png(looked.picture())
+
+    history += [{"role": "user", "content": gr.Image(value=_png(shown), show_label=False)},
                 {"role": "user", "content": task.question}]  # fmt: skip
-    yield history, looked.picture(), f"Running on `{served.model_dir.name}` with tools: {', '.join(tools) or 'none'} …"
+    yield history, seen(), f"Running on `{served.model_dir.name}` with tools: {', '.join(tools) or 'none'} …"
     turn, t0 = 0, time.perf_counter()
     try:
         for event in stream_episode(served.policy, task, limits, served.services, seed=int(seed)):
@@ -164,14 +201,14 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
                 turn += event.message.role == "assistant"
                 looked.add(event.observation)
                 history += [_gradio_message(m) for m in render_turn(event, turn)]
-                yield history, looked.picture(), f"Turn {turn} · {time.perf_counter() - t0:.1f} s …"
+                yield history, seen(), f"Turn {turn} · {time.perf_counter() - t0:.1f} s …"
             elif event.kind == "done":
-                yield history, looked.picture(), _summary(event.trajectory, time.perf_counter() - t0)
+                yield history, seen(), _summary(event.trajectory, time.perf_counter() - t0)
             else:
-                yield history, looked.picture(), f"**Error:** the episode failed: {event.error}"
+                yield history, seen(), f"**Error:** the episode failed: {event.error}"
     except Exception as e:  # rendering bugs too: this user sees an error, the server goes on
         logger.exception("demo request failed")
-        yield history, looked.picture(), f"**Error:** {type(e).__name__}: {e}"
+        yield history, seen(), f"**Error:** {type(e).__name__}: {e}"
 
 
 def _summary(trajectory, seconds: float) -> str:
