@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
-import io
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -45,6 +42,7 @@ from demo.episode import (
     stream_episode,
 )
 from vagent.model import Policy, PolicyLoadError, load_policy
+from vagent.rollout.export import save_png_once
 from vagent.toolbox import TOOLS
 
 logger = logging.getLogger("vagent.demo")
@@ -141,22 +139,12 @@ def _image_dir() -> Path:
 
 
 def _png(image):
-    """A PIL image as a PNG file named by its content, written once and atomically; None stays None.
+    """A PIL image as a PNG file named by its pixels, written once and atomically (``save_png_once``); None stays None.
 
     Gradio saves a PIL image to its cache on every yield, rewriting the same file in place; a streaming handler
     re-yields every earlier image each turn, so the browser could fetch a file mid-rewrite and the server fail
     with "Too much data for declared Content-Length". A path is copied to the cache once, atomically."""
-    if image is None:
-        return None
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    data = buffer.getvalue()
-    path = _image_dir() / f"{hashlib.sha256(data).hexdigest()[:32]}.png"
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return str(path)
+    return None if image is None else str(save_png_once(image, _image_dir(), "image"))
 
 
 def _gradio_message(item: dict[str, Any]) -> dict[str, Any]:

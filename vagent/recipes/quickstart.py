@@ -501,7 +501,7 @@ def _report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dic
         *_grpo_kept(out, cfg.val_rows),
         "## Targets",
         "",
-        *_targets(cfg, results, samples, direct, out, total),
+        *_targets(cfg, results, samples, best, direct, out, total),
         "",
         "## Which answers does each policy get right?",
         "",
@@ -559,12 +559,13 @@ def _grpo_vs_sft(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any]]],
-             samples: dict[str, list[dict[str, Any]]], direct: set[str], out: Path, total: float) -> list[str]:  # fmt: skip
-    """The table of ``TARGETS``: each target, what this run measured, and whether it is met."""
+             samples: dict[str, list[dict[str, Any]]], best: str, direct: set[str], out: Path,
+             total: float) -> list[str]:  # fmt: skip
+    """The table of ``TARGETS`` for ``best``, the best policy with the crop tool: each target, what this run
+    measured, and whether it is met."""
     import resource
     import statistics
 
-    best = max((n for n in results if n.endswith("+ crop")), key=lambda n: results[n][1]["accuracy"])
     accuracy, baseline = results[best][1]["accuracy"], results["no-tool baseline"][1]["accuracy"]
     ious = [s["crop_iou"] or 0.0 for s in samples[best] if s["id"] not in direct]
     median_iou = statistics.median(ious) if ious else 0.0

@@ -27,7 +27,7 @@ from PIL import Image
 from vagent.chat import parse_turn
 from vagent.types import ContentPart, Message, ToolCall, Trajectory
 
-__all__ = ["JsonlWriter", "read_jsonl", "write_html", "write_jsonl"]
+__all__ = ["JsonlWriter", "read_jsonl", "save_png_once", "write_html", "write_jsonl"]
 
 PathLike = str | os.PathLike[str]
 Extra = Callable[[Trajectory], dict[str, Any]]
@@ -44,6 +44,17 @@ def _relative(path: PathLike, base: Path) -> str:
     """``path`` relative to ``base`` when inside it, else absolute: either way it survives moving the folder."""
     relative = os.path.relpath(path, base)
     return os.path.abspath(path) if relative.startswith("..") else Path(relative).as_posix()
+
+
+def save_png_once(image: Image.Image, folder: Path, stem: str) -> Path:
+    """``image`` as ``folder/{stem}_{digest of its pixels}.png``: equal images share one file, written once and
+    atomically, so a reader never sees a torn PNG and a later save never rewrites one being read."""
+    digest = hashlib.blake2b(f"{image.mode}{image.size}".encode(), digest_size=8)
+    digest.update(image.tobytes())
+    target = Path(folder) / f"{stem}_{digest.hexdigest()}.png"
+    if not target.exists():
+        _replace_atomically(target, lambda tmp: image.save(tmp, format="PNG"))
+    return target
 
 
 def _replace_atomically(path: Path, write: Callable[[Path], object]) -> Path:
@@ -93,12 +104,7 @@ class JsonlWriter:
             if id(image) not in saved:
                 # Content-addressed: equal pixels share a file (the prompt image of n samples is saved once),
                 # re-exporting is idempotent, and a rewrite never clobbers an image an older JSONL points to.
-                digest = hashlib.blake2b(f"{image.mode}{image.size}".encode(), digest_size=8)
-                digest.update(image.tobytes())
-                target = self.image_dir / f"{stem}_{digest.hexdigest()}.png"
-                if not target.exists():
-                    _replace_atomically(target, lambda tmp: image.save(tmp, format="PNG"))  # never a torn PNG
-                saved[id(image)] = _relative(target, self.path.parent)
+                saved[id(image)] = _relative(save_png_once(image, self.image_dir, stem), self.path.parent)
             return saved[id(image)]
 
         record = trajectory.to_dict(save_image=save)
