@@ -130,12 +130,12 @@ def test_synthetic_video_rows_hide_the_answer_in_a_short_window(tmp_path, policy
 def test_synthetic_grounding_rows_score_their_own_gold_answer_as_a_perfect_box(tmp_path, policy):
     from data_pipelines.synthetic.grounding import grounding_rows
     from vagent.rewards import REWARDS
-    from vagent.types import Trajectory
+    from vagent.types import Frame, Trajectory
 
     min_pixels, max_pixels = policy.pixel_budget
     rows = grounding_rows(tmp_path, 3, seed=1, min_pixels=min_pixels, max_pixels=max_pixels)
     seen = policy.model_view(Image.open(rows[0].images[0])).size
-    frames = [{"original_size": [448, 336], "model_size": list(seen), "convention": "absolute"}]
+    frames = [Frame((448, 336), seen, "absolute")]
     answers = [r.messages[0]["content"].removeprefix("<answer>").removesuffix("</answer>") for r in rows]
     trajectories = [
         Trajectory(r.id, [], answer=a, stop_reason="answered", frames=frames)

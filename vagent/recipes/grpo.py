@@ -447,7 +447,7 @@ def _metrics(seen: list[Trajectory], components: dict[str, list[float]], kept, n
     }
     keys = sorted(sums)
     totals = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(len(seen)), float(calls),
-                            float(sum(1 for t in seen for r in t.tool_results if r["error"]))], device=env.device))  # fmt: skip
+                            float(sum(1 for t in seen for r in t.tool_results if r.error))], device=env.device))  # fmt: skip
     count, all_calls, failed = float(totals[-3]), float(totals[-2]), float(totals[-1])
     record: dict[str, Any] = {k: float(v) / max(count, 1.0) for k, v in zip(keys, totals[:-3].tolist(), strict=True)}
     record["tool_failure_rate"] = failed / all_calls if all_calls else 0.0
