@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -102,12 +103,12 @@ def support_rows(train, policy) -> list:
     for row in train:
         if row.extra["difficulty"]["direct"]:
             continue
-        crop = next(p["path"] for p in row.messages[1]["content"] if p["type"] == "image")
+        crop = next(p.path for p in row.messages[1].content if p.type == "image")
         rows.append(row.__class__(id=f"{row.id}-read", question=row.question, answer=row.answer, answer_type="exact",
                                   images=[crop], tools=[], source="synthetic/zoom-perception",
                                   messages=[{"role": "assistant", "content": f"<answer>{row.answer}</answer>"}]))  # fmt: skip
         rows.append(row.__class__(**{**row.__dict__, "id": f"{row.id}-look", "source": "synthetic/zoom-reading",
-                                     "messages": [{**row.messages[0], "train": False}, *row.messages[1:]]}))  # fmt: skip
+                                     "messages": [dataclasses.replace(row.messages[0], trained=False), *row.messages[1:]]}))  # fmt: skip
         tile = row.evidence.boxes[0]
         with Image.open(row.images[0]) as image:
             size = image.size
