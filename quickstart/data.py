@@ -67,7 +67,7 @@ def build_data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     reading = [r for r in support if r.source.endswith("reading")]
     shared = [r for r in support if not r.source.endswith("reading")]  # perception and grounding: both mixes
     # The crop-tool mix reads each crop once more in the trajectory's context (without it the policy found the tile
-    # but mostly did not read its own crop: docs/PERFORMANCE.md); for the same number of rows and steps, the
+    # but mostly did not read its own crop: docs/decisions/reading-rows.md); for the same number of rows and steps, the
     # baseline answers those images directly once more.
     again = [
         r.__class__(**{**r.__dict__, "id": f"{r.id}-again"}) for r in notool if not r.extra["difficulty"]["direct"]

@@ -40,7 +40,7 @@ def check_line(check: dict[str, Any]) -> str:
     if missed:
         line += (f" - it does not read {' or '.join(missed)} (its loss is still on the plateau), so the crop-tool SFT "
                  "has to; a longer perception phase (its number in warmup_epochs) may get past it (after a grounding "
-                 "phase it stays on the plateau longer: docs/PERFORMANCE.md)")  # fmt: skip
+                 "phase it stays on the plateau longer: docs/decisions/perception-before-grounding.md)")  # fmt: skip
     return line
 
 
@@ -186,7 +186,7 @@ def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any
     return ["| target | measured | met |", "|---|---|---|",
             *[f"| {target} | {measured} | {'yes' if ok else '**no**'} |" for target, measured, ok in rows],
             "", f"{met} of {len(rows)} targets met at seed {cfg.seed} (another seed, or another CPU's float sums, is "
-            "another draw: docs/PERFORMANCE.md gives several)."]  # fmt: skip
+            "another draw: docs/quickstart.md gives several)."]  # fmt: skip
 
 
 def _grpo_kept(out: Path, val_rows: int) -> list[str]:

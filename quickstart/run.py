@@ -240,7 +240,7 @@ def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: P
     """A warm-up phase's checkpoint on the val images' rows of that phase (the grounding phase: the tile's box;
     perception: the glyph, ``what``, read from the gold crop), greedy. Each phase's loss sits on a plateau (the format
     learned, the skill not) for a few hundred steps before it drops, after a number of steps that varies with the
-    draw; a phase that stops on it leaves its skill to the crop-tool SFT (docs/PERFORMANCE.md). Returns the
+    draw; a phase that stops on it leaves its skill to the crop-tool SFT (docs/decisions/perception-before-grounding.md). Returns the
     scores (IoU or accuracy) per gold answer and the distinct answers; None when no val image has a small tile."""
     if not rows_path.stat().st_size:
         return None

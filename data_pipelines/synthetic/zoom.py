@@ -33,7 +33,7 @@ __all__ = ["COLORS", "GLYPHS", "STRIPES", "draw_task", "zoom_rows"]
 COLORS = {"red": (200, 30, 30), "blue": (30, 60, 200), "green": (20, 140, 40), "purple": (130, 40, 160)}
 # The look templates say which quarter the tile is in (``_where``), as a person would before cropping. Without it,
 # the quickstart's policy tied its crop box to which template it sampled first. With it, the tiny policy still says
-# one or two quarter words for every image, though the box that follows is right (docs/PERFORMANCE.md).
+# one or two quarter words for every image, though the box that follows is right (docs/quickstart.md).
 _LOOK = [
     "The {color} tile at the {where} is too small to read at this resolution. I will crop it.",
     "I can see a small {color} tile at the {where} but not its {what}. Let me zoom in on it.",

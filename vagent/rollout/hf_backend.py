@@ -155,7 +155,7 @@ class HFBackend:
         """Prefill queued turns (joining them to the batch), else decode one token for every active row.
 
         A prefill step runs only the joining rows' new tokens; the decoding rows wait for that one step.
-        Measured alternatives were slower (docs/PERFORMANCE.md): running both in one forward pads every
+        Measured alternatives were slower (docs/decisions/rollout-join-prefill.md): running both in one forward pads every
         decoding row to the widest new segment, and compacting the batch around each join copies it.
         """
         if self._pending:
