@@ -10,7 +10,7 @@ LEVELS = {
     "chat": 1, "toolbox": 1, "rewards": 1, "algorithms": 1, "data": 1,
     "model": 2, "tiny_model": 2, "rollout": 2, "training": 2,
     "eval": 3,
-    "recipes": 9, "cli": 9,
+    "recipes": 9, "cli": 9, "serve": 9,
 }  # fmt: skip
 # Same-level imports that the architecture allows (everything else at one level is a sibling import).
 # training -> rollout: SFT builds its prompts with the engine's prompt_messages (one prompt for SFT and RL).

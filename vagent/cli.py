@@ -58,6 +58,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from vagent.serve import main as serve_main
+
+    return serve_main(args)
+
+
 def _sft(args: argparse.Namespace) -> int:
     from vagent.recipes import sft
 
@@ -343,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     p.set_defaults(func=_generate)
+
+    from vagent.serve import add_arguments as serve_arguments
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint (needs the serve extra).")
+    serve_arguments(p)
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("quickstart", help="The default job: tiny model, generated image, one multi-turn rollout.")
     p.add_argument("--config", help="YAML with QuickstartConfig fields (configs/quickstart/).")
