@@ -117,7 +117,9 @@ def parse_chat_request(
                        status=404, param="model", code="model_not_found")  # fmt: skip
     request = ChatRequest(id=f"chatcmpl-{uuid.uuid4().hex}", messages=[], model=model_name)
     request.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    request.top_p = _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0
+    request.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if request.top_p == 0:
+        raise APIError("'top_p' must be above 0 (use temperature 0 for greedy decoding)", param="top_p")
     request.max_tokens = _integer(body, "max_completion_tokens", None, 1) or _integer(body, "max_tokens", None, 1)
     request.n = _integer(body, "n", 1, 1, MAX_N)
     request.seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)

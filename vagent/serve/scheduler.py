@@ -62,8 +62,12 @@ class Job:
     sent: dict[int, int] = field(default_factory=dict)  # tokens already streamed per sample
 
     def emit(self, event: Event) -> None:
-        if not self.cancelled:
+        if self.cancelled:
+            return
+        try:
             self.sink(event)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            self.cancelled = True
 
 
 class Scheduler:
