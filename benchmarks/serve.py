@@ -85,11 +85,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--image", action="store_true", help="Send a 224x168 image with every request.")
+    parser.add_argument("--threads", type=int, help="The server's torch CPU threads (default: torch's).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_checkpoint(Path(tmp) / "tiny", family="qwen2_5_vl", size="tiny")
         process, url = start_server(model, "--served-model-name", "tiny", "--log-level", "warning",
-                                    "--max-queue", "256", log=Path(tmp) / "serve.log")  # fmt: skip
+                                    "--max-queue", "256", *(["--threads", str(args.threads)] if args.threads else []),
+                                    log=Path(tmp) / "serve.log")  # fmt: skip
         try:
             print("| clients | requests/s | completion tokens/s | p50 latency (s) | p95 latency (s) |")
             print("|---:|---:|---:|---:|---:|")
@@ -97,6 +99,8 @@ def main() -> None:
                 r = level(url, args, clients)
                 print(f"| {clients} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.3f} | "
                       f"{r['p95_s']:.3f} |", flush=True)  # fmt: skip
+            threads = requests.get(url.removesuffix("/v1") + "/health", timeout=30).json()["threads"]
+            print(f"server torch threads after the run: {threads}")
         finally:
             stop_server(process)
 

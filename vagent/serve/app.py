@@ -110,7 +110,7 @@ def create_app(policy: Policy, options: ServerOptions) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "requests": admitted[0], "steps": scheduler.steps}
+        return {"status": "ok", "requests": admitted[0], "steps": scheduler.steps, "threads": torch.get_num_threads()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
