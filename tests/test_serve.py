@@ -102,6 +102,9 @@ def test_stop_string_is_cut_out(client):
     stop = whole[2:4]
     cut = ask(client, max_tokens=16, temperature=0, stop=[stop]).choices[0]
     assert cut.message.content == whole[: whole.find(stop)] and cut.finish_reason == "stop"
+    # Streamed, the text that might still become the stop string is held back, never sent and taken back.
+    chunks = list(ask(client, max_tokens=16, temperature=0, stop=[stop], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut.message.content
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
@@ -119,6 +122,13 @@ def test_tool_calls_come_back_in_openai_form(client):
     assert choice.finish_reason == "tool_calls"
     assert choice.message.tool_calls[0].function.name == "get_weather"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    streamed = list(ask(client, messages=messages, tools=[WEATHER], max_tokens=4, stream=True,
+                        extra_body={"continue_final_message": True}))  # fmt: skip
+    calls = [call for c in streamed for call in (c.choices[0].delta.tool_calls or [])]
+    assert [call.function.name for call in calls] == ["get_weather"] and streamed[-1].choices[
+        0
+    ].finish_reason == "tool_calls"
+    assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in streamed)
     # The call and its result go back as history, as an OpenAI client sends them.
     history = [
         {"role": "user", "content": "Weather in Paris?"},
