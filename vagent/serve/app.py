@@ -16,6 +16,7 @@ import io
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,6 +45,9 @@ from vagent.types import Trajectory
 __all__ = ["ServerOptions", "create_app"]
 
 log = logging.getLogger(__name__)
+# Requests are encoded in a thread pool; a fast tokenizer that two threads drive at once can fail with
+# "Already borrowed" (its padding/truncation state is mutable), so encoding is one at a time.
+_ENCODE_LOCK = threading.Lock()
 _TOOL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -159,12 +163,13 @@ def _encode(policy: Policy, header: list[int], request: ChatRequest) -> dict[str
     """The prompt's ids (ending with the assistant header, or inside the assistant turn to continue) and images."""
     messages = request.messages
     shown = [policy.model_view(image) for image in request.images]
-    if request.continue_final_message:
-        encoded = encode_prompt(policy.processor, messages[:-1], shown)
-        tail = header + policy.tokenizer.encode(messages[-1].plain_text)
-    else:
-        encoded = encode_prompt(policy.processor, messages, shown)
-        tail = header
+    with _ENCODE_LOCK:
+        if request.continue_final_message:
+            encoded = encode_prompt(policy.processor, messages[:-1], shown)
+            tail = header + policy.tokenizer.encode(messages[-1].plain_text)
+        else:
+            encoded = encode_prompt(policy.processor, messages, shown)
+            tail = header
     encoded["input_ids"] = torch.cat([encoded["input_ids"], torch.tensor(tail, dtype=torch.long)])
     return encoded
 
