@@ -222,3 +222,29 @@ def test_over_the_queue_limit_is_429_then_serving_resumes(client, server):
     while _health(server[0])["requests"] > 0:  # the server notices the closed connections
         time.sleep(0.05)
     assert ask(client).choices[0].message.content is not None
+
+
+def test_a_failing_model_step_is_a_500_and_the_server_goes_on(policy, monkeypatch):
+    """In process (the failure is injected): the requests in flight get a 500 body, the next one is served."""
+    from fastapi.testclient import TestClient
+
+    from vagent.serve.app import ServerOptions, create_app
+    from vagent.serve.backend import BatchedGenerator
+
+    step = BatchedGenerator.step
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return step(self)
+
+    monkeypatch.setattr(BatchedGenerator, "step", flaky)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with TestClient(create_app(policy, ServerOptions(model_name="m"))) as http:
+        failed = http.post("/v1/chat/completions", json=body)
+        assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
+        ok = http.post("/v1/chat/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        assert http.get("/health").json()["requests"] == 0

@@ -109,27 +109,38 @@ class Scheduler:
                 if self._stopped:
                     return
                 new, self._inbox = list(self._inbox), deque()
-            agents = [job for job in new if job.encoded is None]
-            for job in new:
-                if job.encoded is not None:
-                    self._running[job.id] = job
-                    for i in range(job.n):
-                        self.generator.submit((job.id, i), job.sampling, job.encoded, job.max_tokens)
-            if agents:
-                self._run_agents(agents)
+            try:
+                self._admit(new)
+            except Exception as e:  # nothing may end this thread: every later request would wait forever
+                self._fail(e, "admitting requests failed", also=new)
+                continue
             if self.generator.busy:
                 self._step()
+
+    def _admit(self, new: list[Job]) -> None:
+        agents = [job for job in new if job.encoded is None]
+        for job in new:
+            if job.encoded is not None:
+                self._running[job.id] = job
+                for i in range(job.n):
+                    self.generator.submit((job.id, i), job.sampling, job.encoded, job.max_tokens)
+        if agents:
+            self._run_agents(agents)
+
+    def _fail(self, error: Exception, what: str, also: list[Job] = ()) -> None:
+        """Fail every job in the batch (and ``also``) with a 500 and start over with an empty batch."""
+        log.exception(what)
+        for job in {id(j): j for j in [*self._running.values(), *also]}.values():
+            job.emit(("error", f"{what}: {type(error).__name__}: {error}", None))
+        self._running.clear()
+        self.generator.reset()
 
     def _step(self) -> None:
         try:
             finished = self.generator.step()
             self.steps += 1
         except Exception as e:  # a failed forward (e.g. out of memory) must not take the server down
-            log.exception("generation step failed")
-            for job in self._running.values():
-                job.emit(("error", f"generation failed: {type(e).__name__}: {e}", None))
-            self._running.clear()
-            self.generator.reset()
+            self._fail(e, "generation failed")
             return
         for key, tokens in self.generator.partial().items():
             job = self._running[key[0]]
