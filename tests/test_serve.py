@@ -86,6 +86,14 @@ def test_n_samples_and_seed(client):
     assert [c.message.content for c in again.choices] == [c.message.content for c in first.choices]
 
 
+def test_logprobs_of_the_sampled_tokens(client):
+    choice = ask(client, max_tokens=5, temperature=0, logprobs=True).choices[0]
+    entries = choice.logprobs.content
+    assert 1 <= len(entries) <= 5 and all(e.logprob <= 0.0 and e.top_logprobs == [] for e in entries)
+    with pytest.raises(openai.BadRequestError):
+        ask(client, logprobs=True, top_logprobs=3)
+
+
 def test_streaming_matches_the_greedy_completion(client):
     whole = ask(client, max_tokens=10, temperature=0).choices[0].message.content
     chunks = list(ask(client, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}))

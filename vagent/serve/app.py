@@ -233,7 +233,17 @@ def _choice(policy: Policy, request: ChatRequest, index: int, result: Finished) 
             message["tool_calls"] = [_tool_call(call.name, call.arguments) for call in calls]
             message["content"] = _TOOL_BLOCK.sub("", text).strip() or None
             finish = "tool_calls"
-    return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+    logprobs = {"content": _logprobs(policy, result)} if request.logprobs else None
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+
+def _logprobs(policy: Policy, result: Finished) -> list[dict[str, Any]]:
+    """OpenAI's per-token entries for the sampled tokens (no alternatives: the backend keeps only the sampled one)."""
+    out = []
+    for token_id, logprob in zip(result.token_ids, result.logprobs, strict=True):
+        token = policy.tokenizer.decode([token_id])
+        out.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+    return out
 
 
 def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:

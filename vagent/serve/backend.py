@@ -43,11 +43,13 @@ class Sampling:
 
 @dataclass
 class Finished:
-    """A finished sample: its sampled ids (stop included) and why it stopped (``eos`` | ``stop_string`` | ``length``)."""
+    """A finished sample: its sampled ids (stop included), their log-probs (the model's, temperature 1) and why it
+    stopped (``eos`` | ``stop_string`` | ``length``)."""
 
     key: Hashable
     token_ids: list[int]
     stop: str
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -101,7 +103,7 @@ class BatchedGenerator:
             for result in results:
                 lane.backend.release(result.key)
                 lane.keys.discard(result.key)
-                finished.append(Finished(result.key, list(result.token_ids), result.stop))
+                finished.append(Finished(result.key, list(result.token_ids), result.stop, list(result.logprobs)))
             if not lane.keys and sampling.seed is not None:
                 del self.lanes[sampling]  # a seeded lane serves one request
         return finished

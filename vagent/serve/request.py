@@ -55,6 +55,7 @@ class ChatRequest:
         include_usage: ``stream_options.include_usage``: a last chunk with the token counts.
         continue_final_message: The last message is an unfinished assistant turn to continue (vLLM's extension);
             in agent mode trailing assistant messages are forced turns (the tool loop runs their calls).
+        logprobs: Return each sampled token's log-prob (the model's own, at temperature 1, as training uses).
     """
 
     id: str
@@ -70,6 +71,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     continue_final_message: bool = False
+    logprobs: bool = False
 
     @property
     def images(self) -> list[Image.Image]:
@@ -127,6 +129,10 @@ def parse_chat_request(
     options = body.get("stream_options") or {}
     request.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
     request.continue_final_message = bool(body.get("continue_final_message", False))
+    request.logprobs = bool(body.get("logprobs", False))
+    if request.logprobs and (body.get("top_logprobs") or request.stream):
+        raise APIError("logprobs are returned for the sampled tokens of non-streamed requests only "
+                       "(no top_logprobs, no stream)", param="top_logprobs" if body.get("top_logprobs") else "stream")  # fmt: skip
     request.stop = _stops(body.get("stop"))
     request.tools = _tools(body.get("tools"), body.get("tool_choice"))
     in_prompt = request.tools if tools_in_prompt else []
