@@ -35,6 +35,7 @@ def test_only_working_subcommands_are_listed():
         "make-tiny-model",
         "quickstart",
         "rollout",
+        "serve",
         "sft",
         "tools",
     ]

@@ -58,6 +58,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from vagent.serve import main as serve_main
+
+    return serve_main(args)
+
+
 def _sft(args: argparse.Namespace) -> int:
     from vagent.recipes import sft
 
@@ -344,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     p.set_defaults(func=_generate)
 
+    from vagent.serve import add_arguments as serve_arguments
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint (needs the serve extra).")
+    serve_arguments(p)
+    p.set_defaults(func=_serve)
+
     p = sub.add_parser("quickstart", help="The default job: tiny model, generated image, one multi-turn rollout.")
     p.add_argument("--config", help="YAML with QuickstartConfig fields (configs/quickstart/).")
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
@@ -383,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-url", help="HTTP search endpoint for `search`.")
     p.add_argument("--unsandboxed", action="store_true", help="Run `code` without bubblewrap (trusted input only).")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--judge", help="OpenAI-compatible API root of a judge model: adds judged accuracy to the metrics.")
+    p.add_argument("--judge-model", help="Model id at --judge (default: the first one it lists).")
+    p.add_argument("--judge-mode", default="correct", choices=["correct", "score"], help="1/0 or a 0-10 grade.")
+    p.add_argument("--judge-concurrency", type=_positive, default=8)
+    p.add_argument("--judge-api-key-env", help="Environment variable holding the judge's API key.")
     p.add_argument("--device")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])

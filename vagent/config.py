@@ -519,6 +519,44 @@ class RewardConfig:
 
 
 @dataclass
+class JudgeConfig:
+    url: str | None = option(
+        None, "OpenAI-compatible API root of the judge (vllm serve / vagent serve), e.g. http://host:8000/v1."
+    )
+    model: str | None = option(None, "Model id to send; null = the first one the server lists at /v1/models.")
+    api_key_env: str | None = option(None, "Environment variable holding the judge's API key (never the key itself).")
+    mode: str = option(
+        "correct",
+        "correct (0/1 vs the gold answer, DeepEyes), score (0-10 vs gold), or pairwise (win rate within the group, UnifiedReward-Think).",
+    )
+    template: str | None = option(
+        None, "Prompt template replacing the mode's default ({question}, {gold}, {answer} or {answer1}/{answer2})."
+    )
+    images: bool = option(False, "Send the row's images to the judge (for VLM judges such as UnifiedReward-Think).")
+    both_orders: bool = option(
+        False, "pairwise: compare each pair in both orders (cancels position bias; twice the calls)."
+    )
+    neutral: float = option(
+        0.5, "Score of a sample whose judgement failed (timeout, unparseable); counted in reward/judge_failures."
+    )
+    concurrency: int = option(8, "Judge requests in flight at once.")
+    timeout_s: float = option(60.0, "Per attempt.")
+    retries: int = option(2, "Extra attempts after a timeout, connection error, 429 or 5xx (exponential backoff).")
+    backoff_s: float = option(1.0, "First backoff; doubles per retry.")
+    max_tokens: int = option(512, "Judge reply budget.")
+    temperature: float = option(0.0, "Judge sampling temperature.")
+    cache: str | None = option(
+        None, "JSONL cache of judge replies keyed by the request; null = out_dir/judge_cache.jsonl."
+    )
+
+    def validate(self) -> None:
+        if self.mode not in ("correct", "score", "pairwise"):
+            raise ValueError(f"judge.mode must be correct, score or pairwise, got {self.mode!r}")
+        if self.concurrency < 1 or self.timeout_s <= 0 or self.retries < 0:
+            raise ValueError("judge.concurrency >= 1, judge.timeout_s > 0 and judge.retries >= 0 are required")
+
+
+@dataclass
 class GRPOConfig:
     out_dir: str = option("runs/grpo", "Checkpoints, metrics.jsonl, tensorboard/, rollouts/ and model/ go here.")
     seed: int = option(0, "Seed of the prompt order, sampling and LoRA init.")
@@ -528,6 +566,7 @@ class GRPOConfig:
     grpo: GRPOAlgoConfig = option(GRPOAlgoConfig(), "Group size, batch shapes, clipping, KL, dynamic sampling.")
     val: GRPOValConfig = option(GRPOValConfig(), "Greedy validation on held-out rows during training; keep the best.")
     rewards: RewardConfig = option(RewardConfig(), "Reward weights and options.")
+    judge: JudgeConfig = option(JudgeConfig(), "The model judge of the `judge` reward (needs judge.url when weighted).")
     optim: OptimConfig = option(OptimConfig(), "Optimizer and schedule (grad_accum is unused: see grpo.mini_batches).")
     train: TrainConfig = option(
         TrainConfig(), "Loop length (steps = rollout batches), precision, checkpoints, logging."
@@ -536,6 +575,10 @@ class GRPOConfig:
 
     def validate(self) -> None:
         require_paths(self)
+        if self.rewards.weights.get("judge") and not self.judge.url:
+            raise ValueError(
+                "rewards.weights.judge is set but judge.url is not: point it at an OpenAI-compatible judge"
+            )
         if self.train.deepspeed:
             raise ValueError(
                 "GRPO trains with DDP (train.deepspeed must be null): rollouts need whole weights on every rank, "

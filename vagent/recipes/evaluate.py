@@ -49,10 +49,28 @@ def run_eval(args: argparse.Namespace) -> int:
                            skipped=errors, progress=env.is_main)  # fmt: skip
     finally:
         shutdown()
+    if metrics and args.judge:
+        metrics = _judge(args, rows)
     if metrics:
         print((Path(args.out) / "metrics.md").read_text())
         print(f"wrote {args.out}/samples.jsonl, metrics.json, trajectories.html")
     return 0
+
+
+def _judge(args: argparse.Namespace, rows) -> dict[str, Any]:
+    """``--judge URL``: grade the run's predictions with a model judge (``vagent.eval.judged``)."""
+    import os
+
+    from vagent.eval.judged import judge_run
+    from vagent.judge import JudgeClient
+    from vagent.recipes.judged import first_model
+
+    api_key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
+    client = JudgeClient(args.judge, args.judge_model or first_model(args.judge), api_key=api_key,
+                         concurrency=args.judge_concurrency, cache_path=Path(args.out) / "judge_cache.jsonl")  # fmt: skip
+    metrics = judge_run(Path(args.out), rows, client, mode=args.judge_mode)
+    print(f"judged accuracy {metrics['judged_accuracy']:.3f} ({metrics['judge_failures']} judge failures)")
+    return metrics
 
 
 def compare(run_dirs: list[str], out: Path | None) -> str:

@@ -68,7 +68,8 @@ from vagent.recipes.common import (
     tool_services,
     uses_bf16,
 )
-from vagent.rewards import REWARDS, combine
+from vagent.recipes.judged import JudgedRewards
+from vagent.rewards import REWARDS
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
 from vagent.toolbox import TOOLS
@@ -119,6 +120,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
     services = tool_services(cfg.toolbox)
+    judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)  # calls the judge if weighted
     limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "tools"})
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)")  # fmt: skip
@@ -166,7 +168,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
             timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
             t0 = time.perf_counter()
             per_sample_rows = [row for row in batch_rows for _ in range(algo.group_size)]
-            totals, parts = combine(trajectories, per_sample_rows, cfg.rewards.weights, cfg.rewards.options)
+            totals, parts = judged.combine(trajectories, per_sample_rows, algo.group_size)
             timer["reward"] += time.perf_counter() - t0
             for t, total in zip(trajectories, totals, strict=True):
                 t.reward = total
@@ -236,6 +238,7 @@ class _Validation:
                  services: dict[str, Any], bf16: bool) -> None:  # fmt: skip
         self.cfg, self.env, self.out, self.rows, self.services, self.bf16 = cfg, env, out, rows, services, bf16
         self.limits = dataclasses.replace(limits, temperature=0.0)
+        self.judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)
         self.best: dict[str, Any] | None = None  # {"step", "accuracy"}
         self.last_accuracy = float("nan")
 
@@ -265,7 +268,7 @@ class _Validation:
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
             trajectories = run(policy, tasks, 1, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
                                **self.services)  # fmt: skip
-        totals, parts = combine(trajectories, mine, self.cfg.rewards.weights, self.cfg.rewards.options)
+        totals, parts = self.judged.combine(trajectories, mine, 1)
         correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, mine)
         sums = all_reduce_sum(torch.tensor([sum(correct), sum(totals), sum(t.stop_reason == "answered" for t in
                                             trajectories), sum(len(t.tool_results) for t in trajectories),

@@ -15,6 +15,8 @@ trainer weights them from its config (``combine``) and logs every component on i
 | ``invalid_calls`` | [-1, 0] | minus the share of calls that failed (bad JSON, unknown tool, bad arguments, ...) |
 | ``call_budget`` | <= 0 | minus ``per_call`` for each call beyond ``budget`` |
 | ``overlong`` | [-1, 0] | DAPO's soft overlong penalty on the sampled length |
+| ``judge`` | [0, 1] | a model judge's score (pointwise verdict or pairwise win rate), handed in as ``scores`` |
+| ``tool_star`` | {-1, 0} or (0, 1 + bonus] | Tool-Star: format violation -1, wrong 0, else F1 (+bonus with 2+ tool kinds) |
 
 Why IoU and not containment for crops: a reward for "the crop contains the target" is maximized by
 cropping the whole image; a GRPO run on a tiny model learned exactly that (containment 0.5% -> 97.5%
@@ -28,9 +30,10 @@ from typing import Any, Protocol
 
 from vagent.geometry import giou, iou, model_to_original, span_iou
 from vagent.rewards.answer import answer_score, parse_box
+from vagent.rewards.judged import judge, pairwise_win_rates, tool_star
 from vagent.types import Trajectory
 
-__all__ = ["REWARDS", "RewardRow", "accuracy", "combine", "predicted_box"]
+__all__ = ["REWARDS", "RewardRow", "accuracy", "combine", "pairwise_win_rates", "predicted_box"]
 
 LOOK_TOOLS = ("crop", "zoom_in")
 VIDEO_TOOLS = ("sample_frames", "crop_clip")
@@ -169,6 +172,8 @@ REWARDS: dict[str, Callable[..., list[float]]] = {
     "invalid_calls": invalid_calls,
     "call_budget": call_budget,
     "overlong": overlong,
+    "judge": judge,
+    "tool_star": tool_star,
 }
 
 

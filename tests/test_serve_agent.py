@@ -1,0 +1,59 @@
+"""``vagent serve --agent``: the tool loop runs on the server; the answer comes with its trajectory."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from tests.serve_helpers import start_server, stop_server
+from tests.test_serve import data_url
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_qwen25, tmp_path_factory):
+    log = tmp_path_factory.mktemp("agent") / "serve.log"
+    process, url = start_server(tiny_qwen25, "--served-model-name", "tiny", "--agent", "--tools", "crop,rotate",
+                                "--max-turns", "2", log=log)  # fmt: skip
+    yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    stop_server(process)
+
+
+def _question(image: Image.Image) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                        {"type": "text", "text": "What is written in the corner?"}]}  # fmt: skip
+
+
+def test_agent_mode_runs_a_crop_and_returns_the_trajectory(client):
+    image = Image.new("RGB", (320, 240), (240, 240, 240))
+    image.paste((10, 10, 200), (0, 0, 60, 60))
+    # The first assistant turn is forced (a random model does not call tools by itself); the server runs its
+    # crop, shows the crop to the model and lets it sample the next turn.
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 40, 40]}}</tool_call>'
+    response = client.chat.completions.create(model="tiny", messages=[_question(image), {"role": "assistant",
+                                              "content": crop}], max_tokens=8, temperature=0)  # fmt: skip
+    choice = response.choices[0]
+    trajectory = choice.model_extra["trajectory"]
+    roles = [m["role"] for m in trajectory["messages"]]
+    assert roles[:4] == ["system", "user", "assistant", "tool"]
+    assert trajectory["tool_results"][0]["name"] == "crop" and trajectory["tool_results"][0]["error"] is None
+    tool_images = [p for p in trajectory["messages"][3]["content"] if p["type"] == "image"]
+    assert len(tool_images) == 1 and tool_images[0]["path"].startswith("data:image/png;base64,")
+    assert "crop" in trajectory["messages"][0]["content"][0]["text"]  # the offered tools are in the system prompt
+    # The forced turn is not counted as sampled; the model's own turns are.
+    assert response.usage.completion_tokens == sum(trajectory["loss_mask"]) >= 1
+    assert isinstance(choice.message.content, str)
+
+
+def test_agent_mode_refuses_what_it_cannot_do(client):
+    image = Image.new("RGB", (64, 64))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[_question(image)], stream=True)
+    assert info.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[_question(image)],
+                                       tools=[{"type": "function", "function": {"name": "code"}}])  # fmt: skip
+    assert "not offered" in info.value.body["message"]
+    ok = client.chat.completions.create(model="tiny", messages=[_question(image)], max_tokens=4, n=2, seed=1)
+    assert len(ok.choices) == 2 and all("trajectory" in c.model_extra for c in ok.choices)

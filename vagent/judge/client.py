@@ -1,0 +1,149 @@
+"""A client for any OpenAI-compatible chat endpoint (``vllm serve``, ``vagent serve``, hosted APIs), for judges.
+
+Built for reward loops that must not stall or crash: requests run ``concurrency`` at a time, each attempt has a
+timeout, connection errors / timeouts / 429 / 5xx are retried with exponential backoff and jitter, and a reply
+that never comes back is returned as a failure (``JudgeReply.error``), never raised. Replies are cached by the
+request (model, messages, sampling settings), in memory and optionally in a JSONL file, so a resumed run or a
+re-scored sample costs nothing. Only successful replies are cached.
+
+Not covered: streaming, tool calls, and rate limits beyond backing off on 429.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+__all__ = ["JudgeClient", "JudgeReply"]
+
+_RETRIED = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+@dataclass
+class JudgeReply:
+    """The judge's text, or why there is none.
+
+    Attributes:
+        text: The first choice's content ("" on failure).
+        error: None on success, else a short reason (``timeout``, ``http 400: ...``, ``connection: ...``).
+        cached: Served from the cache.
+        attempts: HTTP attempts made.
+    """
+
+    text: str
+    error: str | None = None
+    cached: bool = False
+    attempts: int = 0
+
+
+class JudgeClient:
+    """Chat completions against one endpoint and model.
+
+    Args:
+        base_url: The API root, e.g. ``http://127.0.0.1:8000/v1``.
+        model: The model id to send (``GET /v1/models`` lists it).
+        api_key: Sent as a bearer token when given.
+        concurrency: Requests in flight at once.
+        timeout_s: Per attempt (connect + read).
+        retries: Extra attempts after a retryable failure.
+        backoff_s: First backoff; doubles each retry (with up to 50% jitter), capped at 30 s.
+        cache_path: JSONL file of ``{"key", "text"}`` lines read at start and appended to; None = memory only.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, concurrency: int = 8,
+                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1.0,
+                 cache_path: str | os.PathLike[str] | None = None) -> None:  # fmt: skip
+        if concurrency < 1 or retries < 0 or timeout_s <= 0:
+            raise ValueError("concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.timeout_s, self.retries, self.backoff_s = model, timeout_s, retries, backoff_s
+        self.headers = {"Content-Type": "application/json"} | (
+            {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        )
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="vagent-judge")
+        self.cache: dict[str, str] = {}
+        self.cache_path = Path(cache_path) if cache_path else None
+        self._lock = threading.Lock()
+        self._session = threading.local()  # requests.Session is not thread-safe: one per worker
+        if self.cache_path and self.cache_path.is_file():
+            for line in self.cache_path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                    self.cache[entry["key"]] = entry["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut by a killed run
+
+    def key(self, messages: Sequence[dict[str, Any]], **params: Any) -> str:
+        """The cache key of a request: a hash of the model, messages and sampling settings."""
+        blob = json.dumps({"model": self.model, "messages": messages, **params}, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def complete(self, messages: Sequence[dict[str, Any]], *, temperature: float = 0.0, max_tokens: int = 512,
+                 seed: int | None = 0) -> JudgeReply:  # fmt: skip
+        """One chat completion; never raises."""
+        params = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+        key = self.key(messages, **params)
+        with self._lock:
+            if key in self.cache:
+                return JudgeReply(self.cache[key], cached=True)
+        body = {"model": self.model, "messages": list(messages), **{k: v for k, v in params.items() if v is not None}}
+        error = "no attempt made"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(30.0, self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(delay * (1 + 0.5 * random.random()))
+            retry, text, error = self._attempt(body)
+            if error is None:
+                self._store(key, text)
+                return JudgeReply(text, attempts=attempt + 1)
+            if not retry:
+                return JudgeReply("", error=error, attempts=attempt + 1)
+        return JudgeReply("", error=error, attempts=self.retries + 1)
+
+    def complete_many(self, requests_: Sequence[Sequence[dict[str, Any]]], **params: Any) -> list[JudgeReply]:
+        """``complete`` for each message list, ``concurrency`` at a time; replies in order."""
+        return list(self.pool.map(lambda messages: self.complete(messages, **params), requests_))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _attempt(self, body: dict[str, Any]) -> tuple[bool, str, str | None]:
+        """(retryable, text, error) of one HTTP attempt."""
+        session = getattr(self._session, "s", None) or requests.Session()
+        self._session.s = session
+        try:
+            response = session.post(self.url, json=body, headers=self.headers, timeout=self.timeout_s)
+        except requests.Timeout:
+            return True, "", "timeout"
+        except requests.RequestException as e:
+            return True, "", f"connection: {type(e).__name__}"
+        if response.status_code != 200:
+            try:
+                detail = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                detail = response.text[:200]
+            return response.status_code in _RETRIED, "", f"http {response.status_code}: {detail}"
+        try:
+            content = response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return False, "", "malformed response"
+        return False, content if isinstance(content, str) else "", None
+
+    def _store(self, key: str, text: str) -> None:
+        with self._lock:
+            self.cache[key] = text
+            if self.cache_path:
+                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.cache_path, "a") as f:
+                    f.write(json.dumps({"key": key, "text": text}, ensure_ascii=False) + "\n")

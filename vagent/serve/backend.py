@@ -1,0 +1,148 @@
+"""The server's one door into the rollout engine: batched turn generation and the server-side tool loop.
+
+Everything the server needs from ``vagent.rollout`` goes through this module, so a change of the engine's
+backend API (the ``GenerationBackend`` protocol: submit / step / release / stats) touches only this file.
+
+``BatchedGenerator`` keeps one backend per *sampling lane*: requests that share temperature, top-p and stop
+strings generate together in one batch (rows join and leave between steps: continuous batching), and each step
+advances every busy lane by one forward. A request with a ``seed`` gets a lane of its own whose RNG state is
+swapped in around each of its steps, so it samples the same tokens whatever else the server is doing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from vagent.model import Policy
+from vagent.rollout import RolloutLimits, Task, run
+from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
+from vagent.types import Trajectory
+
+__all__ = ["BatchedGenerator", "Finished", "Sampling", "run_agent"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What rows must share to generate in one batch.
+
+    Attributes:
+        temperature: 0 = greedy.
+        top_p: Nucleus mass.
+        stop: Stop strings (a turn also ends at EOS).
+        seed: A seeded request's own lane: ``(seed, request id)``; None shares the lane with every unseeded request.
+    """
+
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...] = ()
+    seed: tuple[int, str] | None = None
+
+
+@dataclass
+class Finished:
+    """A finished sample: its sampled ids (stop included), their log-probs (the model's, temperature 1) and why it
+    stopped (``eos`` | ``stop_string`` | ``length``)."""
+
+    key: Hashable
+    token_ids: list[int]
+    stop: str
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Lane:
+    backend: HFBackend
+    keys: set[Hashable] = field(default_factory=set)
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (cpu, cuda) generator states of a seeded lane
+
+
+class BatchedGenerator:
+    """Continuous batched generation of single assistant turns, for many requests at once. Not thread-safe:
+    one thread (the server's scheduler) calls it.
+
+    Args:
+        policy: The loaded policy.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.lanes: dict[Sampling, _Lane] = {}
+
+    @property
+    def busy(self) -> bool:
+        return any(lane.keys for lane in self.lanes.values())
+
+    def submit(self, key: Hashable, sampling: Sampling, encoded: dict[str, torch.Tensor], max_new_tokens: int) -> None:
+        """Queue one sample of a prompt encoded by ``vagent.data.encode`` (``input_ids`` ending with the assistant
+        header, ``pixel_values`` and ``image_grid_thw`` when it has images)."""
+        lane = self.lanes.get(sampling)
+        if lane is None:
+            backend = HFBackend(self.policy, temperature=sampling.temperature, top_p=sampling.top_p,
+                                stop_strings=sampling.stop)  # fmt: skip
+            lane = self.lanes[sampling] = _Lane(
+                backend, rng=self._seeded_state(sampling.seed[0]) if sampling.seed else None
+            )
+        ids = encoded["input_ids"].tolist()
+        pixels, grids = [], []
+        if "pixel_values" in encoded:
+            grids = list(encoded["image_grid_thw"].split(1))
+            pixels = list(encoded["pixel_values"].split([int(g.prod()) for g in grids]))
+        lane.backend.submit(TurnRequest(key, ids, pixels, grids, max_new_tokens=max_new_tokens))
+        lane.keys.add(key)
+
+    def step(self) -> list[Finished]:
+        """One forward per busy lane. Returns the samples that finished; their caches are released."""
+        finished: list[Finished] = []
+        for sampling, lane in list(self.lanes.items()):
+            if not lane.keys:
+                continue
+            results = self._step(lane)
+            for result in results:
+                lane.backend.release(result.key)
+                lane.keys.discard(result.key)
+                finished.append(Finished(result.key, list(result.token_ids), result.stop, list(result.logprobs)))
+            if not lane.keys and sampling.seed is not None:
+                del self.lanes[sampling]  # a seeded lane serves one request
+        return finished
+
+    def partial(self) -> dict[Hashable, list[int]]:
+        """Tokens sampled so far by every row that is mid-turn (for streaming)."""
+        # The backend keeps its decode batch private; reading it here keeps that knowledge in this adapter.
+        return {row.key: row.tokens for lane in self.lanes.values() for row in lane.backend._rows}
+
+    def reset(self) -> None:
+        """Drop every lane and its rows (after a failed step: the batch state is not trusted any more)."""
+        self.lanes.clear()
+
+    def _step(self, lane: _Lane) -> list[TurnResult]:
+        if lane.rng is None:
+            return lane.backend.step()
+        cuda = self.policy.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.policy.device] if cuda else [], device_type="cuda"):
+            torch.set_rng_state(lane.rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(lane.rng[1], self.policy.device)
+            results = lane.backend.step()
+            lane.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.policy.device) if cuda else None)
+        return results
+
+    def _seeded_state(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = self.policy.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.policy.device] if cuda else [], device_type="cuda"):
+            torch.manual_seed(seed)
+            return torch.get_rng_state(), torch.cuda.get_rng_state(self.policy.device) if cuda else None
+
+
+def run_agent(
+    policy: Policy, tasks: list[Task], limits: RolloutLimits, *, seed: int | None = None, batch_size: int = 16
+) -> list[Trajectory]:
+    """Run the engine's tool loop on ``tasks`` (one sample each) as one batch; ``seed`` fixes the sampling."""
+    if seed is None:
+        return run(policy, tasks, 1, limits, batch_size=batch_size)
+    cuda = policy.device.type == "cuda"
+    with torch.random.fork_rng(devices=[policy.device] if cuda else [], device_type="cuda"):
+        torch.manual_seed(seed)
+        return run(policy, tasks, 1, limits, batch_size=batch_size)
