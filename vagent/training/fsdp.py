@@ -28,6 +28,7 @@ size reshards on load), the schedule by rank 0. A resume loads the consolidated 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,9 @@ def shard_model(model: torch.nn.Module, env: DistEnv, *, bf16: bool) -> torch.nn
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     _touch_vision(model)
+    # policy_logits(positions=...) hands the LM head zero positions inside the forward and runs it on the kept
+    # hidden states afterwards; the forward's empty logits are a view nothing writes to, which FSDP warns about
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     return model
 
 
