@@ -3,8 +3,11 @@
     torchrun --nproc_per_node N tools/train.py --config configs/grpo/<name>.yaml [key=value ...]
     vagent grpo --config configs/grpo/<name>.yaml [key=value ...]
 
-Each step reads top to bottom in timed stages (verl's driver loop):
+Each step reads top to bottom in timed stages (verl's driver loop), one function each, handing the next stage
+a small dataclass (``_Groups``, ``_Scored``):
 
+    sync     (``train.sharding=fsdp``) gather the trained shards into the whole-weights copy that generates
+             (``vagent.training.fsdp.InferenceCopy``); under DDP the trained model generates itself
     gen      the rollout engine runs ``prompts_per_step`` prompts x ``group_size`` samples on each rank
              (tools run inside it, concurrently with generation; ``tools`` reports the time rows spent
              waiting on them)
@@ -12,15 +15,17 @@ Each step reads top to bottom in timed stages (verl's driver loop):
     (dynamic sampling: groups whose rewards are all equal carry no signal; they are dropped and more
              prompts rolled out, up to ``max_refill_rounds``, each refill only as many as the missing groups
              need at the share kept so far; all ranks keep the same number of groups)
-    logprob  the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked), and a
-             forward pass scores them with the current weights: the "old" log-probs (the sampler's own
+             -> ``_collect_groups`` returns ``_Groups``
+    adv      group advantages; the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked)
+    logprob  a forward pass scores them with the current weights: the "old" log-probs (the sampler's own
              log-probs differ by batching/cache numerics, so the ratio is taken against these; the
              first update's ratio is then exactly 1, which is checked and logged as ``ratio_check``); fully
              on-policy (one pass, one mini-batch, no KL) this pass is skipped and the update's own detached
              log-probs serve as the old ones
+             -> ``_score_old_logprobs`` returns ``_Scored``
     update   ``inner_updates`` passes of ``mini_batches`` optimizer steps each: PPO-clip with
              clip-higher, token- or sequence-level aggregation over the whole mini-batch on all ranks,
-             optional k3 KL to the frozen initial policy
+             optional k3 KL to the frozen initial policy (``_update_policy``; statistics summed over ranks)
 
 Checkpoints and ``resume=auto`` work as in SFT (the data position is the number of prompts consumed).
 Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
@@ -279,7 +284,9 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
     them; with dynamic sampling, drop the groups whose rewards are all equal and refill (see the module
     docstring). Every rank keeps the same number of groups."""
     algo, env = ctx.cfg.grpo, ctx.env
+    t0 = time.perf_counter()
     generator = ctx.generation_policy()  # gathered once: the weights do not change until the update
+    timer["sync"] = time.perf_counter() - t0  # FSDP: the all-gather into the inference copy
     kept: list[tuple[list[Trajectory], list[float]]] = []  # per group: samples, rewards
     seen: list[Trajectory] = []
     components: dict[str, list[float]] = defaultdict(list)
@@ -445,7 +452,7 @@ def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[st
         ref_lp = torch.stack([F.pad(scored.ref[i], (0, width - len(scored.ref[i]))) for i in idx])  # (B, T)
         kl = kl_k3(lp, ref_lp, mask)
         per_token = per_token + algo.kl_coef * kl
-        stats["kl"] += float(kl.sum())
+        stats["kl"] += float(kl.detach().sum())
     loss = aggregate(per_token, mask, algo.aggregation, normalizer)
     stats["loss"] += float(loss.detach())
     stats["entropy"] += float(entropy)
@@ -498,7 +505,7 @@ def _metrics(groups: _Groups, update: dict[str, float], timer: dict[str, float],
         record["grad_norm"] = update["grad_norm"] / steps
         record["ratio_check"] = update["ratio_check"]
         record["sampler_logprob_gap"] = update["sampler_gap"] / max(update["sampled"], 1.0)
-    for stage in ("gen", "tools", "reward", "adv", "logprob", "update", "step"):
+    for stage in ("sync", "gen", "tools", "reward", "adv", "logprob", "update", "step"):
         record[f"time/{stage}"] = timer.get(stage, 0.0)
     return record
 
