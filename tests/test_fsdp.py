@@ -280,3 +280,17 @@ def test_two_fsdp_ranks_give_the_grpo_losses_of_one_rank(tmp_path, tiny_qwen25):
         assert _curve(two, key) == pytest.approx(_curve(one, key), rel=1e-4, abs=1e-6), key
     assert len(_curve(one, "loss")) == 3 and _curve(one, "reward")[0] != _curve(one, "reward")[-1]
     assert max(_curve(two, "sampler_logprob_gap")) < 1e-5  # the gathered copy samples with the trained weights
+
+
+@pytest.mark.slow
+def test_sharded_optimizer_state_resumes_on_another_world_size(sft_runs, tiny_qwen25, sft_rows, tmp_path):
+    """torch.distributed.checkpoint reshards: the 2-rank run's step-4 checkpoint resumed on 1 FSDP rank (2 micro-batches
+    a step: the same global batch) continues with the 2-rank run's losses."""
+    _, two = sft_runs
+    checkpoint = two / "checkpoints" / "step-00000004"
+    args = _sft_args(tmp_path, tiny_qwen25, sft_rows, "optim.grad_accum=2", "train.sharding=fsdp",
+                     f"train.resume={checkpoint}", "train.allow_changes=true")  # fmt: skip
+    result = _launch(tmp_path, "sft", 1, args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 4" in result.stdout and "no RNG state" not in result.stdout  # rank 0's RNG is there
+    assert _curve(tmp_path, "loss") == pytest.approx(_curve(two, "loss")[4:], rel=1e-5, abs=1e-6)
