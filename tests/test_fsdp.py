@@ -261,25 +261,47 @@ def test_a_sigkilled_fsdp_run_resumes_to_the_same_losses(sft_runs, tiny_qwen25, 
 
 def _grpo_args(out_dir, model, prompts_per_step, *extra):
     return ["--config", str(GRPO_CONFIG), f"out_dir={out_dir}", f"model.path={model}", "train.max_steps=3",
-            "train.save_every=0", "train.tensorboard=false", "data.synthetic_rows=16", "rollout.max_turns=1",
+            "train.save_every=1", "train.tensorboard=false", "data.synthetic_rows=16", "rollout.max_turns=1",
             "rollout.max_new_tokens=6", "grpo.group_size=4", f"grpo.prompts_per_step={prompts_per_step}",
             "grpo.micro_batch_size=2", "grpo.inner_updates=2", "grpo.dynamic_sampling=false", "optim.lr=3e-2",
             "rewards.weights={even_tokens: 1.0}", "rewards.options={}", *extra]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, tiny_qwen25):
+    """One rank rolls out 4 prompts a step, two FSDP ranks 2 each: the same prompts and (seeded per prompt) the same
+    samples."""
+    one, two = tmp_path_factory.mktemp("grpo-one"), tmp_path_factory.mktemp("grpo-fsdp")
+    result = _launch(one, "grpo", 1, _grpo_args(one, tiny_qwen25, 4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _launch(two, "grpo", 2, _grpo_args(two, tiny_qwen25, 2, "train.sharding=fsdp"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return one, two
+
+
+GRPO_KEYS = ("reward", "response_len", "loss", "grad_norm", "entropy", "approx_kl", "sampler_logprob_gap")
+
+
 @pytest.mark.slow
-def test_two_fsdp_ranks_give_the_grpo_losses_of_one_rank(tmp_path, tiny_qwen25):
-    """One rank rolls out 4 prompts a step, two FSDP ranks 2 each: the same prompts and (seeded per prompt) the
-    same samples, so the rewards, the losses and the later steps' samples agree."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    result = _launch(tmp_path, "grpo", 1, _grpo_args(one, tiny_qwen25, 4))
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = _launch(tmp_path, "grpo", 2, _grpo_args(two, tiny_qwen25, 2, "train.sharding=fsdp"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    for key in ("reward", "response_len", "loss", "grad_norm", "entropy", "approx_kl", "sampler_logprob_gap"):
+def test_two_fsdp_ranks_give_the_grpo_losses_of_one_rank(grpo_runs):
+    """The rewards, the losses and the later steps' samples (drawn from the updated weights) agree."""
+    one, two = grpo_runs
+    for key in GRPO_KEYS:
         assert _curve(two, key) == pytest.approx(_curve(one, key), rel=1e-4, abs=1e-6), key
     assert len(_curve(one, "loss")) == 3 and _curve(one, "reward")[0] != _curve(one, "reward")[-1]
     assert max(_curve(two, "sampler_logprob_gap")) < 1e-5  # the gathered copy samples with the trained weights
+
+
+@pytest.mark.slow
+def test_a_sigkilled_fsdp_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_runs, tiny_qwen25, tmp_path):
+    _, two = grpo_runs
+    args = _grpo_args(tmp_path, tiny_qwen25, 2, "train.sharding=fsdp")
+    killed = _launch(tmp_path, "grpo", 2, args, fault=("checkpoint", 2))
+    assert killed.returncode != 0 and not (tmp_path / "checkpoints" / "step-00000002").exists()
+    resumed = _launch(tmp_path, "grpo", 2, args)
+    assert resumed.returncode == 0 and "at step 1" in resumed.stdout, resumed.stderr[-3000:]
+    for key in GRPO_KEYS:
+        assert _curve(tmp_path, key) == _curve(two, key), key  # bit for bit on CPU
 
 
 @pytest.mark.slow
