@@ -8,9 +8,8 @@ the rest (embeddings, LM head, the vision patch embedding and merger) as the roo
 
 Precision: the sharded parameters and AdamW's state stay fp32. With bf16 compute the units gather their
 weights as bf16 and reduce-scatter gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``) instead of autocasting fp32 weights as DDP does. Both paths run on CPU over gloo
-(torch 2.14; measured in tests/test_fsdp.py with fp32, the bf16 policy by tests/test_fsdp.py's unit test)
-and on CUDA over NCCL.
+reduce_dtype=fp32)``) instead of autocasting fp32 weights as DDP does. Both run on CPU over gloo with torch 2.14
+(tests/test_fsdp.py: fp32 on 2 ranks, the bf16 policy in a group of one) and on CUDA over NCCL.
 
 Collectives must line up on every rank, so every rank runs the same modules in the same order. A micro-batch
 without images would skip the vision tower on one rank while another rank gathers its blocks (a hang, or
