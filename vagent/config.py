@@ -410,6 +410,12 @@ class TrainConfig:
     deepspeed: str | None = option(
         None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."
     )
+    sharding: Literal["ddp", "fsdp"] = option(
+        "ddp",
+        "ddp: every rank holds the whole model and optimizer (small models). fsdp: PyTorch FSDP2 shards "
+        "weights, gradients and AdamW state over the ranks (bf16 compute, fp32 reduction and optimizer state "
+        "under precision bf16); full fine-tuning only (no LoRA, no deepspeed). See docs/guide/scaling.md.",
+    )
     log_every: int = option(1, "Optimizer steps between metric records.")
     eval_every: int = option(0, "Optimizer steps between eval losses on data.val; 0 = only at the end.")
     save_every: int = option(0, "Optimizer steps between checkpoints; 0 = only at the end.")
@@ -428,6 +434,13 @@ class TrainConfig:
             raise ValueError(f"max_steps must be positive, got {self.max_steps}")
         if min(self.log_every, self.keep_last) <= 0 or min(self.eval_every, self.save_every) < 0:
             raise ValueError("log_every and keep_last must be positive; eval_every and save_every >= 0")
+        if self.sharding == "fsdp" and self.deepspeed:
+            raise ValueError("train.sharding=fsdp and train.deepspeed shard the same states twice; pick one")
+        if self.sharding == "fsdp" and self.lora.enabled:
+            raise ValueError(
+                "train.sharding=fsdp shards full fine-tuning; LoRA's optimizer state is already small: "
+                "use train.sharding=ddp with LoRA (or train.deepspeed with ZeRO-2 for SFT)"
+            )
         if self.lora.enabled and self.deepspeed and "zero3" in Path(self.deepspeed).name:
             raise ValueError("LoRA with ZeRO-3 is not supported; use ZeRO-2 (adapters are small) or full fine-tuning")
 
@@ -581,8 +594,9 @@ class GRPOConfig:
             )
         if self.train.deepspeed:
             raise ValueError(
-                "GRPO trains with DDP (train.deepspeed must be null): rollouts need whole weights on every rank, "
-                "and dynamic sampling makes the number of micro-batches per step vary"
+                "GRPO does not train under DeepSpeed (train.deepspeed must be null): rollouts need whole weights "
+                "on every rank and dynamic sampling varies the micro-batches per step; shard with "
+                "train.sharding=fsdp (or train with DDP)"
             )
 
 

@@ -353,7 +353,7 @@ def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     A Qwen-VL tool prompt puts the same system prompt with its tool schemas, often hundreds of tokens,
     before every conversation; a tiny model's steps then mostly recompute it. The prefix stops before the
     first image or video token and leaves every row at least one token of its own. Sharing needs the
-    model called directly: not under DDP or DeepSpeed (whose hooks expect one forward per backward), not
+    model called directly: not under DDP, FSDP or DeepSpeed (whose hooks expect one forward per backward), not
     with gradient checkpointing (which replays the forward), and with SDPA or eager attention.
     """
     input_ids, mask = inputs["input_ids"], inputs.get("attention_mask")
@@ -378,8 +378,11 @@ def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
 
 
 def _plain_module(model: torch.nn.Module) -> bool:
-    """False under a DDP/DeepSpeed-style wrapper (it holds the model as ``.module``); peft models pass."""
-    return hasattr(model, "config") and not hasattr(model, "module")
+    """False under a DDP/DeepSpeed-style wrapper (it holds the model as ``.module``) or FSDP2 sharding (its hooks
+    gather and reduce once per module forward); peft models pass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(model, "config") and not hasattr(model, "module") and not isinstance(model, FSDPModule)
 
 
 def cache_argument(module: torch.nn.Module) -> str:

@@ -17,12 +17,14 @@ from vagent.model import Policy, apply_lora, freeze_vision, load_policy
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
 from vagent.training.distributed import DistEnv, barrier, broadcast_object
+from vagent.training.fsdp import FSDPBackend, shard_model
 
 __all__ = [
     "FREE_KEYS",
     "build_backend",
     "check_resume",
     "config_from_argv",
+    "gathered_state_dict",
     "load_trainable",
     "peak_memory_gb",
     "prepare_model",
@@ -117,7 +119,8 @@ def load_trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, out: Path, en
     model_path = Path(model_cfg.path)  # required by the config (require_paths): never a toy fallback
     # LoRA resumes its adapter onto the base; DeepSpeed restores the weights from its own checkpoint
     full_weights = resume_from is not None and not train_cfg.lora.enabled and not train_cfg.deepspeed
-    # bf16 comes from autocast (DDP) or DeepSpeed's bf16 mode, over fp32 master weights
+    # bf16 comes from autocast (DDP), FSDP's mixed-precision policy or DeepSpeed's bf16 mode, over fp32 master weights;
+    # FSDP resumes from the consolidated model/ too, loaded whole and then sharded
     policy = load_policy(resume_from / "model" if full_weights else model_path, device=env.device,
                          dtype="float32", attn_implementation=model_cfg.attn_implementation)  # fmt: skip
     torch.manual_seed(seed)  # LoRA init, dropout: the same on every rank
@@ -169,12 +172,17 @@ def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, en
 def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module, env: DistEnv, *,
                   total_steps: int, micro_batch_size: int, grad_accum: int, bf16: bool,
                   find_unused: bool) -> TrainBackend:  # fmt: skip
-    """AdamW + warmup/cosine over ``model``'s trainable parameters, under DDP or DeepSpeed (``train.deepspeed``)."""
+    """AdamW + warmup/cosine over ``model``'s trainable parameters, under DDP, FSDP2 (``train.sharding=fsdp``: the
+    model is sharded in place first, so AdamW's state lives on the fp32 shards) or DeepSpeed (``train.deepspeed``)."""
+    if train.sharding == "fsdp":
+        shard_model(model, env, bf16=bf16)
     optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                                 eps=optim.eps, vision_lr_scale=optim.vision_lr_scale,
                                 fused=not train.deepspeed)  # fmt: skip
     scheduler = warmup_cosine(optimizer, warmup_steps=optim.warmup_steps, total_steps=total_steps,
                               min_ratio=optim.min_lr_ratio)  # fmt: skip
+    if train.sharding == "fsdp":
+        return FSDPBackend(model, env, optimizer=optimizer, scheduler=scheduler, max_grad_norm=optim.max_grad_norm)
     if train.deepspeed:
         return DeepSpeedBackend(model, env, config_path=train.deepspeed, optimizer=optimizer, scheduler=scheduler,
                                 max_grad_norm=optim.max_grad_norm, bf16=bf16, micro_batch_size=micro_batch_size,
@@ -183,11 +191,19 @@ def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module
                       bf16=bf16, find_unused=find_unused)  # fmt: skip
 
 
+def gathered_state_dict(backend: TrainBackend) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights gathered from the shards onto rank 0 (FSDP, DeepSpeed; a collective every rank
+    calls), or None where ``backend.model`` holds them whole (DDP: ``save_pretrained`` reads the model itself)."""
+    if isinstance(backend, (DeepSpeedBackend, FSDPBackend)):
+        return backend.full_state_dict()
+    return None
+
+
 def save_checkpoint(backend: TrainBackend, processor: Any, root: Path, step: int, state: dict[str, Any],
                     env: DistEnv, keep_last: int) -> Path:  # fmt: skip
     """Write checkpoint ``step`` atomically (see ``vagent.training.checkpoint``); every rank calls it."""
     tmp = ckpt.begin_checkpoint(root, step, env)
-    state_dict = backend.full_state_dict() if isinstance(backend, DeepSpeedBackend) else None  # ZeRO-3 gather
+    state_dict = gathered_state_dict(backend)
     if env.is_main:
         ckpt.save_model(backend.model, processor, tmp / "model", state_dict=state_dict)
     backend.save(tmp)

@@ -3,8 +3,11 @@
     torchrun --nproc_per_node N tools/train.py --config configs/grpo/<name>.yaml [key=value ...]
     vagent grpo --config configs/grpo/<name>.yaml [key=value ...]
 
-Each step reads top to bottom in timed stages (verl's driver loop):
+Each step reads top to bottom in timed stages (verl's driver loop), one function each, handing the next stage
+a small dataclass (``_Groups``, ``_Scored``):
 
+    sync     (``train.sharding=fsdp``) gather the trained shards into the whole-weights copy that generates
+             (``vagent.training.fsdp.InferenceCopy``); under DDP the trained model generates itself
     gen      the rollout engine runs ``prompts_per_step`` prompts x ``group_size`` samples on each rank
              (tools run inside it, concurrently with generation; ``tools`` reports the time rows spent
              waiting on them)
@@ -12,15 +15,17 @@ Each step reads top to bottom in timed stages (verl's driver loop):
     (dynamic sampling: groups whose rewards are all equal carry no signal; they are dropped and more
              prompts rolled out, up to ``max_refill_rounds``, each refill only as many as the missing groups
              need at the share kept so far; all ranks keep the same number of groups)
-    logprob  the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked), and a
-             forward pass scores them with the current weights: the "old" log-probs (the sampler's own
+             -> ``_collect_groups`` returns ``_Groups``
+    adv      group advantages; the one encoder re-encodes each kept trajectory to exactly its sampled ids (checked)
+    logprob  a forward pass scores them with the current weights: the "old" log-probs (the sampler's own
              log-probs differ by batching/cache numerics, so the ratio is taken against these; the
              first update's ratio is then exactly 1, which is checked and logged as ``ratio_check``); fully
              on-policy (one pass, one mini-batch, no KL) this pass is skipped and the update's own detached
              log-probs serve as the old ones
+             -> ``_score_old_logprobs`` returns ``_Scored``
     update   ``inner_updates`` passes of ``mini_batches`` optimizer steps each: PPO-clip with
              clip-higher, token- or sequence-level aggregation over the whole mini-batch on all ranks,
-             optional k3 KL to the frozen initial policy
+             optional k3 KL to the frozen initial policy (``_update_policy``; statistics summed over ranks)
 
 Checkpoints and ``resume=auto`` work as in SFT (the data position is the number of prompts consumed).
 Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
@@ -41,22 +46,25 @@ import shutil
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
 from vagent.config import ConfigError, GRPOConfig, config_to_dict
 from vagent.data import Row, encode_messages, load_rows
 from vagent.data.batching import collate
+from vagent.data.encode import Encoded
 from vagent.model import Policy, load_policy, policy_logits
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
+    gathered_state_dict,
     load_trainable,
     peak_memory_gb,
     publish_model,
@@ -74,8 +82,9 @@ from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
 from vagent.toolbox import TOOLS
 from vagent.training import checkpoint as ckpt
-from vagent.training.backend import autocast
+from vagent.training.backend import TrainBackend, autocast
 from vagent.training.distributed import DistEnv, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
+from vagent.training.fsdp import InferenceCopy, shard_model
 from vagent.training.metrics import MetricsLogger
 from vagent.types import Trajectory
 
@@ -98,20 +107,143 @@ def train(cfg: GRPOConfig, before_step: Callable[[int, int], None] | None = None
         shutdown()
 
 
+@dataclasses.dataclass
+class _Run:
+    """What every step uses and no step changes: the config, the processes, the policy and its backend, the frozen
+    reference, the prompts, the rollout settings and (``train.sharding=fsdp``) the whole-weights copy that
+    generates."""
+
+    cfg: GRPOConfig
+    env: DistEnv
+    out: Path
+    policy: Policy
+    backend: TrainBackend
+    reference: torch.nn.Module | None
+    rows: list[Row]
+    limits: RolloutLimits
+    services: dict[str, Any]
+    judged: JudgedRewards  # the weighted rewards, calling the judge endpoint when ``judge`` is weighted
+    bf16: bool
+    total_steps: int
+    inference: InferenceCopy | None
+
+    def generation_policy(self) -> Policy:
+        """The policy the rollout engine samples from: the trained model itself, or under FSDP the inference copy
+        refreshed from the shards (a collective: every rank calls it at the same point)."""
+        if self.inference is None:
+            return self.policy
+        return dataclasses.replace(self.policy, model=self.inference.refresh(self.backend.model))
+
+
+@dataclasses.dataclass
+class _Groups:
+    """The collect stage's result: the groups kept for the update and everything rolled out for the log.
+
+    Attributes:
+        trajectories: The kept groups' samples, group after group (``n_groups * group_size``).
+        rewards: Their total rewards, in the same order.
+        seen: Every trajectory rolled out this step on this rank, kept or not.
+        components: Per reward component (and ``accuracy``), the values of ``seen``.
+        n_groups: Groups kept, the same on every rank.
+        rounds: Rollout rounds run (1 + dynamic-sampling refills).
+        consumed: The global prompt position after this step.
+    """
+
+    trajectories: list[Trajectory]
+    rewards: list[float]
+    seen: list[Trajectory]
+    components: dict[str, list[float]]
+    n_groups: int
+    rounds: int
+    consumed: int
+
+
+@dataclasses.dataclass
+class _Scored:
+    """The scoring stage's result: what the update trains on.
+
+    Attributes:
+        trajectories: The kept trajectories (``_Groups.trajectories``).
+        encoded: Each kept trajectory re-encoded (its token ids, loss mask 1 = sampled, media).
+        advantages: (N,) group-normalized advantages.
+        old: Per trajectory, (T_i,) log-probs of the weights that sampled (filled by the update when on-policy).
+        ref: Per trajectory, (T_i,) log-probs of the frozen reference (``old`` without a KL term).
+        on_policy: One pass, one mini-batch, no KL: the update's own detached log-probs are the old ones.
+        sampler_gap: Summed |old - sampler| log-prob over sampled tokens (scored so far).
+        sampled: Sampled tokens that sum covers.
+    """
+
+    trajectories: list[Trajectory]
+    encoded: list[Encoded]
+    advantages: torch.Tensor
+    old: list[torch.Tensor]
+    ref: list[torch.Tensor]
+    on_policy: bool
+    sampler_gap: float = 0.0
+    sampled: int = 0
+
+
 def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
+    ctx, fingerprint = _setup(cfg, env, out, resume_from)
+    val = _Validation(cfg, env, out, load_rows(cfg.val.rows, known_tools=TOOLS) if cfg.val.rows else [], ctx.limits,
+                      ctx.services, ctx.bf16)  # fmt: skip
+    if val.rows:
+        fingerprint["val_data"] = ckpt.file_digest(cfg.val.rows)
+    state = resume_training(resume_from, ctx.backend, fingerprint, cfg.train.allow_changes, env)
+    start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
+    logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
+                           wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
+    val.resume(state.get("best_val"))
+    if val.rows and start_step == 0:
+        val(0, ctx.generation_policy(), ctx.backend, logger)
+
+    bar = tqdm(total=ctx.total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
+    last: list[Trajectory] = []
+    for step in range(start_step, ctx.total_steps):
+        if before_step is not None:
+            before_step(step, ctx.total_steps)
+        record, last, consumed = _step(ctx, step, consumed)
+        done = step + 1
+        bar.update(1)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
+        if done % cfg.train.log_every == 0 or done == ctx.total_steps:
+            logger.log(done, {**record, "peak_mem_gb": peak_memory_gb(env)})
+        if val.rows and (done == ctx.total_steps or (cfg.val.every and done % cfg.val.every == 0)):
+            bar.clear()
+            val(done, ctx.generation_policy(), ctx.backend, logger)
+        if cfg.train.save_every and done % cfg.train.save_every == 0 and done != ctx.total_steps:
+            _save(ctx, root, done, consumed, fingerprint, last, val)
+    bar.close()
+
+    final = _save(ctx, root, ctx.total_steps, consumed, fingerprint, last, val)
+    logger.close()
+    if cfg.val.keep_best and val.best is not None:
+        final = val.directory(val.best["step"])
+        say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
+                 f"{val.last_accuracy:.3f})")  # fmt: skip
+    model_dir = publish_model(final, out, env)  # the final (or the best) model at a stable path
+    say(env, f"done: {ctx.total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
+    return model_dir
+
+
+def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -> tuple[_Run, dict[str, Any]]:
+    """Model (and the frozen reference for the KL term), prompts, backend, rollout settings; and the fingerprint a
+    resume checks."""
     bf16 = uses_bf16(cfg.train, env)
     algo = cfg.grpo
-
-    # -- model (and the frozen reference for the KL term) ------------------------------------------------
     policy, model, model_path = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed)
+    fsdp = cfg.train.sharding == "fsdp"
     reference = None
     if algo.kl_coef > 0 and not cfg.train.lora.enabled:  # with LoRA the reference is the model, adapters off
         reference = load_policy(model_path, device=env.device, dtype="float32").model.requires_grad_(False)
+        if fsdp:  # sharded like the policy; it runs the same micro-batches in lockstep
+            shard_model(reference, env, bf16=bf16)
+    # the whole-weights copy is allocated before sharding, while the model still has its HF class
+    inference = InferenceCopy(model, torch.bfloat16 if bf16 else torch.float32) if fsdp else None
 
-    # -- prompts ------------------------------------------------------------------------------------------
     train_path = cfg.data.train
     rows = load_rows(train_path, known_tools=TOOLS)
     per_round = algo.prompts_per_step * env.world_size
@@ -119,109 +251,267 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
     optimizer_steps = total_steps * algo.inner_updates * algo.mini_batches
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
-    services = tool_services(cfg.toolbox)
-    judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)  # calls the judge if weighted
     limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "tools"})
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
-             f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)")  # fmt: skip
+             f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)"
+             f"{', fsdp' if fsdp else ''}")  # fmt: skip
+    ctx = _Run(cfg=cfg, env=env, out=out, policy=policy, backend=backend, reference=reference, rows=rows,
+               limits=limits, services=tool_services(cfg.toolbox),
+               judged=JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out), bf16=bf16,
+               total_steps=total_steps,
+               inference=inference)  # fmt: skip
+    return ctx, {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path)}
 
-    fingerprint = {"config": config_to_dict(cfg), "train_data": ckpt.file_digest(train_path)}
-    val = _Validation(cfg, env, out, load_rows(cfg.val.rows, known_tools=TOOLS) if cfg.val.rows else [], limits,
-                      services, bf16)  # fmt: skip
-    if val.rows:
-        fingerprint["val_data"] = ckpt.file_digest(cfg.val.rows)
-    state = resume_training(resume_from, backend, fingerprint, cfg.train.allow_changes, env)
-    start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
-    logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
-                           wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
-    val.resume(state.get("best_val"))
-    if val.rows and start_step == 0:
-        val(0, policy, backend, logger)
 
-    # -- loop -----------------------------------------------------------------------------------------------
-    bar = tqdm(total=total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
-    last: list[Trajectory] = []
-    for step in range(start_step, total_steps):
-        if before_step is not None:
-            before_step(step, total_steps)
-        timer: dict[str, float] = defaultdict(float)
-        t_step = time.perf_counter()
+def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Trajectory], int]:
+    """One GRPO step in timed stages: gen + reward (with refills), old log-probs, update. Returns the step's log
+    record, every trajectory rolled out on this rank, and the new prompt position."""
+    timer: dict[str, float] = defaultdict(float)
+    t_step = time.perf_counter()
+    lr = ctx.backend.lr()  # the rate this step's updates use
+    groups = _collect_groups(ctx, consumed, timer)
+    update_stats: dict[str, float] = {}
+    if groups.n_groups:
+        scored = _score_old_logprobs(ctx, groups, timer)
+        update_stats = _update_policy(ctx, scored, step, timer)
+    if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
+        say(
+            ctx.env,
+            f"warning: step {step + 1}: first-update ratio deviates from 1 by {update_stats['ratio_check']:.2e}",
+        )
+    timer["step"] = time.perf_counter() - t_step
+    return {**_metrics(groups, update_stats, timer, ctx.env), "lr": lr}, groups.seen, groups.consumed
 
-        # gen + reward, with dynamic sampling refills
-        kept: list[tuple[list[Trajectory], Row, list[float]]] = []  # per group: samples, row, rewards
-        seen: list[Trajectory] = []
-        components: dict[str, list[float]] = defaultdict(list)
-        rounds, rolled, enough = 0, 0, 0
-        while True:
-            # a refill rolls out only what the kept groups lack, scaled by the share kept so far
-            n_prompts = algo.prompts_per_step if not rounds else _refill_size(algo.prompts_per_step, enough, rolled)
-            batch_rows = _rows_for(rows, consumed, env, n_prompts, cfg.seed)
-            consumed += n_prompts * env.world_size
-            rolled += n_prompts
-            tasks = [Task.from_row(row, cfg.data.tools) for row in batch_rows]
-            model.eval()
-            t0 = time.perf_counter()
-            with torch.no_grad(), autocast(env.device, bf16):
-                trajectories = run(policy, tasks, algo.group_size, limits, batch_size=algo.rollout_batch_size,
-                                   **services)  # fmt: skip
-            timer["gen"] += time.perf_counter() - t0
-            timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
-            t0 = time.perf_counter()
-            per_sample_rows = [row for row in batch_rows for _ in range(algo.group_size)]
-            totals, parts = judged.combine(trajectories, per_sample_rows, algo.group_size)
-            timer["reward"] += time.perf_counter() - t0
-            for t, total in zip(trajectories, totals, strict=True):
-                t.reward = total
-            seen += trajectories
-            for name, values in parts.items():
-                components[f"reward/{name}"] += values
-            components["accuracy"] += REWARDS["accuracy"](trajectories, per_sample_rows)  # logged even if unweighted
-            rewards = torch.tensor(totals)
-            keep = informative_groups(rewards, algo.group_size) if algo.dynamic_sampling else None
-            for g, row in enumerate(batch_rows):
-                if keep is None or keep[g]:
-                    group = trajectories[g * algo.group_size : (g + 1) * algo.group_size]
-                    kept.append((group, row, totals[g * algo.group_size : (g + 1) * algo.group_size]))
-            rounds += 1
-            enough = all_reduce_min(torch.tensor([len(kept)], device=env.device)).item()
-            if not algo.dynamic_sampling or enough >= algo.prompts_per_step or rounds > algo.max_refill_rounds:
-                break
-        n_groups = min(int(enough), algo.prompts_per_step)  # the same on every rank (DDP steps in lockstep)
-        kept = kept[:n_groups]
-        last = seen
 
-        lr = backend.lr()  # the rate this step's updates use
-        update_stats: dict[str, float] = {}
-        if n_groups:
-            update_stats = _update(cfg, policy, backend, reference, kept, env, bf16, timer, step)
-        if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
-            say(
-                env,
-                f"warning: step {step + 1}: first-update ratio deviates from 1 by {update_stats['ratio_check']:.2e}",
+def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Groups:
+    """gen + reward stages: roll out ``prompts_per_step`` prompts x ``group_size`` samples on each rank and score
+    them; with dynamic sampling, drop the groups whose rewards are all equal and refill (see the module
+    docstring). Every rank keeps the same number of groups."""
+    algo, env = ctx.cfg.grpo, ctx.env
+    t0 = time.perf_counter()
+    generator = ctx.generation_policy()  # gathered once: the weights do not change until the update
+    timer["sync"] = time.perf_counter() - t0  # FSDP: the all-gather into the inference copy
+    kept: list[tuple[list[Trajectory], list[float]]] = []  # per group: samples, rewards
+    seen: list[Trajectory] = []
+    components: dict[str, list[float]] = defaultdict(list)
+    rounds, rolled, enough = 0, 0, 0
+    while True:
+        # a refill rolls out only what the kept groups lack, scaled by the share kept so far
+        n_prompts = algo.prompts_per_step if not rounds else _refill_size(algo.prompts_per_step, enough, rolled)
+        batch_rows = _rows_for(ctx.rows, consumed, env, n_prompts, ctx.cfg.seed)
+        consumed += n_prompts * env.world_size
+        rolled += n_prompts
+        trajectories, totals = _roll_out(ctx, generator, batch_rows, components, timer)
+        seen += trajectories
+        rewards = torch.tensor(totals)
+        keep = informative_groups(rewards, algo.group_size) if algo.dynamic_sampling else None
+        for g in range(len(batch_rows)):
+            if keep is None or keep[g]:
+                span = slice(g * algo.group_size, (g + 1) * algo.group_size)
+                kept.append((trajectories[span], totals[span]))
+        rounds += 1
+        enough = int(all_reduce_min(torch.tensor([len(kept)], device=env.device)).item())
+        if not algo.dynamic_sampling or enough >= algo.prompts_per_step or rounds > algo.max_refill_rounds:
+            break
+    n_groups = min(enough, algo.prompts_per_step)  # the same on every rank (the update steps in lockstep)
+    kept = kept[:n_groups]
+    return _Groups(trajectories=[t for group, _ in kept for t in group], rewards=[r for _, rs in kept for r in rs],
+                   seen=seen, components=components, n_groups=n_groups, rounds=rounds, consumed=consumed)  # fmt: skip
+
+
+def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: dict[str, list[float]],
+              timer: dict[str, float]) -> tuple[list[Trajectory], list[float]]:  # fmt: skip
+    """One round of gen + reward: ``group_size`` samples of each row, their total rewards (set on the
+    trajectories too) and each component appended to ``components``."""
+    algo = ctx.cfg.grpo
+    tasks = [Task.from_row(row, ctx.cfg.data.tools) for row in batch_rows]
+    ctx.backend.model.eval()
+    t0 = time.perf_counter()
+    with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
+        trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
+                                   **ctx.services)  # fmt: skip
+    timer["gen"] += time.perf_counter() - t0
+    timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
+    t0 = time.perf_counter()
+    per_sample_rows = [row for row in batch_rows for _ in range(algo.group_size)]
+    totals, parts = ctx.judged.combine(trajectories, per_sample_rows, algo.group_size)
+    timer["reward"] += time.perf_counter() - t0
+    for t, total in zip(trajectories, totals, strict=True):
+        t.reward = total
+    for name, values in parts.items():
+        components[f"reward/{name}"] += values
+    components["accuracy"] += REWARDS["accuracy"](trajectories, per_sample_rows)  # logged even if unweighted
+    return trajectories, totals
+
+
+def _score_old_logprobs(ctx: _Run, groups: _Groups, timer: dict[str, float]) -> _Scored:
+    """adv + old_log_prob stages: group advantages; re-encode each kept trajectory to exactly its sampled ids
+    (checked) and score it with the weights that sampled, in the mode the update runs in (and the reference's
+    log-probs for the KL term). On-policy (one pass, one optimizer step, no KL) the update's own detached
+    log-probs are the old ones: the same weights, the same forward, so the ratio is 1 by construction and this
+    pass is skipped (as TRL does); otherwise the update's ratio check is a real test of that equality."""
+    cfg, env, policy, algo = ctx.cfg, ctx.env, ctx.policy, ctx.cfg.grpo
+    t0 = time.perf_counter()
+    advantages = group_advantages(torch.tensor(groups.rewards), algo.group_size, scale_by_std=algo.scale_by_std,
+                                  negative_scale=algo.negative_scale)  # (N,)  # fmt: skip
+    min_pixels, max_pixels = policy.pixel_budget
+    encoded = []
+    for t in groups.trajectories:
+        enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                              factor=policy.image_factor)  # fmt: skip
+        if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
+            raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
+        encoded.append(enc)
+    timer["adv"] = time.perf_counter() - t0
+    on_policy = algo.inner_updates == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
+    n = len(encoded)
+    scored = _Scored(trajectories=groups.trajectories, encoded=encoded, advantages=advantages,
+                     old=[torch.empty(0)] * n, ref=[torch.empty(0)] * n, on_policy=on_policy)  # fmt: skip
+    policy.model.train()
+    t0 = time.perf_counter()
+    with torch.no_grad(), ctx.backend.accumulating(last=True):  # the update's precision: autocast or FSDP's policy
+        for idx, batch in _micro_batches(ctx, encoded, [] if on_policy else list(range(n))):
+            lp, _ = _scored_logprobs(ctx.backend.module, batch, cfg.train.share_prefix)
+            ref_lp = None
+            if ctx.reference is not None:
+                ref_lp, _ = _scored_logprobs(ctx.reference, batch, cfg.train.share_prefix)
+            elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
+                with policy.model.disable_adapter():
+                    ref_lp, _ = _scored_logprobs(policy.model, batch, cfg.train.share_prefix)
+            for row, i in enumerate(idx):
+                scored.old[i] = lp[row, : len(encoded[i].input_ids)].detach()
+                scored.ref[i] = ref_lp[row, : len(encoded[i].input_ids)] if ref_lp is not None else scored.old[i]
+                _add_sampler_gap(scored, i, env.device)
+    timer["logprob"] = time.perf_counter() - t0
+    return scored
+
+
+def _micro_batches(ctx: _Run, encoded: list[Encoded], order: list[int]) -> Iterator[tuple[list[int], dict]]:
+    """``(indices, collated batch on the device)`` of ``grpo.micro_batch_size`` trajectories at a time."""
+    pad_id = ctx.policy.tokenizer.pad_token_id or 0
+    size = ctx.cfg.grpo.micro_batch_size
+    for start in range(0, len(order), size):
+        idx = order[start : start + size]
+        yield idx, to_device(collate([encoded[i] for i in idx], pad_id), ctx.env.device)
+
+
+def _add_sampler_gap(scored: _Scored, i: int, device: torch.device) -> None:
+    """Add trajectory ``i``'s |training - sampler| log-prob over its sampled tokens to ``scored``."""
+    mask = scored.encoded[i].loss_mask.bool().to(device)  # 1 = sampled
+    sampler = torch.tensor(scored.trajectories[i].logprobs, device=device)
+    scored.sampler_gap += float((scored.old[i] - sampler)[mask].abs().sum())
+    scored.sampled += int(mask.sum())
+
+
+def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float]) -> dict[str, float]:
+    """update stage: ``inner_updates`` passes of ``mini_batches`` optimizer steps each (PPO-clip with clip-higher,
+    token- or sequence-level aggregation over the whole mini-batch on all ranks, optional k3 KL). Returns the
+    statistics summed over every rank (``ratio_check``: the largest first-update |ratio - 1| on any rank)."""
+    algo, env, encoded = ctx.cfg.grpo, ctx.env, scored.encoded
+    t0 = time.perf_counter()
+    stats: Counter[str] = Counter()
+    generator = torch.Generator().manual_seed(ctx.cfg.seed * 1_000_003 + step)
+    n = len(encoded)
+    for inner in range(algo.inner_updates):
+        order = torch.randperm(n, generator=generator).tolist() if algo.inner_updates > 1 else list(range(n))
+        size = math.ceil(n / algo.mini_batches)
+        for m, start in enumerate(range(0, n, size)):
+            members = order[start : start + size]
+            local = (
+                sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
             )
-        timer["step"] = time.perf_counter() - t_step
-        done = step + 1
-        bar.update(1)
-        record = _metrics(seen, components, kept, n_groups, rounds, update_stats, timer, env)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
-        if done % cfg.train.log_every == 0 or done == total_steps:
-            logger.log(done, {**record, "lr": lr, "peak_mem_gb": peak_memory_gb(env)})
-        if val.rows and (done == total_steps or (cfg.val.every and done % cfg.val.every == 0)):
-            bar.clear()
-            val(done, policy, backend, logger)
-        if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
-            _save(cfg, backend, policy, root, done, consumed, fingerprint, env, last, out, val)
-    bar.close()
+            normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
+            micro = list(_micro_batches(ctx, encoded, members))
+            for k, (idx, batch) in enumerate(micro):
+                with ctx.backend.accumulating(last=k == len(micro) - 1):
+                    loss, ratio_dev = _micro_batch_loss(ctx, scored, idx, batch, normalizer, stats)
+                    ctx.backend.backward(loss)
+                if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1
+                    stats["ratio_check"] = max(stats["ratio_check"], ratio_dev)
+            stats["grad_norm"] += ctx.backend.step()
+            stats["optimizer_steps"] += 1
+    timer["update"] = time.perf_counter() - t0
+    if scored.on_policy:  # the training-vs-sampler gap, from the update's own log-probs
+        for i in range(n):
+            _add_sampler_gap(scored, i, env.device)
+    stats["sampler_gap"], stats["sampled"] = scored.sampler_gap, scored.sampled
+    return _reduce_stats(stats, env)
 
-    final = _save(cfg, backend, policy, root, total_steps, consumed, fingerprint, env, last, out, val)
-    logger.close()
-    if cfg.val.keep_best and val.best is not None:
-        final = val.directory(val.best["step"])
-        say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
-                 f"{val.last_accuracy:.3f})")  # fmt: skip
-    model_dir = publish_model(final, out, env)  # the final (or the best) model at a stable path
-    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
-    return model_dir
+
+def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[str, torch.Tensor], normalizer: float,
+                      stats: Counter[str]) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """The micro-batch's share of its mini-batch's loss (PPO-clip, plus the k3 KL); its statistics are added to
+    ``stats``. Returns (the loss, its largest |ratio - 1|)."""
+    algo = ctx.cfg.grpo
+    mask = batch["loss_mask"]  # (B, T) 1 = sampled
+    width = mask.shape[1]
+    lp, entropy = _scored_logprobs(ctx.backend.module, batch, ctx.cfg.train.share_prefix)  # (B, T)
+    if scored.on_policy:
+        for row, i in enumerate(idx):
+            scored.old[i] = lp[row, : len(scored.encoded[i].input_ids)].detach()
+    old_lp = torch.stack([F.pad(scored.old[i], (0, width - len(scored.old[i]))) for i in idx])  # (B, T)
+    adv = scored.advantages[idx].to(ctx.env.device)  # (B,)
+    per_token, st = policy_loss(lp, old_lp, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
+    if algo.kl_coef > 0:
+        ref_lp = torch.stack([F.pad(scored.ref[i], (0, width - len(scored.ref[i]))) for i in idx])  # (B, T)
+        kl = kl_k3(lp, ref_lp, mask)
+        per_token = per_token + algo.kl_coef * kl
+        stats["kl"] += float(kl.detach().sum())
+    loss = aggregate(per_token, mask, algo.aggregation, normalizer)
+    stats["loss"] += float(loss.detach())
+    stats["entropy"] += float(entropy)
+    stats["clip_frac"] += float(st["clip_frac"])
+    stats["approx_kl"] += float(st["approx_kl"])
+    stats["tokens"] += float(mask[:, 1:].sum())
+    return loss, float(st["ratio_max_dev"])
+
+
+# Update statistics that are sums over trajectories: added over ranks for the log (the grad norm is global already).
+_SUMMED = ("loss", "entropy", "clip_frac", "approx_kl", "kl", "tokens", "sampler_gap", "sampled")
+
+
+def _reduce_stats(stats: Counter[str], env: DistEnv) -> dict[str, float]:
+    """``stats`` with the ``_SUMMED`` keys added over ranks and ``ratio_check`` the largest on any rank."""
+    keys = [k for k in _SUMMED if k in stats]  # the same keys on every rank (kl iff kl_coef > 0)
+    totals = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=env.device))
+    out = {**stats, **dict(zip(keys, totals.tolist(), strict=True))}
+    worst = all_reduce_min(torch.tensor([-stats["ratio_check"]], dtype=torch.float64, device=env.device))
+    out["ratio_check"] = max(0.0, -float(worst))
+    return out
+
+
+def _metrics(groups: _Groups, update: dict[str, float], timer: dict[str, float], env: DistEnv) -> dict[str, Any]:
+    """Per-step means over every trajectory rolled out on every rank (kept or not), and the update's statistics."""
+    seen = groups.seen
+    calls = sum(len(t.tool_results) for t in seen)
+    sums = {
+        "reward": sum(t.reward or 0.0 for t in seen),
+        **{name: sum(values) for name, values in groups.components.items()},
+        "tool_calls_per_traj": calls,
+        "response_len": sum(sum(t.loss_mask) for t in seen),
+        "answered": sum(t.stop_reason == "answered" for t in seen),
+    }
+    keys = sorted(sums)
+    totals = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(len(seen)), float(calls),
+                            float(sum(1 for t in seen for r in t.tool_results if r.error))], device=env.device))  # fmt: skip
+    count, all_calls, failed = float(totals[-3]), float(totals[-2]), float(totals[-1])
+    record: dict[str, Any] = {k: float(v) / max(count, 1.0) for k, v in zip(keys, totals[:-3].tolist(), strict=True)}
+    record["tool_failure_rate"] = failed / all_calls if all_calls else 0.0
+    record["kept_groups"] = groups.n_groups
+    record["refill_rounds"] = groups.rounds - 1
+    if update:
+        tokens = max(update["tokens"], 1.0)
+        for key in ("entropy", "clip_frac", "approx_kl", "kl"):
+            if key in update:
+                record[key] = update[key] / tokens
+        steps = max(update["optimizer_steps"], 1.0)
+        record["loss"] = update["loss"] / steps  # the mean mini-batch objective
+        record["grad_norm"] = update["grad_norm"] / steps
+        record["ratio_check"] = update["ratio_check"]
+        record["sampler_logprob_gap"] = update["sampler_gap"] / max(update["sampled"], 1.0)
+    for stage in ("sync", "gen", "tools", "reward", "adv", "logprob", "update", "step"):
+        record[f"time/{stage}"] = timer.get(stage, 0.0)
+    return record
 
 
 class _Validation:
@@ -258,7 +548,8 @@ class _Validation:
                     shutil.rmtree(d, ignore_errors=True)
         barrier()
 
-    def __call__(self, step: int, policy: Policy, backend, logger: MetricsLogger) -> None:
+    def __call__(self, step: int, policy: Policy, backend: TrainBackend, logger: MetricsLogger) -> None:
+        """Validate ``policy`` (the one that generates: under FSDP the refreshed whole-weights copy)."""
         env = self.env
         t0 = time.perf_counter()
         mine = self.rows[env.rank :: env.world_size]
@@ -279,10 +570,11 @@ class _Validation:
         self.last_accuracy = record["val/accuracy"]
         if self.cfg.val.keep_best and (self.best is None or self.last_accuracy > self.best["accuracy"]):
             self.best = {"step": step, "accuracy": self.last_accuracy}
+            state_dict = gathered_state_dict(backend)  # every rank: a gather under sharding
             if env.is_main:
                 tmp = self.out / "best" / f".tmp-step-{step:08d}"
                 shutil.rmtree(tmp, ignore_errors=True)
-                ckpt.save_model(backend.model, policy.processor, tmp / "model")
+                ckpt.save_model(backend.model, policy.processor, tmp / "model", state_dict=state_dict)
                 shutil.rmtree(self.directory(step), ignore_errors=True)
                 tmp.rename(self.directory(step))
             barrier()
@@ -334,150 +626,15 @@ def _scored_logprobs(
     return torch.nn.functional.pad(lp, (start, 0)), entropy
 
 
-def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: DistEnv, bf16: bool,
-            timer: dict[str, float], step: int) -> dict[str, float]:  # fmt: skip
-    """logprob + update stages on the kept groups. Returns summed statistics for the log."""
-    algo = cfg.grpo
-    t0 = time.perf_counter()
-    trajectories = [t for group, _, _ in kept for t in group]
-    rewards = torch.tensor([r for _, _, group_rewards in kept for r in group_rewards])
-    advantages = group_advantages(
-        rewards, algo.group_size, scale_by_std=algo.scale_by_std, negative_scale=algo.negative_scale
-    )  # (N,)
-    min_pixels, max_pixels = policy.pixel_budget
-    encoded = []
-    for t in trajectories:
-        enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
-                              factor=policy.image_factor)  # fmt: skip
-        if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
-            raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
-        encoded.append(enc)
-    pad_id = policy.tokenizer.pad_token_id or 0
-    module = backend.module
-    policy.model.train()
-
-    def batches(order: list[int]):
-        for start in range(0, len(order), algo.micro_batch_size):
-            idx = order[start : start + algo.micro_batch_size]
-            yield idx, to_device(collate([encoded[i] for i in idx], pad_id), env.device)
-
-    # old (and reference) log-probs with the weights that sampled, in the mode the update runs in. On-policy
-    # (one pass, one optimizer step, no KL) the update's own detached log-probs are the old ones: the same
-    # weights, the same forward, so the ratio is 1 by construction and this whole pass is skipped (as TRL
-    # does). Otherwise the ratio check below is a real test of that equality.
-    on_policy = algo.inner_updates == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
-    old: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-    ref: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-    sampler_gap, sampled_total = 0.0, 0
-    with torch.no_grad(), autocast(env.device, bf16):
-        for idx, batch in batches([] if on_policy else list(range(len(encoded)))):
-            lp, _ = _scored_logprobs(module, batch, cfg.train.share_prefix)
-            ref_lp = None
-            if reference is not None:
-                ref_lp, _ = _scored_logprobs(reference, batch, cfg.train.share_prefix)
-            elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
-                with policy.model.disable_adapter():
-                    ref_lp, _ = _scored_logprobs(policy.model, batch, cfg.train.share_prefix)
-            for row, i in enumerate(idx):
-                n = len(encoded[i].input_ids)
-                old[i] = lp[row, :n].detach()
-                ref[i] = ref_lp[row, :n] if ref_lp is not None else old[i]
-                mask = encoded[i].loss_mask.bool()
-                sampler = torch.tensor(trajectories[i].logprobs, device=env.device)
-                sampler_gap += float((old[i] - sampler)[mask.to(env.device)].abs().sum())
-                sampled_total += int(mask.sum())
-    timer["logprob"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    stats: Counter[str] = Counter()
-    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    n = len(encoded)
-    for inner in range(algo.inner_updates):
-        order = torch.randperm(n, generator=generator).tolist() if algo.inner_updates > 1 else list(range(n))
-        size = math.ceil(n / algo.mini_batches)
-        for m, start in enumerate(range(0, n, size)):
-            members = order[start : start + size]
-            local = (
-                sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
-            )
-            normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
-            micro = list(batches(members))
-            for k, (idx, batch) in enumerate(micro):
-                mask = batch["loss_mask"]
-                width = mask.shape[1]
-                adv = advantages[idx].to(env.device)
-                with backend.accumulating(last=k == len(micro) - 1):
-                    lp, entropy = _scored_logprobs(module, batch, cfg.train.share_prefix)
-                    if on_policy:
-                        for row, i in enumerate(idx):
-                            old[i] = lp[row, : len(encoded[i].input_ids)].detach()
-                    old_lp = torch.stack([torch.nn.functional.pad(old[i], (0, width - len(old[i]))) for i in idx])
-                    per_token, st = policy_loss(lp, old_lp, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
-                    if algo.kl_coef > 0:
-                        ref_lp = torch.stack([torch.nn.functional.pad(ref[i], (0, width - len(ref[i]))) for i in idx])
-                        kl = kl_k3(lp, ref_lp, mask)
-                        per_token = per_token + algo.kl_coef * kl
-                        stats["kl"] += float(kl.sum())
-                    backend.backward(aggregate(per_token, mask, algo.aggregation, normalizer))
-                stats["entropy"] += float(entropy)
-                stats["clip_frac"] += float(st["clip_frac"])
-                stats["approx_kl"] += float(st["approx_kl"])
-                stats["tokens"] += float(mask[:, 1:].sum())
-                if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1
-                    stats["ratio_check"] = max(stats["ratio_check"], float(st["ratio_max_dev"]))
-            stats["grad_norm"] += backend.step()
-            stats["optimizer_steps"] += 1
-    timer["update"] = time.perf_counter() - t0
-    if on_policy:  # the training-vs-sampler gap, from the update's own log-probs
-        for i, t in enumerate(trajectories):
-            mask = encoded[i].loss_mask.bool().to(env.device)
-            sampler_gap += float((old[i] - torch.tensor(t.logprobs, device=env.device))[mask].abs().sum())
-            sampled_total += int(mask.sum())
-    stats["sampler_logprob_gap"] = sampler_gap / max(1, sampled_total)
-    return dict(stats)
-
-
-def _metrics(seen: list[Trajectory], components: dict[str, list[float]], kept, n_groups: int, rounds: int,
-             update: dict[str, float], timer: dict[str, float], env: DistEnv) -> dict[str, Any]:  # fmt: skip
-    """Per-step means over every trajectory rolled out on every rank (kept or not)."""
-    calls = sum(len(t.tool_results) for t in seen)
-    sums = {
-        "reward": sum(t.reward or 0.0 for t in seen),
-        **{name: sum(values) for name, values in components.items()},
-        "tool_calls_per_traj": calls,
-        "response_len": sum(sum(t.loss_mask) for t in seen),
-        "answered": sum(t.stop_reason == "answered" for t in seen),
-    }
-    keys = sorted(sums)
-    totals = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(len(seen)), float(calls),
-                            float(sum(1 for t in seen for r in t.tool_results if r.error))], device=env.device))  # fmt: skip
-    count, all_calls, failed = float(totals[-3]), float(totals[-2]), float(totals[-1])
-    record: dict[str, Any] = {k: float(v) / max(count, 1.0) for k, v in zip(keys, totals[:-3].tolist(), strict=True)}
-    record["tool_failure_rate"] = failed / all_calls if all_calls else 0.0
-    record["kept_groups"] = n_groups
-    record["refill_rounds"] = rounds - 1
-    if update:
-        tokens = max(update["tokens"], 1.0)
-        for key in ("entropy", "clip_frac", "approx_kl", "kl"):
-            if key in update:
-                record[key] = update[key] / tokens
-        record["grad_norm"] = update["grad_norm"] / max(update["optimizer_steps"], 1.0)
-        record["ratio_check"] = update["ratio_check"]
-        record["sampler_logprob_gap"] = update["sampler_logprob_gap"]
-    for stage in ("gen", "tools", "reward", "logprob", "update", "step"):
-        record[f"time/{stage}"] = timer.get(stage, 0.0)
-    return record
-
-
-def _save(cfg: GRPOConfig, backend, policy: Policy, root: Path, step: int, consumed: int,
-          fingerprint: dict[str, Any], env: DistEnv, last: list[Trajectory], out: Path, val: _Validation) -> Path:  # fmt: skip
-    final = save_checkpoint(backend, policy.processor, root, step,
-                            {**fingerprint, "prompts_consumed": consumed, "best_val": val.best}, env,
-                            cfg.train.keep_last)  # fmt: skip
+def _save(ctx: _Run, root: Path, step: int, consumed: int, fingerprint: dict[str, Any], last: list[Trajectory],
+          val: _Validation) -> Path:  # fmt: skip
+    final = save_checkpoint(ctx.backend, ctx.policy.processor, root, step,
+                            {**fingerprint, "prompts_consumed": consumed, "best_val": val.best}, ctx.env,
+                            ctx.cfg.train.keep_last)  # fmt: skip
     val.prune()  # the checkpoint names the best from now on: older best directories can go
-    if env.is_main and last:  # what the policy did at this step, to look at
-        write_jsonl(last, out / "rollouts" / f"step-{step:08d}.jsonl")
-        write_html(last, out / "rollouts" / f"step-{step:08d}.html", title=f"GRPO step {step} (rank 0)")
+    if ctx.env.is_main and last:  # what the policy did at this step, to look at
+        write_jsonl(last, ctx.out / "rollouts" / f"step-{step:08d}.jsonl")
+        write_html(last, ctx.out / "rollouts" / f"step-{step:08d}.html", title=f"GRPO step {step} (rank 0)")
     return final
 
 

@@ -1,0 +1,221 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): weights, gradients and AdamW state sharded over the ranks.
+
+Under DDP every rank holds the whole model in fp32 with its gradients and AdamW moments: 16 bytes a
+parameter, 112 GB for Qwen2.5-VL-7B before a single activation. ``train.sharding=fsdp`` shards each decoder
+layer and each vision block as one FSDP unit (the ``_no_split_modules`` classes transformers declares) and
+the rest (embeddings, LM head, the vision patch embedding and merger) as the root unit, so a rank holds
+``16 / world_size`` bytes a parameter plus the one or two layers gathered at a time.
+
+Precision: the sharded parameters and AdamW's state stay fp32. With bf16 compute the units gather their
+weights as bf16 and reduce-scatter gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``) instead of autocasting fp32 weights as DDP does. Both run on CPU over gloo with torch 2.14
+(tests/test_fsdp.py: fp32 on 2 ranks, the bf16 policy in a group of one) and on CUDA over NCCL.
+
+Collectives must line up on every rank, so every rank runs the same modules in the same order. A micro-batch
+without images would skip the vision tower on one rank while another rank gathers its blocks (a hang, or
+gradients reduced for different parameter sets): ``_touch_vision`` runs the tower on a 4-patch dummy image
+whose output enters the forward times zero whenever a forward reached the language model without it (verl and
+EasyR1 do the same for text-only batches). vagent shows videos as image frames, so a forward runs the tower
+at most once.
+
+Checkpoints (``save``/``load`` and ``full_state_dict``): ``model/`` is a consolidated HF dir gathered with
+``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` and written by rank 0; the optimizer is saved
+sharded with ``torch.distributed.checkpoint`` (``optimizer/``, every rank writes its shard; a different world
+size reshards on load), the schedule by rank 0. A resume loads the consolidated weights before sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from vagent.training.distributed import DistEnv
+
+__all__ = ["FSDPBackend", "InferenceCopy", "shard_model"]
+
+
+def _ensure_process_group(env: DistEnv) -> None:
+    """FSDP needs a process group even in a world of one (``torchrun --nproc_per_node 1``, or a plain launch):
+    a single-process group over an in-memory store."""
+    if not dist.is_initialized():
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=env.device if env.device.type == "cuda" else None)  # fmt: skip
+
+
+def shard_model(model: torch.nn.Module, env: DistEnv, *, bf16: bool) -> torch.nn.Module:
+    """Shard ``model`` in place: one FSDP unit per decoder layer and per vision block, the root unit for the rest.
+
+    Args:
+        model: An HF Qwen-VL model (fp32 weights on ``env.device``); LoRA-wrapped models are not supported.
+        env: This process's rank and device.
+        bf16: Gather weights as bf16 for compute, reduce gradients in fp32.
+
+    Returns:
+        The same module, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
+
+    Raises:
+        ValueError: the model declares no layer classes to shard by (``_no_split_modules``).
+    """
+    _ensure_process_group(env)
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    mesh = init_device_mesh(env.device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+    units = [m for m in model.modules() if type(m).__name__ in classes]
+    if not units:
+        raise ValueError(f"train.sharding=fsdp: {type(model).__name__} names no layer classes (_no_split_modules)")
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    _touch_vision(model)
+    # policy_logits(positions=...) hands the LM head zero positions inside the forward and runs it on the kept
+    # hidden states afterwards; the forward's empty logits are a view nothing writes to, which FSDP warns about
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+def _touch_vision(model: torch.nn.Module) -> None:
+    """Make every forward run the vision tower once (see the module docstring): a pre-hook on the language model
+    adds ``0 * tower(dummy).mean()`` to its input embeddings when the tower did not run in this forward."""
+    inner = getattr(model, "model", None)
+    visual, language = getattr(inner, "visual", None), getattr(inner, "language_model", None)
+    if visual is None or language is None:
+        return
+    ran = [False]
+
+    def mark(_module: torch.nn.Module, _args: Any) -> None:
+        ran[0] = True
+
+    def touch(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if ran[0] or kwargs.get("inputs_embeds") is None:
+            ran[0] = False
+            return None
+        cfg = visual.config
+        merge = cfg.spatial_merge_size
+        grid = torch.tensor([[1, 2 * merge, 2 * merge]], device=kwargs["inputs_embeds"].device)  # (1, 3): t, h, w
+        width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        dummy = torch.zeros(4 * merge * merge, width, device=grid.device)  # (patches, C * T * P * P)
+        out = visual(dummy, grid_thw=grid)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + 0.0 * out.mean().to(kwargs["inputs_embeds"].dtype)
+        ran[0] = False
+        return args, kwargs
+
+    visual.register_forward_pre_hook(mark)
+    language.register_forward_pre_hook(touch, with_kwargs=True)
+
+
+class InferenceCopy:
+    """Whole weights for generation, next to the sharded model that trains.
+
+    The rollout engine decodes rows of different lengths and tool timings on each rank, so its forward calls do
+    not line up across ranks, and it calls inner modules (``model.model``) whose FSDP hooks would not gather the
+    root's weights. Keeping the model unsharded during generation (``reshard_after_forward=False``) has both
+    problems; so each rollout phase first gathers the trained weights into this plain HF model, one parameter
+    at a time (``refresh``: the only extra transient is one whole fp32 parameter, at most the embedding), and
+    generation then runs without collectives. Memory: the copy stays resident in the compute dtype, 2 bytes a
+    parameter in bf16 (Qwen2.5-VL-7B: 15 GB per rank; 3B: 7.5 GB), 4 in fp32.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Allocate an uninitialized copy of ``model`` (before it is sharded) in ``dtype`` on its device."""
+        device = next(model.parameters()).device
+        with torch.device("meta"):
+            copy = type(model)._from_config(model.config, dtype=dtype)
+        copy.to_empty(device=device)
+        copy.generation_config = model.generation_config
+        copy.requires_grad_(False).eval()
+        self.model = copy
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def refresh(self, sharded: torch.nn.Module) -> torch.nn.Module:
+        """Copy the current weights of ``sharded`` in (a collective: every rank calls it); returns the copy."""
+        params = dict(self.model.named_parameters())
+        for name, param in sharded.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            params[name].copy_(full)
+            del full
+        buffers = dict(self.model.named_buffers())
+        for name, buffer in sharded.named_buffers():  # buffers are not sharded (RoPE inverse frequencies)
+            buffers[name].copy_(buffer)
+        return self.model
+
+
+class FSDPBackend:
+    """The ``TrainBackend`` of ``train.sharding=fsdp`` (see the module docstring). Build the optimizer over the
+    model after ``shard_model``, so AdamW's state is allocated on the fp32 shards."""
+
+    def __init__(self, model: torch.nn.Module, env: DistEnv, *, optimizer: torch.optim.Optimizer,
+                 scheduler: LambdaLR, max_grad_norm: float) -> None:  # fmt: skip
+        if not isinstance(model, FSDPModule):
+            raise TypeError("FSDPBackend needs a model sharded by shard_model first")
+        self.model = model
+        self.module = model
+        self.env = env
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        # FSDP averages reduce-scattered gradients over ranks, as DDP does
+        self.loss_scale = float(dist.get_world_size())
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Every micro-batch reduce-scatters its gradients into the fp32 shards, where they accumulate: holding
+        unsharded gradients across micro-batches (``set_requires_gradient_sync(False)``) would cost the whole
+        model's gradients per rank, the memory sharding is for. Compute precision comes from the sharding's
+        mixed-precision policy, not autocast."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.loss_scale).backward()
+
+    def step(self) -> float:
+        """Clip (the norm of the sharded gradients is reduced over ranks), step, advance the schedule."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's fp32 weights on rank 0's CPU (gathered from every rank; a collective), None elsewhere."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.env.is_main else None
+
+    def save(self, directory: Path) -> None:
+        """Every rank writes its optimizer shard under ``directory/optimizer`` (torch.distributed.checkpoint);
+        rank 0 the schedule. ``directory`` is the checkpoint's temp dir, renamed into place when complete."""
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save({"optimizer": state}, checkpoint_id=str(directory / "optimizer"))
+        if self.env.is_main:
+            torch.save({"scheduler": self.scheduler.state_dict()}, directory / "scheduler.pt")
+
+    def load(self, directory: Path) -> None:
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=str(directory / "optimizer"))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        scheduler = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(scheduler["scheduler"])
