@@ -15,10 +15,11 @@ Taken from the agent's own code (github.com/Visual-Agent/DeepEyes):
   shorter side is over 30 pixels. Errors come back as a user turn ``Error: <message>`` with the code's messages
   (``Invalid tool call format: ...``, ``ZOOM IN ARGUMENTS ARE INVALID``, ``Unknown tool name: ...``).
 
-Mapping: ``image_zoom_in_tool`` -> vagent ``crop`` (box in original pixels, image 0); ``image_rotate_tool`` ->
-``rotate`` (``expand=False``). Differences: vagent's crop grows a box whose side is below the processor's minimum
-(``sqrt(min_pixels)``; 56 px by default) where DeepEyes crops it as is (it already rejects sides of 30 or
-less); fractional pixel boxes are floored/ceiled where PIL rounds. DeepEyes saw images at up to
+Mapping: ``image_zoom_in_tool`` -> vagent ``crop`` (box in original pixels, image 0, cut exactly as accepted);
+``image_rotate_tool`` -> ``rotate`` (``expand=False``). Differences: fractional pixel boxes are floored/ceiled
+where PIL rounds; a rotation by a multiple of 90 degrees is
+vagent's exact transpose (the whole image, its frame turned) where ``PIL.Image.rotate`` keeps the old canvas and
+cuts the corners off. DeepEyes saw images at up to
 16384x28x28 pixels, so its "original pixels" were its view's pixels: give the policy a pixel budget at
 least as large as the images, or its boxes land off target.
 """
@@ -75,7 +76,7 @@ class DeepEyesProfile:
     name = "deepeyes"
     stop_strings: tuple[str, ...] = ()  # its loop reads whole turns (vLLM stops at <|im_end|>)
     inline = False
-    limits = AgentLimits(max_turns=5)
+    limits = AgentLimits(max_turns=5, tool_min_pixels=28 * 28)  # its own checks bound the box; crop it exactly
     tools = ("crop", "rotate")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
@@ -146,7 +147,7 @@ class DeepEyesProfile:
     def prefill(self, turn: int) -> str:
         return ""
 
-    def forced_spans(self, text: str) -> list[tuple[int, int]]:
+    def forced_spans(self, text: str, turn: int) -> list[tuple[int, int]]:
         return []
 
 

@@ -110,7 +110,7 @@ class PixelReasonerProfile:
     name = "pixel-reasoner"
     stop_strings: tuple[str, ...] = ()  # vLLM stops at <|im_end|>; '</tool_call>' is commented out in its stops
     inline = False
-    limits = AgentLimits(max_turns=5, max_calls=4, tool_max_pixels=CROP_MAX_PIXELS)
+    limits = AgentLimits(max_turns=5, max_calls=4, tool_max_pixels=CROP_MAX_PIXELS, tool_min_pixels=28 * 28)
     tools = ("crop",)
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
@@ -205,7 +205,7 @@ class PixelReasonerProfile:
     def prefill(self, turn: int) -> str:
         return ""
 
-    def forced_spans(self, text: str) -> list[tuple[int, int]]:
+    def forced_spans(self, text: str, turn: int) -> list[tuple[int, int]]:
         return []
 
 

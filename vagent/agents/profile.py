@@ -44,6 +44,9 @@ class AgentLimits:
         max_turns: Assistant turns per episode the agent's loop allows (the rollout's default for the profile).
         max_calls: Tool calls per episode; a turn that would exceed it ends the episode (``max_calls``). None = no cap.
         tool_max_pixels: Pixel cap of an image a tool returns (crop, rotation); None = the policy's budget.
+        tool_min_pixels: Smallest region a crop cuts (vagent grows smaller boxes to this area); None = the policy's
+            minimum. Agents that validate box sizes themselves (DeepEyes, Pixel-Reasoner) set 28x28, so the region
+            is exactly the box they accepted.
         frame_max_pixels: Pixel cap of each video frame a tool returns; None = the toolbox default.
         max_frames: Most frames one video call returns; None = the toolbox default.
     """
@@ -51,6 +54,7 @@ class AgentLimits:
     max_turns: int = 4
     max_calls: int | None = None
     tool_max_pixels: int | None = None
+    tool_min_pixels: int | None = None
     frame_max_pixels: int | None = None
     max_frames: int | None = None
 
@@ -99,15 +103,17 @@ class AgentProfile(Protocol):
         """Text forced at the start of assistant turn ``turn`` (1-based), e.g. DeepEyesV2's ``<think>``."""
         ...
 
-    def forced_spans(self, text: str) -> list[tuple[int, int]]:
-        """Character spans of a gold assistant text that the agent's loop forces, not the model (pre-filled
-        text, inline results): the encoder masks them out of the SFT loss."""
+    def forced_spans(self, text: str, turn: int) -> list[tuple[int, int]]:
+        """Character spans of gold assistant turn ``turn`` (1-based) that the agent's loop forces, not the model
+        (pre-filled text, inline results): the encoder masks them out of the SFT loss."""
         ...
 
 
 def original_context(context: ToolContext, limits: AgentLimits) -> ToolContext:
     """A copy of ``context`` whose tools read boxes in original pixels, with the agent's output caps."""
     changes: dict[str, Any] = {"convention": "original"}
+    if limits.tool_min_pixels is not None:
+        changes["min_pixels"] = limits.tool_min_pixels
     if limits.tool_max_pixels is not None:
         changes["max_pixels"] = max(context.min_pixels, min(context.max_pixels, limits.tool_max_pixels))
     if limits.frame_max_pixels is not None:

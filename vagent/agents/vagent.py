@@ -65,7 +65,7 @@ class VagentProfile:
     def prefill(self, turn: int) -> str:
         return ""
 
-    def forced_spans(self, text: str) -> list[tuple[int, int]]:
+    def forced_spans(self, text: str, turn: int) -> list[tuple[int, int]]:
         return []
 
 

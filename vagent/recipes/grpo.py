@@ -119,7 +119,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
     services = tool_services(cfg.toolbox)
-    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "tools"})
+    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("tools", "agent")})
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)")  # fmt: skip
 
@@ -161,7 +161,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
             t0 = time.perf_counter()
             with torch.no_grad(), autocast(env.device, bf16):
                 trajectories = run(policy, tasks, algo.group_size, limits, batch_size=algo.rollout_batch_size,
-                                   **services)  # fmt: skip
+                                   agent=cfg.rollout.agent, **services)  # fmt: skip
             timer["gen"] += time.perf_counter() - t0
             timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
             t0 = time.perf_counter()
@@ -264,7 +264,7 @@ class _Validation:
         with torch.no_grad(), autocast(env.device, self.bf16), torch.random.fork_rng(devices=devices):
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
             trajectories = run(policy, tasks, 1, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
-                               **self.services)  # fmt: skip
+                               agent=self.cfg.rollout.agent, **self.services)  # fmt: skip
         totals, parts = combine(trajectories, mine, self.cfg.rewards.weights, self.cfg.rewards.options)
         correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, mine)
         sums = all_reduce_sum(torch.tensor([sum(correct), sum(totals), sum(t.stop_reason == "answered" for t in
