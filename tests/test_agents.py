@@ -307,18 +307,33 @@ def test_longvt_prompt_and_tool_turn_render_as_its_template(policy, clip):
 
 def _profile_task(name: str, clip: str) -> Task:
     calls = {"vagent": '<tool_call>{"name": "crop", "arguments": {"bbox": [10, 20, 120, 90]}}</tool_call>',
-             "deepeyes": DE_CALL, "pixel-reasoner": PR_CALL, "longvt": _lv_call(clip, 0, 2)}  # fmt: skip
+             "deepeyes": DE_CALL, "pixel-reasoner": PR_CALL, "longvt": _lv_call(clip, 0, 2),
+             "deepeyesv2": '<tool_call>{"name": "search", "arguments": {"query": "who"}}</tool_call>',
+             "tool-star": "<think> look it up </think> <search> who </search>",
+             "openthinkimg": json.dumps({"thought": "", "actions": [
+                 {"name": "DrawVerticalLineByX", "arguments": {"image": "img_1", "param": "x=50"}}]}),
+             "visual-arft": "<think> look it up </think>\n<search> who </search>"}  # fmt: skip
     if name == "longvt":
         return Task(id=name, question="What?", videos=[clip], scripted_turns=[calls[name], None])
-    return Task(id=name, question="What?", images=[ORIGINAL], scripted_turns=[calls[name], None])
+    tools = ["search"] if name == "visual-arft" else ["crop"]
+    return Task(id=name, question="What?", images=[ORIGINAL], tools=tools, scripted_turns=[calls[name], None])
+
+
+class _Hits:
+    def search(self, query, k):
+        from vagent.toolbox.search import SearchResult
+
+        return [SearchResult("A title", "A snippet.", "https://x.org")]
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_a_multi_turn_rollout_reencodes_to_its_ids_under_every_profile(policy, clip, name):
+    """Scripted call, then sampled turns: the one encoder (told the profile) gives back the engine's ids and mask."""
     torch.manual_seed(0)
     limits = RolloutLimits(max_turns=3, max_new_tokens=12, temperature=1.0, max_images=16)
-    for traj in run(policy, [_profile_task(name, clip)], n_samples=2, limits=limits, agent=name):
+    for traj in run(policy, [_profile_task(name, clip)], n_samples=2, limits=limits, agent=name, search=_Hits()):
         assert traj.metrics["tool_calls"] == 1 and sum(traj.loss_mask) > 0
+        assert not any(r["error"] for r in traj.tool_results), traj.tool_results
         enc = encode_messages(traj.messages, policy.processor, min_pixels=policy.pixel_budget[0],
                               max_pixels=policy.pixel_budget[1], factor=policy.image_factor,
                               forced_spans=get_profile(name).forced_spans)  # fmt: skip

@@ -6,7 +6,7 @@ engine, encoder and toolbox (see ``docs/guide/agents.md``).
 
 from __future__ import annotations
 
-from vagent.agents import deepeyes, longvt, pixel_reasoner, vagent
+from vagent.agents import deepeyes, deepeyesv2, longvt, openthinkimg, pixel_reasoner, tool_star, vagent, visual_arft
 from vagent.agents.profile import AgentLimits, AgentProfile
 
 __all__ = ["PROFILES", "AgentLimits", "AgentProfile", "get_profile"]
@@ -16,6 +16,10 @@ PROFILES: dict[str, AgentProfile] = {
     deepeyes.PROFILE.name: deepeyes.PROFILE,
     pixel_reasoner.PROFILE.name: pixel_reasoner.PROFILE,
     longvt.PROFILE.name: longvt.PROFILE,
+    deepeyesv2.PROFILE.name: deepeyesv2.PROFILE,
+    visual_arft.PROFILE.name: visual_arft.PROFILE,
+    tool_star.PROFILE.name: tool_star.PROFILE,
+    openthinkimg.PROFILE.name: openthinkimg.PROFILE,
 }
 
 

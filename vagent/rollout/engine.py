@@ -146,6 +146,7 @@ class _Row:
     frames: list[dict] = field(default_factory=list)  # Trajectory.frames
     tool_started: float = 0.0
     prefill: list[int] = field(default_factory=list)  # ids the profile forced at the start of the open turn
+    open_turn: Message | None = None  # an inline profile's assistant turn, continued after each tool result
     answer: str | None = None
     stop: str | None = None
 
@@ -263,7 +264,8 @@ class _Engine:
         # Text the agent's loop writes at the start of the turn (DeepEyesV2's "<think>"): forced, part of the turn.
         forced = row.scripted and row.scripted[0] is not None  # a scripted turn writes its own opening
         row.prefill = [] if forced else self.policy.tokenizer.encode(self.profile.prefill(row.turns))
-        row.force(_Segment(list(self.header) + row.prefill))
+        if row.open_turn is None:  # an inline profile's turn goes on after its tool result: no new header
+            row.force(_Segment(list(self.header) + row.prefill))
         if row.scripted and row.scripted[0] is not None:
             row.metrics["scripted_turns"] += 1
             ids = [*self.policy.tokenizer.encode(row.scripted.pop(0)), self.im_end]
@@ -277,18 +279,28 @@ class _Engine:
     def _on_turn_end(self, row: _Row, result: TurnResult, sampled: bool = True) -> None:
         ids = list(result.token_ids)
         flag = 1 if sampled else 0
-        # Close the turn the way the chat template renders it: "...<|im_end|>\n".
-        closing = list(self.newline) if ids and ids[-1] == self.im_end else [self.im_end, *self.newline]
-        row.ids += ids + closing
-        row.mask += [flag] * len(ids) + [0] * len(closing)
-        row.logprobs += (result.logprobs if sampled else [0.0] * len(ids)) + [0.0] * len(closing)
-        if sampled:
-            row.metrics["sampled_tokens"] += len(ids)
         prefill, row.prefill = row.prefill, []  # already in row.ids (forced with the header)
-        text = self.policy.tokenizer.decode(prefill + list(result.token_ids), skip_special_tokens=True)
+        text = self.policy.tokenizer.decode(prefill + ids, skip_special_tokens=True)
         parsed = self.profile.parse(text)
         for error in parsed.errors:
             row.metrics[f"parse_error/{error.kind}"] += 1
+        max_calls = self.profile.limits.max_calls
+        over_budget = max_calls is not None and row.metrics["tool_calls"] + len(parsed.actions) > max_calls
+        # An inline profile (Tool-Star) keeps the turn open across a call: its result continues the same turn.
+        # A sampled turn that ended at EOS ended the turn, whatever it wrote.
+        inline = (self.profile.inline and parsed.answer is None and bool(parsed.actions) and not over_budget
+                  and (not sampled or result.stop == "stop_string"))  # fmt: skip
+        if inline and ids and ids[-1] == self.im_end:
+            ids = ids[:-1]  # a scripted inline segment: the engine closes nothing yet
+        # Close the turn the way the chat template renders it: "...<|im_end|>\n".
+        closing = (
+            [] if inline else list(self.newline) if ids and ids[-1] == self.im_end else [self.im_end, *self.newline]
+        )
+        row.ids += ids + closing
+        row.mask += [flag] * len(ids) + [0] * len(closing)
+        row.logprobs += (result.logprobs[: len(ids)] if sampled else [0.0] * len(ids)) + [0.0] * len(closing)
+        if sampled:
+            row.metrics["sampled_tokens"] += len(ids)
         turn = Message(
             "assistant",
             [ContentPart("text", text)],
@@ -296,15 +308,20 @@ class _Engine:
             token_ids=prefill + ids + closing,
             sampled=[0] * len(prefill) + [flag] * len(ids) + [0] * len(closing),
         )
-        self._emit(row, turn)
-        max_calls = self.profile.limits.max_calls
+        if row.open_turn is not None:  # the rest of an inline turn: one assistant message for the whole turn
+            turn = _joined(row.open_turn, turn)
+            row.open_turn = None
+        if inline:
+            row.open_turn = turn  # emitted when the turn closes
+        else:
+            self._emit(row, turn)
         if parsed.answer is not None:
             row.stop, row.answer = "answered", parsed.answer
         elif not parsed.actions and row.scripted:
             self._next_turn(row)  # the script goes on
         elif not parsed.actions:
             row.stop = "max_tokens" if result.stop == "length" else "no_action"
-        elif max_calls is not None and row.metrics["tool_calls"] + len(parsed.actions) > max_calls:
+        elif over_budget:
             row.stop = "max_turns"  # the agent's own call budget is spent (e.g. Pixel-Reasoner: 4)
             row.metrics["max_calls_reached"] += 1
         else:
@@ -326,7 +343,10 @@ class _Engine:
             context.images += observation.images
             context.model_sizes += [img.size for img in shown]
             message = self.profile.observation_message(observation)
-            segments.append(_segment(encode_message(self.policy.processor, message, shown)))
+            if self.profile.inline:  # text inside the open assistant turn, tokenized as the agent's loop does
+                segments.append(_Segment(self.policy.tokenizer.encode(message.plain_text)))
+            else:
+                segments.append(_segment(encode_message(self.policy.processor, message, shown)))
             messages.append(message)
             observations.append(observation)
         return _ToolOutcome(messages, segments, context, observations, out_of_images=False)
@@ -342,7 +362,8 @@ class _Engine:
             )
             observation = Observation(text=f"the tool call {detail}.", error=reason)
             message = self.profile.observation_message(observation)
-            segment = _segment(encode_message(self.policy.processor, message, []))
+            segment = (_Segment(self.policy.tokenizer.encode(message.plain_text)) if self.profile.inline
+                       else _segment(encode_message(self.policy.processor, message, [])))  # fmt: skip
             observations = [observation] * row.pending_calls
             outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
                                    observations, out_of_images=False)  # fmt: skip
@@ -357,7 +378,11 @@ class _Engine:
                                      "error": observation.error, "metadata": observation.metadata})  # fmt: skip
         for message, segment, observation in zip(outcome.messages, outcome.segments, outcome.observations, strict=True):
             row.force(segment)
-            self._emit(row, message, observation)
+            if row.open_turn is not None:  # an inline result: forced text inside the open assistant turn
+                result = Message("assistant", message.content, token_ids=segment.ids, sampled=[0] * len(segment.ids))
+                row.open_turn = _joined(row.open_turn, result)
+            else:
+                self._emit(row, message, observation)
         if outcome.out_of_images:
             row.metrics["tool_calls"] += 1
             row.stop = "max_images"
@@ -373,6 +398,13 @@ class _Engine:
 
     def _finish(self, row: _Row) -> Trajectory:
         self.backend.release(row.key)
+        if row.open_turn is not None:  # an inline turn cut by a limit: close it the way the template would
+            closing = [self.im_end, *self.newline]
+            row.force(_Segment(closing))
+            self._emit(
+                row, _joined(row.open_turn, Message("assistant", [], token_ids=closing, sampled=[0] * len(closing)))
+            )
+            row.open_turn = None
         trajectory = Trajectory(
             task_id=row.task.id,
             messages=row.messages,
@@ -404,6 +436,17 @@ def prompt_messages(task: Task, images: list[Image.Image | str] | None = None, a
     """
     images = list(task.images if images is None else images)
     return get_profile(agent).prompt(task.question, images, task.videos, task.tools)
+
+
+def _joined(first: Message, then: Message) -> Message:
+    """One assistant message from two consecutive pieces of the same turn (an inline profile's turn)."""
+    return Message(
+        "assistant",
+        [ContentPart("text", first.plain_text + then.plain_text)],
+        tool_calls=first.tool_calls + then.tool_calls,
+        token_ids=(first.token_ids or []) + (then.token_ids or []),
+        sampled=(first.sampled or []) + (then.sampled or []),
+    )
 
 
 def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
