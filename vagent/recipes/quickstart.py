@@ -193,11 +193,12 @@ def _same_weights(a: Path, b: Path) -> bool:
 def _evaluate(name: str, model_dir: Path, tools: list[str], *, test_rows: list, out: str, rollout: dict[str, Any],
               toolbox: Any, device: str) -> tuple[Path, dict[str, Any]]:  # fmt: skip
     """One policy on the test split, greedy: (its eval dir, its metrics)."""
-    limits = RolloutLimits(**{k: v for k, v in rollout.items() if k != "tools"} | {"temperature": 0.0})
+    limits = RolloutLimits(**{k: v for k, v in rollout.items() if k not in ("tools", "agent")} | {"temperature": 0.0})
     run_dir = Path(out) / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
     policy = load_policy(model_dir, device=device)
     return run_dir, evaluate(policy, BENCHMARKS["synthetic"], test_rows, run_dir, tools=tools, limits=limits,
-                             batch_size=16, services=tool_services(toolbox), label=name)  # fmt: skip
+                             batch_size=16, services=tool_services(toolbox), label=name,
+                             agent=rollout.get("agent", "vagent"))  # fmt: skip
 
 
 def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: Path, out: Path,
