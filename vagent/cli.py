@@ -221,7 +221,8 @@ def _tools_parse(args: argparse.Namespace) -> int:
             "line": number,
             "tool_calls": calls,
             "answer": turn.answer,
-            "think": turn.think,
+            # native profiles do not split reasoning out; their <think> blocks are shown the same way
+            "think": turn.think if turn.think is not None else _think_blocks(text),
             "error_kinds": [e["kind"] for e in errors],
             "errors": errors,
         }
@@ -243,6 +244,13 @@ def _tool_names(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown tool(s) {unknown}; available: {', '.join(TOOLS)} (or 'none')")
     return names
+
+
+def _think_blocks(text: str) -> str | None:
+    import re
+
+    blocks = [b.strip() for b in re.findall(r"<think>(.*?)</think>", text, re.DOTALL)]
+    return "\n".join(blocks) if blocks else None
 
 
 AGENT_HELP = "Agent profile: the native protocol of a published agent (docs/guide/agents.md). Default: vagent."
