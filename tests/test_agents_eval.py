@@ -54,3 +54,11 @@ def test_unknown_agent_is_a_usage_error(bench, tiny_qwen25, capsys):
         main(["eval", "--model", str(tiny_qwen25), "--benchmark", "vstar", "--data", str(bench / "vstar.jsonl"),
               "--out", str(bench / "x"), "--agent", "deepeyes3"])  # fmt: skip
     assert "unknown agent 'deepeyes3'" in capsys.readouterr().err
+
+
+def test_training_configs_name_the_agent_profile():
+    from vagent.config import GRPOConfig, SFTConfig, load_config
+
+    assert load_config(GRPOConfig, None, ["rollout.agent=deepeyes"]).rollout.agent == "deepeyes"
+    assert load_config(SFTConfig, None, ["data.agent=pixel-reasoner"]).data.agent == "pixel-reasoner"
+    assert load_config(GRPOConfig, None, []).rollout.agent == "vagent"  # today's protocol unless asked
