@@ -62,3 +62,21 @@ def test_training_configs_name_the_agent_profile():
     assert load_config(GRPOConfig, None, ["rollout.agent=deepeyes"]).rollout.agent == "deepeyes"
     assert load_config(SFTConfig, None, ["data.agent=pixel-reasoner"]).data.agent == "pixel-reasoner"
     assert load_config(GRPOConfig, None, []).rollout.agent == "vagent"  # today's protocol unless asked
+
+
+def test_demo_streams_an_episode_under_a_profile(tiny_qwen25):
+    """`vagent demo --agent NAME`: the flag reaches the rollout, and native turns render with the profile's parser."""
+    from demo.app import parse_args
+    from demo.episode import render_turn, stream_episode
+    from vagent.model import load_policy
+    from vagent.rollout import RolloutLimits, Task
+
+    assert parse_args(["--agent", "deepeyes"]).agent == "deepeyes"
+    call = '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [10, 10, 200, 150]}}</tool_call>'
+    task = Task(
+        id="demo", question="What?", images=[Image.new("RGB", (320, 240))], scripted_turns=[call, "<answer>x</answer>"]
+    )
+    events = list(stream_episode(load_policy(tiny_qwen25), task, RolloutLimits(max_turns=3), agent="deepeyes"))
+    assert events[-1].kind == "done" and events[-1].trajectory.answer == "x"
+    shown = render_turn(events[0], 1, "deepeyes")
+    assert any("image_zoom_in_tool" in m["content"] for m in shown if isinstance(m["content"], str))
