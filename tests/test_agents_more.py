@@ -249,3 +249,19 @@ def test_tools_parse_lists_each_profiles_native_calls(name, monkeypatch, capsys)
     expected = {"deepeyesv2": "code", "tool-star": "search", "openthinkimg": None, "visual-arft": "search"}[name]
     assert [c["name"] for c in out["tool_calls"]] == [expected]
     assert ("unknown_tool" in out["error_kinds"]) == (expected is None)  # OCR has no vagent equivalent
+
+
+def test_malformed_native_outputs_become_error_observations():
+    star = get_profile("tool-star")
+    [obs] = star.act(star.parse("I will look it up </search>"), _services_context(), [])
+    assert obs.error == "unclosed_tag" and obs.text == " <result>\n</search> has no <search>\n</result>"
+    [empty] = star.act(star.parse("<search>   </search>"), _services_context(), [])
+    assert empty.text == " <result>\ninvalid query\n</result>"  # its search() answers an empty query so
+    arft = get_profile("visual-arft")
+    [unclosed] = arft.act(arft.parse("<think> hm </think> <search> the tower"), _services_context(), [])
+    assert unclosed.error == "unclosed_tag"
+    [bad] = arft.act(arft.parse("<think> hm </think> <problem> rotation </problem>"), _services_context(), [])
+    assert bad.error == "bad_call"
+    v2 = get_profile("deepeyesv2")
+    [json_err] = v2.act(v2.parse("<tool_call>{'name': 'search'</tool_call>"), _services_context(), [])
+    assert json_err.text.startswith("Error: Invalid tool call format: {'name': 'search'. Error: Expecting")
