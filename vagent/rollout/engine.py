@@ -264,8 +264,10 @@ class _Engine:
         # Text the agent's loop writes at the start of the turn (DeepEyesV2's "<think>"): forced, part of the turn.
         forced = row.scripted and row.scripted[0] is not None  # a scripted turn writes its own opening
         row.prefill = [] if forced else self.policy.tokenizer.encode(self.profile.prefill(row.turns))
-        if row.open_turn is None:  # an inline profile's turn goes on after its tool result: no new header
+        if row.open_turn is None:
             row.force(_Segment(list(self.header) + row.prefill))
+        else:  # an inline profile's turn goes on after its tool result: no header, no opening of its own
+            row.prefill = []
         if row.scripted and row.scripted[0] is not None:
             row.metrics["scripted_turns"] += 1
             ids = [*self.policy.tokenizer.encode(row.scripted.pop(0)), self.im_end]
