@@ -294,7 +294,7 @@ def _rollout(args: argparse.Namespace) -> int:
         max_turns=args.max_turns or get_profile(args.agent).limits.max_turns,
         max_new_tokens=args.max_new_tokens,
         max_total_tokens=args.max_total_tokens,
-        max_images=args.max_images,
+        max_images=args.max_images or get_profile(args.agent).limits.max_images,
         temperature=args.temperature,
         top_p=args.top_p,
     )
@@ -409,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "agent profile's own limit; 4 for vagent).")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_positive, default=512)
     p.add_argument("--max-total-tokens", type=_positive, default=8192)
-    p.add_argument("--max-images", type=_positive, default=8)
+    p.add_argument("--max-images", type=_positive, default=None,
+                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
     p.add_argument("--batch-size", type=_positive, default=8)
     p.add_argument("--limit", type=_positive, help="Only the first K records.")
     p.add_argument("--skip-bad", action="store_true", help="Report bad records and go on (default: fail the run).")
@@ -441,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "agent profile's own limit; 4 for vagent).")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="Tokens sampled per turn (%(default)s).")
     p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
-    p.add_argument("--max-images", type=_positive, default=8, help="Images per episode (%(default)s).")
+    p.add_argument("--max-images", type=_positive, default=None,
+                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy.")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")

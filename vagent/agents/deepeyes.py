@@ -76,7 +76,9 @@ class DeepEyesProfile:
     name = "deepeyes"
     stop_strings: tuple[str, ...] = ()  # its loop reads whole turns (vLLM stops at <|im_end|>)
     inline = False
-    limits = AgentLimits(max_turns=5, tool_min_pixels=28 * 28)  # its own checks bound the box; crop it exactly
+    limits = AgentLimits(
+        max_turns=5, max_images=32, tool_min_pixels=28 * 28
+    )  # README: max_vllm_images: 32  # its own checks bound the box; crop it exactly
     tools = ("crop", "rotate")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],

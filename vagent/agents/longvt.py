@@ -85,7 +85,9 @@ class LongVTProfile:
     name = "longvt"
     stop_strings: tuple[str, ...] = ()  # the OpenAI-style loop reads whole turns
     inline = False
-    limits = AgentLimits(max_turns=6, frame_max_pixels=FRAME_MAX_PIXELS, max_frames=CLIP_MAX_FRAMES)
+    # the prompt's frames plus 5 rounds of at most 128 frames each
+    limits = AgentLimits(max_turns=6, max_images=PROMPT_MAX_FRAMES + 5 * CLIP_MAX_FRAMES, frame_max_pixels=FRAME_MAX_PIXELS,
+                         max_frames=CLIP_MAX_FRAMES)  # fmt: skip
     tools = ("sample_frames",)
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],

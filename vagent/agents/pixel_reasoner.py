@@ -110,7 +110,9 @@ class PixelReasonerProfile:
     name = "pixel-reasoner"
     stop_strings: tuple[str, ...] = ()  # vLLM stops at <|im_end|>; '</tool_call>' is commented out in its stops
     inline = False
-    limits = AgentLimits(max_turns=5, max_calls=4, tool_max_pixels=CROP_MAX_PIXELS, tool_min_pixels=28 * 28)
+    limits = AgentLimits(
+        max_turns=5, max_images=16, max_calls=4, tool_max_pixels=CROP_MAX_PIXELS, tool_min_pixels=28 * 28
+    )
     tools = ("crop",)
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],

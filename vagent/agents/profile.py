@@ -42,6 +42,7 @@ class AgentLimits:
 
     Attributes:
         max_turns: Assistant turns per episode the agent's loop allows (the rollout's default for the profile).
+        max_images: Images per episode, prompt included (the rollout's default for the profile).
         max_calls: Tool calls per episode; a turn that would exceed it ends the episode (``max_calls``). None = no cap.
         tool_max_pixels: Pixel cap of an image a tool returns (crop, rotation); None = the policy's budget.
         tool_min_pixels: Smallest region a crop cuts (vagent grows smaller boxes to this area); None = the policy's
@@ -52,6 +53,7 @@ class AgentLimits:
     """
 
     max_turns: int = 4
+    max_images: int = 8
     max_calls: int | None = None
     tool_max_pixels: int | None = None
     tool_min_pixels: int | None = None
