@@ -41,6 +41,7 @@ from demo.episode import (
     render_turn,
     stream_episode,
 )
+from vagent.agents import PROFILES
 from vagent.model import Policy, PolicyLoadError, load_policy
 from vagent.rollout.export import save_png_once
 from vagent.toolbox import TOOLS
@@ -67,6 +68,7 @@ class Served:
     services: dict[str, Any] = field(default_factory=dict)
     limits: DemoLimits = field(default_factory=DemoLimits)
     examples: list[list[Any]] = field(default_factory=list)
+    agent: str = "vagent"  # the protocol the policy speaks (vagent.agents.PROFILES)
 
 
 def pick_model(model: str | None, runs: Path) -> tuple[Path, str]:
@@ -184,11 +186,11 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
     yield history, seen(), f"Running on `{served.model_dir.name}` with tools: {', '.join(tools) or 'none'} …"
     turn, t0 = 0, time.perf_counter()
     try:
-        for event in stream_episode(served.policy, task, limits, served.services, seed=int(seed)):
+        for event in stream_episode(served.policy, task, limits, served.services, seed=int(seed), agent=served.agent):
             if event.kind == "turn":
                 turn += event.message.role == "assistant"
                 looked.add(event.observation)
-                history += [_gradio_message(m) for m in render_turn(event, turn)]
+                history += [_gradio_message(m) for m in render_turn(event, turn, served.agent)]
                 yield history, seen(), f"Turn {turn} · {time.perf_counter() - t0:.1f} s …"
             elif event.kind == "done":
                 yield history, seen(), _summary(event.trajectory, time.perf_counter() - t0)
@@ -302,6 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int, default=DemoLimits.max_turns)
     p.add_argument("--max-queue", type=int, default=16, help="Requests waiting beyond this are turned away.")
     p.add_argument("--share", action="store_true", help="Gradio share link (needs the internet).")
+    p.add_argument("--agent", default="vagent", choices=sorted(PROFILES),
+                   help="Agent profile the checkpoint speaks (docs/guide/agents.md), e.g. deepeyes. Default: vagent.")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -313,7 +317,7 @@ def serve(args: argparse.Namespace):
     limits = DemoLimits(max_upload_mb=args.max_upload_mb, max_image_pixels=args.max_image_pixels,
                         max_video_s=args.max_video_s, max_turns=args.max_turns)  # fmt: skip
     examples = make_examples(policy, Path(args.runs) / "demo" / "examples")
-    served = Served(policy, model_dir, note, tools, services, limits, examples)
+    served = Served(policy, model_dir, note, tools, services, limits, examples, agent=args.agent)
     return served, build_app(served)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from PIL import Image, ImageColor, ImageDraw, ImageFont
 
-from vagent.chat import parse_turn
+from vagent.agents import get_profile
 from vagent.media import MediaError, load_image, probe_video, read_frames, uniform_timestamps
 from vagent.model import Policy
 from vagent.rollout import RolloutLimits, Task, rollout
@@ -140,8 +140,9 @@ _POLICY_LOCK = threading.Lock()  # one episode on the model at a time, whatever 
 
 
 def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: dict[str, Any] | None = None,
-                   seed: int | None = None) -> Iterator[Event]:  # fmt: skip
-    """Run ``task`` on a worker thread and yield its turns as they happen, then ``done`` (or ``error``)."""
+                   seed: int | None = None, agent: str = "vagent") -> Iterator[Event]:  # fmt: skip
+    """Run ``task`` on a worker thread and yield its turns as they happen, then ``done`` (or ``error``).
+    ``agent`` names the protocol the policy speaks (``vagent.agents.PROFILES``)."""
     events: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
 
     def work() -> None:
@@ -152,7 +153,7 @@ def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: 
 
                     torch.manual_seed(seed)
                 trajectory = rollout(policy, task, limits, on_turn=lambda m, o: events.put(("turn", m, o)),
-                                     **(services or {}))  # fmt: skip
+                                     agent=agent, **(services or {}))  # fmt: skip
             events.put(("done", trajectory, None))
         except Exception as e:  # the user sees what failed; the server keeps serving
             events.put(("error", f"{type(e).__name__}: {e}", None))
@@ -198,7 +199,7 @@ def describe_call(name: str, arguments: dict[str, Any]) -> str:
     return f"{name}(" + ", ".join(f"{k}={_fmt(v)}" for k, v in args.items()) + ")"
 
 
-def render_turn(event: Event, turn: int) -> list[dict[str, Any]]:
+def render_turn(event: Event, turn: int, agent: str = "vagent") -> list[dict[str, Any]]:
     """Chat messages (Gradio's ``messages`` format: ``role`` and ``content``) of one turn: the reasoning with
     the turn's tokens and time, each tool call as a sentence, the answer; for a tool turn its text and images.
 
@@ -207,7 +208,7 @@ def render_turn(event: Event, turn: int) -> list[dict[str, Any]]:
     message = event.message
     assert message is not None
     if message.role == "assistant":
-        parsed = parse_turn(message.plain_text)
+        parsed = get_profile(agent).parse(message.plain_text)
         tokens = sum(message.sampled or []) or len(message.token_ids or [])
         thought = parsed.think
         if thought is None and not parsed.actions and parsed.answer is None:

@@ -148,7 +148,7 @@ def _device(cfg: QuickstartConfig) -> str:
 
 def _greedy(cfg: QuickstartConfig) -> RolloutLimits:
     """The evaluations' episode limits: the rollout's, sampled greedily."""
-    limits = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k != "tools"}
+    limits = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("tools", "agent")}
     return RolloutLimits(**limits | {"temperature": 0.0})
 
 

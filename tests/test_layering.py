@@ -8,13 +8,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vagent"
 LEVELS = {
     "types": 0, "geometry": 0, "media": 0, "config": 0,
     "chat": 1, "toolbox": 1, "rewards": 1, "algorithms": 1, "data": 1, "judge": 1,
-    "model": 2, "tiny_model": 2, "rollout": 2, "training": 2,
+    "model": 2, "tiny_model": 2, "rollout": 2, "training": 2, "agents": 2,
     "eval": 3,
     "recipes": 9, "cli": 9, "serve": 9,
 }  # fmt: skip
 # Same-level imports that the architecture allows (everything else at one level is a sibling import).
 # training -> rollout: SFT builds its prompts with the engine's prompt_messages (one prompt for SFT and RL).
-ALLOWED_SAME_LEVEL = {("rollout", "model"), ("training", "model"), ("training", "rollout")}
+# rollout/training -> agents: the engine and SFT prompts speak the chosen agent profile's protocol.
+ALLOWED_SAME_LEVEL = {("rollout", "model"), ("training", "model"), ("training", "rollout"), ("rollout", "agents"),
+                      ("training", "agents")}  # fmt: skip
 NO_TRANSFORMERS = {"rewards", "algorithms", "types", "geometry", "config", "chat", "judge"}
 
 

@@ -192,8 +192,10 @@ def _tools_call(args: argparse.Namespace) -> int:
 def _tools_parse(args: argparse.Namespace) -> int:
     import json
 
-    from vagent.chat import parse_turn
+    from vagent.agents import get_profile
     from vagent.toolbox import check_call
+
+    profile = get_profile(args.agent)
 
     bad_lines = 0
     for number, line in enumerate(sys.stdin, 1):
@@ -208,16 +210,25 @@ def _tools_parse(args: argparse.Namespace) -> int:
             bad_lines += 1
             print(json.dumps({"line": number, "input_error": 'expected a JSON object {"text": "<model output>"}'}))
             continue
-        turn = parse_turn(text)
+        turn = profile.parse(text)
         errors = [{"kind": e.kind, "message": e.message} for e in turn.errors]
         # The dispatch checks, without running anything: is the tool known, do the arguments fit its schema?
-        refusals = [check_call(call) for call in turn.tool_calls]
-        errors += [{"kind": r.error, "message": r.text} for r in refusals if r is not None]
+        # (A native call's arguments are the agent's own; its profile checks and converts them when it runs.)
+        if profile.name == "vagent":
+            refusals = [check_call(call) for call in turn.tool_calls]
+            errors += [{"kind": r.error, "message": r.text} for r in refusals if r is not None]
+        else:
+            errors += [{"kind": "unknown_tool", "message": f"{c.name!r} has no vagent equivalent in {profile.name}"}
+                       for c in turn.tool_calls if profile.tool_for(c) is None]  # fmt: skip
+        calls = [{"name": profile.tool_for(c), "arguments": c.arguments} for c in turn.tool_calls]
+        if profile.name != "vagent":  # say which native call each vagent tool stands for
+            calls = [{**call, "native": c.name} for call, c in zip(calls, turn.tool_calls, strict=True)]
         out = {
             "line": number,
-            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in turn.tool_calls],
+            "tool_calls": calls,
             "answer": turn.answer,
-            "think": turn.think,
+            # native profiles do not split reasoning out; their <think> blocks are shown the same way
+            "think": turn.think if turn.think is not None else _think_blocks(text),
             "error_kinds": [e["kind"] for e in errors],
             "errors": errors,
         }
@@ -241,6 +252,25 @@ def _tool_names(text: str) -> list[str]:
     return names
 
 
+def _think_blocks(text: str) -> str | None:
+    import re
+
+    blocks = [b.strip() for b in re.findall(r"<think>(.*?)</think>", text, re.DOTALL)]
+    return "\n".join(blocks) if blocks else None
+
+
+AGENT_HELP = "Agent profile: the native protocol of a published agent (docs/guide/agents.md). Default: vagent."
+
+
+def _agent_name(text: str) -> str:
+    """``--agent NAME``, checked against ``vagent.agents.PROFILES``."""
+    from vagent.agents import PROFILES
+
+    if text not in PROFILES:
+        raise argparse.ArgumentTypeError(f"unknown agent {text!r}; available: {', '.join(PROFILES)}")
+    return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -254,6 +284,7 @@ def _rollout(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from vagent.agents import get_profile
     from vagent.data import load_rows
     from vagent.model import load_policy
     from vagent.rollout import RolloutLimits, Task, run
@@ -266,10 +297,10 @@ def _rollout(args: argparse.Namespace) -> int:
     if services["search"] is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
     limits = RolloutLimits(
-        max_turns=args.max_turns,
+        max_turns=args.max_turns or get_profile(args.agent).limits.max_turns,
         max_new_tokens=args.max_new_tokens,
         max_total_tokens=args.max_total_tokens,
-        max_images=args.max_images,
+        max_images=args.max_images or get_profile(args.agent).limits.max_images,
         temperature=args.temperature,
         top_p=args.top_p,
     )
@@ -294,6 +325,7 @@ def _rollout(args: argparse.Namespace) -> int:
             **services,
             batch_size=args.batch_size,
             progress=progress,
+            agent=args.agent,
         )
 
     # The gold answer and sample number ride along in each JSONL record, so scoring needs only this file.
@@ -384,10 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_positive, default=1, help="Samples per record (pass@k with temperature > 0).")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-turns", type=_positive, default=4)
+    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
+    p.add_argument("--max-turns", type=_positive, default=None, help="Assistant turns per episode (default: the "
+                   "agent profile's own limit; 4 for vagent).")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_positive, default=512)
     p.add_argument("--max-total-tokens", type=_positive, default=8192)
-    p.add_argument("--max-images", type=_positive, default=8)
+    p.add_argument("--max-images", type=_positive, default=None,
+                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
     p.add_argument("--batch-size", type=_positive, default=8)
     p.add_argument("--limit", type=_positive, help="Only the first K records.")
     p.add_argument("--skip-bad", action="store_true", help="Report bad records and go on (default: fail the run).")
@@ -419,10 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive, help="Only the first K rows.")
     p.add_argument("--tools", type=_tool_names, default=["crop"],
                    help="Comma-separated tools offered to rows without their own `tools`, or 'none'. Default: crop.")  # fmt: skip
-    p.add_argument("--max-turns", type=_positive, default=4, help="Assistant turns per episode (%(default)s).")
+    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
+    p.add_argument("--max-turns", type=_positive, default=None, help="Assistant turns per episode (default: the "
+                   "agent profile's own limit; 4 for vagent).")  # fmt: skip
     p.add_argument("--max-new-tokens", type=_positive, default=256, help="Tokens sampled per turn (%(default)s).")
     p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
-    p.add_argument("--max-images", type=_positive, default=8, help="Images per episode (%(default)s).")
+    p.add_argument("--max-images", type=_positive, default=None,
+                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy.")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")
@@ -464,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_tools_call)
 
     p = tools_sub.add_parser("parse", help='Parse model outputs: stdin JSONL {"text": ...} -> one JSON line each.')
+    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
     p.set_defaults(func=_tools_parse)
     return parser
 

@@ -299,6 +299,7 @@ class RolloutConfig:
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
     tools: list[str] = option(["crop"], "Tools offered to the policy.")
+    agent: str = option("vagent", "Agent profile the policy speaks (vagent.agents.PROFILES; docs/guide/agents.md).")
 
     def validate(self) -> None:
         for name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_images"):
@@ -335,6 +336,7 @@ class SFTDataConfig:
     train: str | None = option(None, "Canonical rows (JSONL) with gold `messages` (required).")
     val: str | None = option(None, "Rows for the periodic eval loss; None = no eval loss.")
     tools: list[str] = option(["crop"], "Tools named in the system prompt of rows without their own `tools` list.")
+    agent: str = option("vagent", "Agent profile whose prompt and turn format the gold rows use (vagent.agents).")
     micro_batch_size: int = option(2, "Conversations per forward pass on each rank.")
     group_by_length: bool = option(True, "Batch conversations of similar length (less padding); order stays random.")
     group_batches: int = option(16, "Length grouping sorts within windows of this many micro-batches.")

@@ -9,6 +9,10 @@ Conventions used everywhere in vagent:
   ``model_to_original`` / ``original_to_model`` are the only functions that convert between the
   frame the model sees and the original image, so a crop is always cut from full resolution.
 * A span is ``(t0, t1)`` in seconds with ``t0 <= t1``.
+* Published agents (``vagent.agents``) write coordinates in their own frames: ``"original"`` pixels of the
+  unresized image (DeepEyes), 0-1 fractions with padding (Pixel-Reasoner, ``normalized_to_original``),
+  a 0-1000 grid (Visual-ARFT, ``norm1000_to_original``) and 0-100 percent points (OpenThinkIMG,
+  ``percent_to_original``). They are converted here too, never in the profiles.
 
 Everything here is pure: floats in, floats out, no I/O.
 """
@@ -31,7 +35,11 @@ __all__ = [
     "giou",
     "iou",
     "model_to_original",
+    "norm1000_to_original",
+    "normalized_to_original",
     "original_to_model",
+    "percent_to_original",
+    "pixels_as_fractions",
     "sanitize_box",
     "span_iou",
     "to_pixel_box",
@@ -39,7 +47,7 @@ __all__ = [
 
 Box = tuple[float, float, float, float]
 Span = tuple[float, float]
-Convention = Literal["absolute", "norm1000"]
+Convention = Literal["absolute", "norm1000", "original"]
 
 
 class BoxError(ValueError):
@@ -171,7 +179,8 @@ def model_to_original(
 
     Args:
         box: ``(x1, y1, x2, y2)`` as the model wrote it.
-        convention: ``"absolute"`` (pixels of the resized image the model saw) or ``"norm1000"``.
+        convention: ``"absolute"`` (pixels of the resized image the model saw), ``"norm1000"``, or
+            ``"original"`` (already in original pixels: returned unchanged).
         model_size: ``(width, height)`` of the image the model saw (after smart resize).
         original_size: ``(width, height)`` of the original image.
 
@@ -183,8 +192,10 @@ def model_to_original(
         sx, sy = ow / model_size[0], oh / model_size[1]
     elif convention == "norm1000":
         sx, sy = ow / 1000.0, oh / 1000.0
+    elif convention == "original":
+        sx = sy = 1.0
     else:
-        raise ValueError(f"unknown coordinate convention {convention!r}; expected 'absolute' or 'norm1000'")
+        raise ValueError(f"unknown coordinate convention {convention!r}; expected 'absolute', 'norm1000' or 'original'")
     x1, y1, x2, y2 = box
     return (x1 * sx, y1 * sy, x2 * sx, y2 * sy)
 
@@ -198,10 +209,61 @@ def original_to_model(
         sx, sy = model_size[0] / ow, model_size[1] / oh
     elif convention == "norm1000":
         sx, sy = 1000.0 / ow, 1000.0 / oh
+    elif convention == "original":
+        sx = sy = 1.0
     else:
-        raise ValueError(f"unknown coordinate convention {convention!r}; expected 'absolute' or 'norm1000'")
+        raise ValueError(f"unknown coordinate convention {convention!r}; expected 'absolute', 'norm1000' or 'original'")
     x1, y1, x2, y2 = box
     return (x1 * sx, y1 * sy, x2 * sx, y2 * sy)
+
+
+def normalized_to_original(
+    box: Sequence[float], original_size: tuple[int, int], padding: tuple[float, float] = (0.0, 0.0)
+) -> Box:
+    """A box of 0-1 fractions of the image, grown by ``padding`` (fractions) on every side and clipped to
+    ``[0, 1]``, in original pixels (Pixel-Reasoner's ``crop_image_normalized``: padding 0.1).
+
+    Pixel-Reasoner reads a box whose four numbers are all below 1 as fractions and any other box as
+    pixels of the image it crops, padded by the same fractions; both readings are this function
+    (``pixels_as_fractions`` turns the second into the first).
+
+    >>> normalized_to_original((0.2, 0.2, 0.4, 0.5), (1000, 500), (0.1, 0.1))
+    (100.0, 50.0, 500.0, 300.0)
+    """
+    ow, oh = original_size
+    px, py = padding
+    x1, y1, x2, y2 = (float(v) for v in box)
+    frac = (x1 - px, y1 - py, x2 + px, y2 + py)
+    x1, y1, x2, y2 = (min(max(v, 0.0), 1.0) for v in frac)
+    return (x1 * ow, y1 * oh, x2 * ow, y2 * oh)
+
+
+def pixels_as_fractions(box: Sequence[float], size: tuple[int, int]) -> Box:
+    """A pixel box of an image of ``size`` as 0-1 fractions. ``pixels_as_fractions((50, 0, 100, 25), (100, 50))
+    == (0.5, 0.0, 1.0, 0.5)``."""
+    w, h = size
+    x1, y1, x2, y2 = (float(v) for v in box)
+    return (x1 / w, y1 / h, x2 / w, y2 / h)
+
+
+def norm1000_to_original(box: Sequence[float], original_size: tuple[int, int]) -> Box:
+    """A box on the 0-1000 grid (Qwen2-VL, Visual-ARFT's questions) in original pixels.
+
+    >>> norm1000_to_original((100, 200, 500, 1000), (640, 480))
+    (64.0, 96.0, 320.0, 480.0)
+    """
+    return model_to_original(box, "norm1000", original_size, original_size)
+
+
+def percent_to_original(point: Sequence[float], original_size: tuple[int, int]) -> tuple[float, float]:
+    """A point ``(x, y)`` in 0-100 percent of the image's width and height (OpenThinkIMG's line tools and
+    Molmo-style points) in original pixels.
+
+    >>> percent_to_original((25, 50), (640, 480))
+    (160.0, 240.0)
+    """
+    x, y = (float(v) for v in point)
+    return (x / 100.0 * original_size[0], y / 100.0 * original_size[1])
 
 
 def span_iou(a: Sequence[float], b: Sequence[float]) -> float:

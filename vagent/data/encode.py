@@ -11,7 +11,8 @@ ids the policy sampled are exactly the ids it is trained on:
   never re-tokenized from its text; its ``sampled`` flags become the loss mask (GRPO trains only
   what was sampled). A gold assistant message without ids (SFT) is tokenized and trained on its
   content and closing ``<|im_end|>`` (unless ``trained`` is False: context only); the header and the
-  newline after ``<|im_end|>`` are masked.
+  newline after ``<|im_end|>`` are masked. The agent profile's ``forced_spans`` (text its loop writes into
+  an assistant turn: DeepEyesV2's pre-filled ``<think>``, Tool-Star's inline ``<result>``) are masked too.
 * System, user and tool messages are masked (0). Their images are resized exactly as the policy saw
   them (``resize_to_budget`` with the policy's pixel budget and patch grid) and run through the
   processor, so ``pixel_values`` holds every image's patches in conversation order (prompt images,
@@ -23,7 +24,7 @@ Multimodal RoPE positions are not computed here: they need the model's vision co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,7 @@ def encode_messages(
     max_pixels: int,
     factor: int = 28,
     logprobs: Sequence[float] | None = None,
+    forced_spans: Callable[[str, int], list[tuple[int, int]]] | None = None,
 ) -> Encoded:
     """Encode a conversation (see the module docstring).
 
@@ -142,6 +144,8 @@ def encode_messages(
         min_pixels, max_pixels, factor: The policy's pixel budget and patch grid (``Policy.pixel_budget``,
             ``Policy.image_factor``); images are resized with them exactly as the policy saw them.
         logprobs: Optional per-token log-probs of the whole sequence (a Trajectory's), carried through.
+        forced_spans: The agent profile's ``forced_spans(text, turn)``: character spans of a gold assistant
+            turn's text (``turn`` 1-based) that the agent's loop forces; their tokens get loss mask 0.
 
     Returns:
         An ``Encoded``; for an engine trajectory ``input_ids`` equals ``Trajectory.token_ids``.
@@ -165,7 +169,9 @@ def encode_messages(
     first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
     prompt_images = [img for m in messages[:first] for img in _model_images(m, min_pixels, max_pixels, factor)]
     add(encode_prompt(processor, messages[:first], prompt_images))
+    turn_number = 0
     for message in messages[first:]:
+        turn_number += message.role == "assistant"
         if message.role != "assistant":
             add(encode_message(processor, message, _model_images(message, min_pixels, max_pixels, factor)))
             continue
@@ -178,8 +184,12 @@ def encode_messages(
             body = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
             if not body.startswith(header_text):
                 raise ValueError("the chat template renders assistant turns with a different header")
-            turn = torch.tensor(tokenizer.encode(body[len(header_text) :]), dtype=torch.long)
+            content = body[len(header_text) :]
+            spans = forced_spans(message.plain_text, turn_number) if forced_spans and message.trained else []
+            turn = torch.tensor(tokenizer.encode(content), dtype=torch.long)
             trained = torch.full_like(turn, int(message.trained))
+            if spans:
+                trained *= _outside(tokenizer, content, spans, len(turn))
             if turn[-len(newline) :].tolist() == newline:
                 trained[-len(newline) :] = 0
             add({"input_ids": turn}, trained)
@@ -198,6 +208,15 @@ def encode_messages(
         mm_token_type_ids=types,
         logprobs=lp,
     )
+
+
+def _outside(tokenizer: Any, text: str, spans: list[tuple[int, int]], n: int) -> torch.Tensor:
+    """(n,) 1 for tokens of ``text`` that overlap none of ``spans`` (character ranges), 0 for the others."""
+    offsets = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    if len(offsets) != n:
+        raise ValueError("the tokenizer's offsets do not align with its ids; cannot mask forced spans")
+    keep = [int(not any(a < e and s < b for s, e in spans)) for a, b in offsets]
+    return torch.tensor(keep, dtype=torch.long)
 
 
 def _image_size(part: Any) -> tuple[int, int]:

@@ -43,7 +43,7 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
 def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,
              limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: dict[str, Any] | None = None,
              env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
-             progress: bool = True) -> dict[str, Any]:  # fmt: skip
+             progress: bool = True, agent: str = "vagent") -> dict[str, Any]:  # fmt: skip
     """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
 
     Args:
@@ -52,6 +52,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         n_samples: Samples per row (pass@k); greedy decoding needs ``limits.temperature = 0``.
         env: This process's place among ranks (rows are split round-robin); None = a single process.
         skipped: Records the loader could not read, reported in the metrics.
+        agent: The agent profile the policy speaks (``vagent.agents.PROFILES``): its prompt, tools and answers.
     """
     rank, world = (env.rank, env.world_size) if env else (0, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,15 +100,16 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         chunk = max(1, batch_size)
         for start in range(0, len(todo), chunk):
             run(policy, [task(r) for r in todo[start : start + chunk]], n_samples, limits, batch_size=batch_size,
-                progress=finished, **(services or {}))  # fmt: skip
+                progress=finished, agent=agent, **(services or {}))  # fmt: skip
     bar.close()
     barrier()
     if rank != 0:
         return {}
-    return _merge(benchmark, rows, out_dir, world, skipped, tools)
+    return _merge(benchmark, rows, out_dir, world, skipped, tools, agent)
 
 
-def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int, skipped, tools) -> dict[str, Any]:
+def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int, skipped, tools,
+           agent: str = "vagent") -> dict[str, Any]:  # fmt: skip
     samples = {
         (s["id"], s["sample"]): s for r in range(world) for s in read_samples(out_dir / f"samples.rank{r}.jsonl")
     }
@@ -123,6 +125,7 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     metrics["answered"] = sum(1 for s in merged if s["prediction"] is not None) / len(merged) if merged else 0.0
     metrics["benchmark"] = benchmark.name
     metrics["tools"] = "none" if tools == [] else ",".join(tools) if tools else ",".join(benchmark.tools) + " (default)"
+    metrics["agent"] = agent
     metrics["skipped"] = [{"record": r, "reason": why} for r, why in skipped]
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
     write_table([metrics], out_dir / "metrics.md", [out_dir.name])

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vagent.agents import get_profile
 from vagent.eval import BENCHMARKS, BenchmarkError
 from vagent.eval.runner import evaluate, write_table
 from vagent.model import load_policy
@@ -41,12 +42,13 @@ def run_eval(args: argparse.Namespace) -> int:
 
         services = tool_services(ToolboxConfig(search_corpus=args.search_corpus, search_url=args.search_url,
                                                allow_unsandboxed_code=args.unsandboxed))  # fmt: skip
-        limits = RolloutLimits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                               max_total_tokens=args.max_total_tokens, max_images=args.max_images,
+        own = get_profile(args.agent).limits  # the agent's own turn and image limits, unless given
+        limits = RolloutLimits(max_turns=args.max_turns or own.max_turns, max_new_tokens=args.max_new_tokens,
+                               max_total_tokens=args.max_total_tokens, max_images=args.max_images or own.max_images,
                                temperature=args.temperature, top_p=args.top_p)  # fmt: skip
         metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
                            n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
-                           skipped=errors, progress=env.is_main)  # fmt: skip
+                           skipped=errors, progress=env.is_main, agent=args.agent)  # fmt: skip
     finally:
         shutdown()
     if metrics and args.judge:

@@ -251,7 +251,7 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     optimizer_steps = total_steps * algo.inner_updates * algo.mini_batches
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
-    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "tools"})
+    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("tools", "agent")})
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)"
              f"{', fsdp' if fsdp else ''}")  # fmt: skip
@@ -329,7 +329,7 @@ def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: d
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
         trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
-                                   **ctx.services)  # fmt: skip
+                           agent=ctx.cfg.rollout.agent, **ctx.services)  # fmt: skip
     timer["gen"] += time.perf_counter() - t0
     timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
     t0 = time.perf_counter()
@@ -558,7 +558,7 @@ class _Validation:
         with torch.no_grad(), autocast(env.device, self.bf16), torch.random.fork_rng(devices=devices):
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
             trajectories = run(policy, tasks, 1, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
-                               **self.services)  # fmt: skip
+                               agent=self.cfg.rollout.agent, **self.services)  # fmt: skip
         totals, parts = self.judged.combine(trajectories, mine, 1)
         correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, mine)
         sums = all_reduce_sum(torch.tensor([sum(correct), sum(totals), sum(t.stop_reason == "answered" for t in

@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from vagent.chat import ParsedTurn, ParseError, observation_content, parse_turn, system_prompt
+from vagent.agents import AgentProfile, get_profile
+from vagent.chat import ParsedTurn, ParseError
 from vagent.data.encode import encode_message, encode_prompt, template_suffix
 from vagent.data.rows import Row
-from vagent.media import MediaError, load_image, probe_video
+from vagent.media import load_image
 from vagent.model import Policy
 from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
-from vagent.toolbox import ToolContext, call_tool, tool_schemas
+from vagent.toolbox import ToolContext
 from vagent.types import ContentPart, Frame, Message, Observation, ToolCall, ToolResult, Trajectory
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STOP_STRINGS", "RolloutLimits", "Task", "act", "prompt_messages", "rollout", "run"]
 
-STOP_STRINGS = ("</tool_call>", "</answer>")
+STOP_STRINGS = get_profile("vagent").stop_strings  # vagent's own protocol; each profile has its own
 
 
 @dataclass
@@ -95,19 +96,14 @@ class RolloutLimits:
     top_p: float = 1.0
 
 
-def act(parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> list[Observation]:
-    """One observation per ``<tool_call>`` block of a turn, in order. Never raises.
+def act(parsed: ParsedTurn, context: ToolContext, offered: list[str], agent: str | AgentProfile = "vagent"
+        ) -> list[Observation]:  # fmt: skip
+    """One observation per action of a turn, in order, as the agent profile runs them. Never raises.
 
-    Well-formed calls run through ``call_tool`` (which checks the name and the arguments); blocks
-    that could not be parsed come back as error observations with the parse error's kind.
+    Under vagent's protocol, well-formed calls run through ``call_tool`` (which checks the name and the
+    arguments); blocks that could not be parsed come back as error observations with the parse error's kind.
     """
-    observations = []
-    for action in parsed.actions:
-        if isinstance(action, ParseError):
-            observations.append(Observation(text=action.message + ".", error=action.kind))
-        else:
-            observations.append(call_tool(action, context, offered=offered))
-    return observations
+    return get_profile(agent).act(parsed, context, offered)
 
 
 @dataclass
@@ -149,6 +145,8 @@ class _Row:
     tool_results: list[ToolResult] = field(default_factory=list)  # Trajectory.tool_results
     frames: list[Frame] = field(default_factory=list)  # Trajectory.frames
     tool_started: float = 0.0
+    prefill: list[int] = field(default_factory=list)  # ids the profile forced at the start of the open turn
+    open_turn: Message | None = None  # an inline profile's assistant turn, continued after each tool result
     answer: str | None = None
     stop: str | None = None
 
@@ -164,8 +162,9 @@ class _Engine:
     """Runs rows to completion; see the module docstring."""
 
     def __init__(self, policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                 on_turn, progress, turn_barrier=False, share_prefix=True):  # fmt: skip
+                 on_turn, progress, turn_barrier=False, share_prefix=True, agent="vagent"):  # fmt: skip
         self.policy, self.limits = policy, limits
+        self.profile = get_profile(agent)
         self.turn_barrier = turn_barrier
         self.search, self.sandbox = search, sandbox
         self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
@@ -174,7 +173,7 @@ class _Engine:
             policy,
             temperature=limits.temperature,
             top_p=limits.top_p,
-            stop_strings=STOP_STRINGS,
+            stop_strings=self.profile.stop_strings,
             reuse_cache=reuse_cache,
             share_prefix=share_prefix,
         )
@@ -220,9 +219,10 @@ class _Engine:
         and shared by its samples (a GRPO group), whose identical prompts the backend then prefills once."""
         made = self.last_prompt  # a task's samples start one after another: one slot is enough, and memory stays flat
         if made is None or made[0] is not task:
-            originals = [load_image(img) for img in task.images]
+            messages = prompt_messages(task, [load_image(img) for img in task.images], self.profile)
+            # The profile may add images of its own (LongVT and Pixel-Reasoner show a video as frames).
+            originals = [part.image for m in messages for part in m.content if part.type == "image"]
             shown = [self.policy.model_view(img) for img in originals]
-            messages = prompt_messages(task, originals)
             segment = _segment(encode_prompt(self.policy.processor, messages, shown))
             made = self.last_prompt = (task, originals, shown, messages, segment)
         return made[1], made[2], list(made[3]), made[4]
@@ -260,7 +260,13 @@ class _Engine:
             return
         row.turns += 1
         row.metrics["turns"] += 1
-        row.force(_Segment(list(self.header)))
+        # Text the agent's loop writes at the start of the turn (DeepEyesV2's "<think>"): forced, part of the turn.
+        forced = row.scripted and row.scripted[0] is not None  # a scripted turn writes its own opening
+        row.prefill = [] if forced else self.policy.tokenizer.encode(self.profile.prefill(row.turns))
+        if row.open_turn is None:
+            row.force(_Segment(list(self.header) + row.prefill))
+        else:  # an inline profile's turn goes on after its tool result: no header, no opening of its own
+            row.prefill = []
         if row.scripted and row.scripted[0] is not None:
             row.metrics["scripted_turns"] += 1
             ids = [*self.policy.tokenizer.encode(row.scripted.pop(0)), self.im_end]
@@ -274,31 +280,51 @@ class _Engine:
     def _on_turn_end(self, row: _Row, result: TurnResult, sampled: bool = True) -> None:
         ids = list(result.token_ids)
         flag = 1 if sampled else 0
-        # Close the turn the way the chat template renders it: "...<|im_end|>\n".
-        closing = list(self.newline) if ids and ids[-1] == self.im_end else [self.im_end, *self.newline]
-        row.ids += ids + closing
-        row.mask += [flag] * len(ids) + [0] * len(closing)
-        row.logprobs += (result.logprobs if sampled else [0.0] * len(ids)) + [0.0] * len(closing)
-        if sampled:
-            row.metrics["sampled_tokens"] += len(ids)
-        text = self.policy.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        parsed = parse_turn(text)
+        prefill, row.prefill = row.prefill, []  # already in row.ids (forced with the header)
+        text = self.policy.tokenizer.decode(prefill + ids, skip_special_tokens=True)
+        parsed = self.profile.parse(text)
         for error in parsed.errors:
             row.metrics[f"parse_error/{error.kind}"] += 1
+        max_calls = self.profile.limits.max_calls
+        over_budget = max_calls is not None and row.metrics["tool_calls"] + len(parsed.actions) > max_calls
+        # An inline profile (Tool-Star) keeps the turn open across a call: its result continues the same turn.
+        # A sampled turn that ended at EOS ended the turn, whatever it wrote.
+        inline = (self.profile.inline and parsed.answer is None and bool(parsed.actions) and not over_budget
+                  and (not sampled or result.stop == "stop_string"))  # fmt: skip
+        if inline and ids and ids[-1] == self.im_end:
+            ids = ids[:-1]  # a scripted inline segment: the engine closes nothing yet
+        # Close the turn the way the chat template renders it: "...<|im_end|>\n".
+        closing = (
+            [] if inline else list(self.newline) if ids and ids[-1] == self.im_end else [self.im_end, *self.newline]
+        )
+        row.ids += ids + closing
+        row.mask += [flag] * len(ids) + [0] * len(closing)
+        row.logprobs += (result.logprobs[: len(ids)] if sampled else [0.0] * len(ids)) + [0.0] * len(closing)
+        if sampled:
+            row.metrics["sampled_tokens"] += len(ids)
         turn = Message(
             "assistant",
             [ContentPart("text", text)],
             tool_calls=parsed.tool_calls,
-            token_ids=ids + closing,
-            sampled=[flag] * len(ids) + [0] * len(closing),
+            token_ids=prefill + ids + closing,
+            sampled=[0] * len(prefill) + [flag] * len(ids) + [0] * len(closing),
         )
-        self._emit(row, turn)
+        if row.open_turn is not None:  # the rest of an inline turn: one assistant message for the whole turn
+            turn = _joined(row.open_turn, turn)
+            row.open_turn = None
+        if inline:
+            row.open_turn = turn  # emitted when the turn closes
+        else:
+            self._emit(row, turn)
         if parsed.answer is not None:
             row.stop, row.answer = "answered", parsed.answer
         elif not parsed.actions and row.scripted:
             self._next_turn(row)  # the script goes on
         elif not parsed.actions:
             row.stop = "max_tokens" if result.stop == "length" else "no_action"
+        elif over_budget:
+            row.stop = "max_turns"  # the agent's own call budget is spent (e.g. Pixel-Reasoner: 4)
+            row.metrics["max_calls_reached"] += 1
         else:
             row.pending_calls = len(parsed.actions)
             row.pending_actions = list(parsed.actions)
@@ -311,14 +337,17 @@ class _Engine:
         abandoned (timed-out) call can never change the row after it moved on."""
         context = dataclasses.replace(context, images=list(context.images), model_sizes=list(context.model_sizes))
         messages, segments, observations = [], [], []
-        for observation in act(parsed, context, offered):
+        for observation in self.profile.act(parsed, context, offered):
             if len(context.images) + len(observation.images) > self.limits.max_images:
                 return _ToolOutcome(messages, segments, context, observations, out_of_images=True)
             shown = [self.policy.model_view(img) for img in observation.images]
             context.images += observation.images
             context.model_sizes += [img.size for img in shown]
-            message = _tool_message(observation)
-            segments.append(_segment(encode_message(self.policy.processor, message, shown)))
+            message = self.profile.observation_message(observation)
+            if self.profile.inline:  # text inside the open assistant turn, tokenized as the agent's loop does
+                segments.append(_Segment(self.policy.tokenizer.encode(message.plain_text)))
+            else:
+                segments.append(_segment(encode_message(self.policy.processor, message, shown)))
             messages.append(message)
             observations.append(observation)
         return _ToolOutcome(messages, segments, context, observations, out_of_images=False)
@@ -333,8 +362,9 @@ class _Engine:
                 f"did not finish within {self.tool_timeout_s:g} s" if not future.done() else str(future.exception())
             )
             observation = Observation(text=f"the tool call {detail}.", error=reason)
-            message = _tool_message(observation)
-            segment = _segment(encode_message(self.policy.processor, message, []))
+            message = self.profile.observation_message(observation)
+            segment = (_Segment(self.policy.tokenizer.encode(message.plain_text)) if self.profile.inline
+                       else _segment(encode_message(self.policy.processor, message, [])))  # fmt: skip
             observations = [observation] * row.pending_calls
             outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
                                    observations, out_of_images=False)  # fmt: skip
@@ -349,7 +379,11 @@ class _Engine:
                                                observation.metadata))  # fmt: skip
         for message, segment, observation in zip(outcome.messages, outcome.segments, outcome.observations, strict=True):
             row.force(segment)
-            self._emit(row, message, observation)
+            if row.open_turn is not None:  # an inline result: forced text inside the open assistant turn
+                result = Message("assistant", message.content, token_ids=segment.ids, sampled=[0] * len(segment.ids))
+                row.open_turn = _joined(row.open_turn, result)
+            else:
+                self._emit(row, message, observation)
         if outcome.out_of_images:
             row.metrics["tool_calls"] += 1
             row.stop = "max_images"
@@ -365,6 +399,13 @@ class _Engine:
 
     def _finish(self, row: _Row) -> Trajectory:
         self.backend.release(row.key)
+        if row.open_turn is not None:  # an inline turn cut by a limit: close it the way the template would
+            closing = [self.im_end, *self.newline]
+            row.force(_Segment(closing))
+            self._emit(
+                row, _joined(row.open_turn, Message("assistant", [], token_ids=closing, sampled=[0] * len(closing)))
+            )
+            row.open_turn = None
         trajectory = Trajectory(
             task_id=row.task.id,
             messages=row.messages,
@@ -382,32 +423,31 @@ class _Engine:
         return trajectory
 
 
-def prompt_messages(task: Task, images: list[Image.Image | str] | None = None) -> list[Message]:
-    """The system and user messages an episode of ``task`` starts from: the system prompt with the schemas of
-    the offered tools, then the prompt images, the videos' names and lengths, and the question. SFT builds
-    its prompts here too, so the cold start trains on exactly the prompt the engine shows.
+def prompt_messages(task: Task, images: list[Image.Image | str] | None = None, agent: str | AgentProfile = "vagent"
+                    ) -> list[Message]:  # fmt: skip
+    """The system and user messages an episode of ``task`` starts from, as the agent profile writes them (vagent:
+    the system prompt with the schemas of the offered tools, then the prompt images, the videos' names and
+    lengths, and the question). SFT builds its prompts here too, so the cold start trains on exactly the prompt
+    the engine shows.
 
     Args:
         task: The episode.
         images: The prompt images (default: ``task.images`` as given: paths or PIL images).
+        agent: The agent profile (``vagent.agents.PROFILES``) or its name.
     """
     images = list(task.images if images is None else images)
-    parts = [ContentPart("image", image=img) if isinstance(img, Image.Image) else ContentPart("image", path=str(img))
-             for img in images]  # fmt: skip
-    user = Message("user", [*parts, ContentPart("text", _video_lines(task.videos) + task.question)])
-    return [Message.text("system", system_prompt(tool_schemas(task.tools))), user]
+    return get_profile(agent).prompt(task.question, images, task.videos, task.tools)
 
 
-def _video_lines(videos: list[str]) -> str:
-    """Tell the policy which videos its video tools can read, and how long they are. The frames themselves
-    come only through the tools (the prompt holds no video tokens)."""
-    lines = []
-    for index, path in enumerate(videos):
-        try:
-            lines.append(f"Video {index}: {probe_video(path).duration:.1f} s long.\n")
-        except MediaError:
-            lines.append(f"Video {index}: unreadable.\n")  # the video tools will say why, as observations
-    return "".join(lines)
+def _joined(first: Message, then: Message) -> Message:
+    """One assistant message from two consecutive pieces of the same turn (an inline profile's turn)."""
+    return Message(
+        "assistant",
+        [ContentPart("text", first.plain_text + then.plain_text)],
+        tool_calls=first.tool_calls + then.tool_calls,
+        token_ids=(first.token_ids or []) + (then.token_ids or []),
+        sampled=(first.sampled or []) + (then.sampled or []),
+    )
 
 
 def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
@@ -417,20 +457,6 @@ def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
     grids = list(encoded["image_grid_thw"].split(1))
     sizes = [int(g.prod()) for g in grids]
     return _Segment(ids, list(encoded["pixel_values"].split(sizes)), grids)
-
-
-def _tool_message(observation: Observation) -> Message:
-    """The tool turn exactly as the template will render it (``observation_content``), with the images."""
-    images = iter(observation.images)
-    stamps = iter(observation.timestamps or [])
-    parts = []
-    for item in observation_content(observation):
-        if item["type"] == "image":
-            stamp = next(stamps, None)
-            parts.append(ContentPart("image", image=next(images), timestamps=None if stamp is None else [stamp]))
-        else:
-            parts.append(ContentPart("text", item["text"]))
-    return Message("tool", parts)
 
 
 def run(
@@ -450,6 +476,7 @@ def run(
     on_turn: Callable[[Message, Observation | None], None] | None = None,
     turn_barrier: bool = False,
     stats: dict[str, float] | None = None,
+    agent: str | AgentProfile = "vagent",
 ) -> list[Trajectory]:
     """Run ``n_samples`` episodes per task, ``batch_size`` rows at a time.
 
@@ -471,6 +498,8 @@ def run(
         turn_barrier: The turn-synchronous baseline (benchmarks only): no row starts its next turn until
             every row has finished generating and every tool call has returned.
         stats: If given, filled with the backend's counters (prefill tokens, forward passes and time).
+        agent: The agent profile (``vagent.agents.PROFILES``) or its name: prompt, call syntax, tool mapping,
+            observation rendering and answer extraction of a published agent (default: vagent's own).
 
     Returns:
         Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).
@@ -478,7 +507,7 @@ def run(
     limits = limits or RolloutLimits()
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
     engine = _Engine(policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                     on_turn, progress, turn_barrier, share_prefix)  # fmt: skip
+                     on_turn, progress, turn_barrier, share_prefix, agent)  # fmt: skip
     done = engine.run(jobs)
     if stats is not None:
         backend = engine.backend
@@ -494,7 +523,8 @@ def rollout(
     on_turn: Callable[[Message, Observation | None], None] | None = None,
     search: SearchBackend | None = None,
     sandbox: Sandbox | None = None,
+    agent: str | AgentProfile = "vagent",
 ) -> Trajectory:
     """Run one episode of ``task``. Tool failures become observations; nothing raises for model output.
     ``on_turn`` is called with each new message and, for tool messages, its observation (see ``run``)."""
-    return run(policy, [task], 1, limits, search, sandbox, batch_size=1, on_turn=on_turn)[0]
+    return run(policy, [task], 1, limits, search, sandbox, batch_size=1, on_turn=on_turn, agent=agent)[0]

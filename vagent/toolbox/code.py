@@ -156,6 +156,9 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
         "duration_s": round(result.duration_s, 3),
         "sandboxed": result.sandboxed,
         "images_returned": [name for name, _ in images],
+        # Raw streams, for agent profiles that print them in their own format (vagent.agents).
+        "stdout": result.stdout,
+        "stderr": result.stderr,
     }
     error = "timeout" if result.timed_out else ("code_error" if result.exit_code != 0 else None)
     return Observation(text=text, images=[image for _, image in images], error=error, metadata=metadata)

@@ -25,7 +25,8 @@ class ToolContext:
         images: Original, full-resolution images of the episode (prompt images first, then tool outputs,
             in the order the model saw them; ``image_index`` arguments index this list).
         model_sizes: ``(width, height)`` of each image as the model saw it (after smart resize), aligned with ``images``.
-        convention: How the policy writes boxes (``"absolute"`` or ``"norm1000"``), from ``Policy.coord_convention``.
+        convention: How the policy writes boxes (``"absolute"`` or ``"norm1000"``), from ``Policy.coord_convention``;
+            ``"original"``: original-image pixels (agent profiles convert their own conventions to these).
         min_pixels: Smallest image the processor accepts; tools never return smaller images.
         max_pixels: Largest image the model sees; tools resize outputs within it.
         image_factor: Side multiple of model-facing images (patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL).

@@ -41,10 +41,16 @@ def pick_image(arguments: dict[str, Any], context: ToolContext) -> tuple[int, Im
     return index, image if image.mode == "RGB" else image.convert("RGB")
 
 
+def _pixel_frame(index: int, context: ToolContext) -> tuple[int, int]:
+    """Size of the pixel frame boxes are written in: the model's view, or the original (``"original"``: the
+    agent profiles that address original pixels, e.g. DeepEyes)."""
+    return context.images[index].size if context.convention == "original" else context.model_sizes[index]
+
+
 def model_frame(index: int, context: ToolContext) -> tuple[float, float]:
     """Width and height of the frame the model writes coordinates in for image ``index``."""
-    if context.convention == "absolute":
-        width, height = context.model_sizes[index]
+    if context.convention in ("absolute", "original"):
+        width, height = _pixel_frame(index, context)
         return float(width), float(height)
     return 1000.0, 1000.0
 
@@ -52,7 +58,9 @@ def model_frame(index: int, context: ToolContext) -> tuple[float, float]:
 def to_original(box: Sequence[float], index: int, context: ToolContext, size: tuple[int, int]) -> tuple[float, ...]:
     """Map a model-frame box (or a line ``x1, y1, x2, y2``) onto an image of ``size`` (the original, or a copy
     of it at another scale)."""
-    return model_to_original(box, context.convention, context.model_sizes[index], size)
+    # An original-pixel frame is a pixel frame like the model's view, only of the original's size.
+    convention = "absolute" if context.convention == "original" else context.convention
+    return model_to_original(box, convention, _pixel_frame(index, context), size)
 
 
 def grown_pixel_box(
@@ -75,7 +83,8 @@ def grown_pixel_box(
 
 def shown_box(pixel_box: Sequence[float], index: int, image: Image.Image, context: ToolContext) -> list[int]:
     """An original-pixel box written back in the model's frame, rounded, for the observation text."""
-    return [round(v) for v in original_to_model(pixel_box, context.convention, context.model_sizes[index], image.size)]
+    convention = "absolute" if context.convention == "original" else context.convention
+    return [round(v) for v in original_to_model(pixel_box, convention, _pixel_frame(index, context), image.size)]
 
 
 def fit(image: Image.Image, context: ToolContext) -> Image.Image:

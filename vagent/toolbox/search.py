@@ -322,7 +322,9 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
         results = context.search.search(query, k)[:k]
     except SearchError as e:
         return Observation(text=f"search failed: {e}. Try again later or answer without it.", error="search_failed")
-    metadata = {"query": query, "k": k, "n_results": len(results)}
+    # The hits themselves ride along so agent profiles can write them in their own formats (vagent.agents).
+    hits = [{"title": r.title, "snippet": r.snippet, "url": r.url} for r in results]
+    metadata = {"query": query, "k": k, "n_results": len(results), "results": hits}
     if not results:
         return Observation(text=f'No results for "{query}". Try other words.', metadata=metadata)
     return Observation(text=_render(query, results), metadata=metadata)

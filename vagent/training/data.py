@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from PIL import UnidentifiedImageError
 
+from vagent.agents import get_profile
 from vagent.data.batching import collate, epoch_batches
 from vagent.data.encode import encode_messages, encoded_length
 from vagent.data.rows import Row, RowError
@@ -31,8 +32,9 @@ from vagent.types import Message
 __all__ = ["SFTDataset", "gold_conversation", "rank_micro_batches"]
 
 
-def gold_conversation(row: Row, default_tools: Sequence[str]) -> list[Message]:
-    """The full conversation SFT trains on for ``row`` (see the module docstring).
+def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vagent") -> list[Message]:
+    """The full conversation SFT trains on for ``row`` (see the module docstring); ``agent`` names the
+    profile whose prompt precedes the gold turns (``vagent.agents.PROFILES``).
 
     Raises:
         RowError: the row has no ``messages``, or they hold a part SFT cannot encode.
@@ -51,7 +53,7 @@ def gold_conversation(row: Row, default_tools: Sequence[str]) -> list[Message]:
         if turns[0].role not in ("system", "user"):
             raise RowError(f"row {row.id!r}: messages with their own prompt must start with a system or user turn")
         return turns
-    return prompt_messages(Task.from_row(row, default_tools)) + turns
+    return prompt_messages(Task.from_row(row, default_tools), agent=agent) + turns
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -65,8 +67,10 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __init__(self, rows: Sequence[Row], processor: Any, *, min_pixels: int, max_pixels: int, factor: int,
                  default_tools: Sequence[str], max_length: int, micro_batch_size: int, seed: int,
-                 group_by_length: bool, group_batches: int) -> None:  # fmt: skip
+                 group_by_length: bool, group_batches: int, agent: str = "vagent") -> None:  # fmt: skip
         self.processor = processor
+        # Text the agent's loop forces into assistant turns (pre-filled or inline results) is not trained on.
+        self.forced_spans = get_profile(agent).forced_spans
         self.budget = {"min_pixels": min_pixels, "max_pixels": max_pixels, "factor": factor}
         self.micro_batch_size = micro_batch_size
         self.seed = seed
@@ -80,7 +84,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.skipped: list[tuple[str, str]] = []
         for row in rows:
             try:
-                conversation = gold_conversation(row, default_tools)
+                conversation = gold_conversation(row, default_tools, agent)
                 length = encoded_length(conversation, processor, **self.budget)
             except (RowError, OSError, UnidentifiedImageError, ValueError) as e:
                 self.skipped.append((row.id, f"{type(e).__name__}: {e}"))
@@ -110,7 +114,8 @@ class SFTDataset(torch.utils.data.Dataset):
         return self.batches_per_epoch  # one epoch; indices beyond it continue into the next epochs
 
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        encoded = [encode_messages(self.conversations[i], self.processor, **self.budget) for i in self.batch(g)]
+        encoded = [encode_messages(self.conversations[i], self.processor, **self.budget, forced_spans=self.forced_spans)
+                   for i in self.batch(g)]  # fmt: skip
         return collate(encoded, self.pad_id)
 
 
