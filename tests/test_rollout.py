@@ -4,7 +4,7 @@ from videos import write_video
 
 from vagent.chat import observation_content, system_prompt
 from vagent.media import resize_to_budget
-from vagent.rollout import RolloutLimits, Task, rollout, run
+from vagent.rollout import HFBackend, RolloutLimits, Task, rollout, run
 from vagent.toolbox import tool_schemas
 
 IMAGE = Image.new("RGB", (700, 500), (200, 200, 200))
@@ -98,19 +98,19 @@ def test_the_samples_of_one_task_are_prefilled_once(policy):
         Task(id="b", question="Other?", images=[IMAGE], tools=[]),
     ]
     limits = RolloutLimits(max_turns=1, max_new_tokens=6, temperature=0.0)
-    stats: dict[str, float] = {}
-    group = run(policy, tasks, n_samples=3, limits=limits, stats=stats)
+    backend = HFBackend(policy)
+    group = run(policy, tasks, n_samples=3, limits=limits, backend=backend)
     alone = [run(policy, [task], limits=limits)[0] for task in tasks]
     prompts = [t.token_ids[: t.loss_mask.index(1)] for t in alone]  # the tokens before the first sampled one
     vision_start = policy.model.config.vision_start_token_id
     shared = prompts[0].index(vision_start)  # the two prompts differ only after their (identical) image
     assert prompts[0][:shared] == prompts[1][:shared] and shared >= 16
-    assert stats["prefill_tokens"] == sum(map(len, prompts)) - shared
+    assert backend.stats().prefill_tokens == sum(map(len, prompts)) - shared
     assert [t.token_ids for t in group] == [t.token_ids for t in alone for _ in range(3)]
-    unshared: dict[str, float] = {}
-    assert [t.token_ids for t in run(policy, tasks, n_samples=3, limits=limits, stats=unshared, share_prefix=False)] \
+    unshared = HFBackend(policy, share_prefix=False)
+    assert [t.token_ids for t in run(policy, tasks, n_samples=3, limits=limits, backend=unshared)] \
         == [t.token_ids for t in group]  # fmt: skip
-    assert unshared["prefill_tokens"] == sum(map(len, prompts))
+    assert unshared.stats().prefill_tokens == sum(map(len, prompts))
 
 
 def test_turn_cut_by_its_token_budget_is_max_tokens(policy):
@@ -192,7 +192,7 @@ def test_recorded_logprobs_match_a_full_forward_over_the_whole_sequence(policy):
 
 def test_greedy_with_cache_reuse_and_batching_equals_recomputing_every_turn(policy):
     reused = run(policy, _tasks(), limits=_limits(), batch_size=3)
-    recomputed = run(policy, _tasks(), limits=_limits(), batch_size=1, reuse_cache=False)
+    recomputed = run(policy, _tasks(), limits=_limits(), batch_size=1, backend=HFBackend(policy, reuse_cache=False))
     assert [t.token_ids for t in reused] == [t.token_ids for t in recomputed]
     assert all(t.metrics.get("sampled_tokens", 0) > 0 for t in reused)
 
