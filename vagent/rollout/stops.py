@@ -7,10 +7,12 @@ work except on the rare tokens that could complete a stop string:
 1. Fast path: each stop string's own tokenization (``tokenizer.encode(stop)``) is precomputed; a row whose
    sampled ids end with one of these sequences stops without any decoding.
 2. Fallback, for stops the model spells with other tokens (``"</"``, ``"answer"``, ``">"``; or ``">\\n"``,
-   a token that runs past the stop): a stop string can only appear when the token just sampled holds the
-   stop's last character (a token's text is decoded once per token id, then cached). Only then the last
-   few tokens are decoded: a stop of ``n`` UTF-8 bytes spans at most ``n`` tokens (each token is at
-   least one byte), so ``n + 1`` tokens always cover it.
+   a token that runs past the stop): a stop string can first appear only at a token in whose text a stop
+   can *end*: some prefix of the token's text is a suffix of the stop (the stop began in earlier tokens) or
+   ends with the whole stop. Which tokens can is decided once per token id (its text decoded once, then
+   cached); ``<tool_call>`` cannot end ``</tool_call>``, ``>`` and ``>\\n`` can. Only at those tokens
+   the last few tokens are decoded: a stop of ``n`` UTF-8 bytes spans at most ``n`` tokens (each token
+   is at least one byte), so ``n + 1`` tokens always cover it.
 
 What it does not cover: a stop whose last character is not ASCII can be split across tokens by byte-level
 BPE; tokens that decode to a partial character (U+FFFD) are then treated as possible triggers too, which
@@ -40,10 +42,9 @@ class StopMatcher:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
         self.sequences = [tuple(tokenizer.encode(s, add_special_tokens=False)) for s in self.stops]
-        self.last_chars = {s[-1] for s in self.stops}
-        self.non_ascii = any(not c.isascii() for c in self.last_chars)
+        self.non_ascii = any(not s.isascii() for s in self.stops)
         self.window = max((len(s.encode()) for s in self.stops), default=0) + 1
-        self._triggers: dict[int, bool] = {}  # token id -> whether its text holds a stop's last character
+        self._triggers: dict[int, bool] = {}  # token id -> whether a stop can end in its text
         self.decodes = 0  # fallback decodes done (the fast path and non-trigger tokens cost none)
 
     def matches(self, tokens: list[int]) -> bool:
@@ -63,6 +64,11 @@ class StopMatcher:
         trigger = self._triggers.get(token)
         if trigger is None:
             text = self.tokenizer.decode([token])
-            trigger = any(c in text for c in self.last_chars) or (self.non_ascii and _REPLACEMENT in text)
+            trigger = (self.non_ascii and _REPLACEMENT in text) or any(
+                text[:end].endswith(stop) or stop.endswith(text[:end])
+                for stop in self.stops
+                for end in range(1, len(text) + 1)
+                if text[end - 1] == stop[-1]
+            )
             self._triggers[token] = trigger
         return trigger
