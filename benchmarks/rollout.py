@@ -139,7 +139,7 @@ def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]
     """``decode_table`` run by the vagent at ``args.baseline`` (a subprocess with that checkout first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
     command = [sys.executable, __file__, "--decode-only", "--model", path, "--decode-tokens", str(args.decode_tokens),
-               "--decode-rows", *map(str, args.decode_rows), "--dtype", args.dtype]  # fmt: skip
+               "--decode-rows", *map(str, args.decode_rows), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
     if args.device:
         command += ["--device", args.device]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
@@ -160,9 +160,12 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="Tokens each row decodes in the decode timing.")
     parser.add_argument("--baseline", help="A checkout of another vagent to time decode steps on, side by side.")
     parser.add_argument("--decode-only", action="store_true", help="Only the decode timing, as JSON (baseline runs).")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU 1 avoids spin-waiting).")
     parser.add_argument("--device")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.model:
         path = args.model

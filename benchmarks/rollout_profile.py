@@ -148,9 +148,12 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--baseline", help="A checkout of another vagent to profile too, side by side.")
     parser.add_argument("--json", action="store_true", help="Print this code's breakdown as JSON (baseline runs).")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU 1 avoids spin-waiting).")
     parser.add_argument("--device")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model:
         path = args.model
     else:
@@ -164,7 +167,7 @@ def main() -> None:
     if args.baseline:
         env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
         command = [sys.executable, __file__, "--json", "--model", path, "--rows", str(args.rows),
-                   "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype]  # fmt: skip
+                   "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         before = json.loads(out.strip().splitlines()[-1])
     after = profile_decode(path, args)

@@ -222,7 +222,9 @@ class HFBackend:
             grids += request.image_grid_thw[row.images :]
             row.next_pos = int(full.max()) + 1
         key_length = max(c + width for c in cached)
-        self.cache.reserve(len(self._rows) + len(self._free), key_length)
+        # room for the whole turn now, so no decode step of it has to grow the storage
+        turn = max(len(r.ids) + r.sampling.max_new_tokens for r in requests)
+        self.cache.reserve(len(self._rows) + len(self._free), max(key_length, turn))
         self.cache.plan([row.slot for row in rows], cached, width, key_length)
         vision = {}
         if pixels:
@@ -247,8 +249,11 @@ class HFBackend:
         self.cache.plan([row.slot for row in rows], lengths, 1, key_length)
         input_ids = torch.tensor([[row.last] for row in rows])
         positions = torch.tensor([row.next_pos for row in rows]).view(1, -1, 1).expand(3, -1, -1)
-        mask = (torch.arange(key_length) <= torch.tensor(lengths)[:, None]).view(len(rows), 1, 1, key_length)
-        logits = self._forward(input_ids, positions, mask, torch.zeros(len(rows), dtype=torch.long))
+        sees = (
+            torch.arange(key_length) <= torch.tensor(lengths)[:, None]
+        )  # (B, K): the row's own tokens and the new one
+        logits = self._forward(input_ids, positions, sees.view(len(rows), 1, 1, key_length),
+                               torch.zeros(len(rows), dtype=torch.long))  # fmt: skip
         for row in rows:
             row.length += 1
             row.next_pos += 1
@@ -259,12 +264,16 @@ class HFBackend:
     # -- shared -------------------------------------------------------------------------------------
 
     def _forward(self, input_ids, positions, mask, last_index, **vision) -> torch.Tensor:
-        """One forward through the slot cache; returns logits at ``last_index`` of each row (B, V)."""
+        """One forward through the slot cache; returns logits at ``last_index`` of each row (B, V). ``mask`` is
+        (B, 1, new tokens, keys) bool, True where a query may attend."""
         model, device = self.policy.model, self.policy.device
         start = time.perf_counter()
+        # An additive float mask, made once per forward: given a bool one, SDPA's CPU kernel converts it in every
+        # layer. (On a GPU a varlen/paged kernel would take each row's length instead: see kv_cache.py.)
+        additive = torch.zeros(mask.shape, dtype=self.policy.dtype).masked_fill_(~mask, float("-inf"))
         out = model.model(
             input_ids=input_ids.to(device),
-            attention_mask=mask.to(device),  # 4-D: transformers hands it to SDPA as-is
+            attention_mask=additive.to(device),  # 4-D: transformers hands it to SDPA as-is
             position_ids=positions.to(device),
             **{self._cache_argument: self.cache},
             use_cache=True,
