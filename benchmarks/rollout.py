@@ -94,8 +94,9 @@ def median_run(policy, work, limits, repeat, make_backend=None):
     return runs[len(runs) // 2]
 
 
-def decode_step_ms(policy, rows: int, new_tokens: int) -> dict[str, float]:
-    """Mean wall time of a decode ``step()`` at ``rows`` rows (see the module docstring). Uses only what old and
+def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1) -> dict[str, float]:
+    """Mean wall time of a decode ``step()`` at ``rows`` rows, the median over ``repeat`` rollouts (see the module
+    docstring). Uses only what old and
     new vagent share (``run``, ``HFBackend.step`` and its ``_pending`` queue), so ``--baseline`` can run it."""
     from vagent.rollout import hf_backend
 
@@ -119,27 +120,28 @@ def decode_step_ms(policy, rows: int, new_tokens: int) -> dict[str, float]:
         return out
 
     hf_backend.HFBackend.step = timed_step
+    means = []
     try:
         run(policy, work[:2], limits=limits, batch_size=2)  # warm-up
-        times.clear()
-        start = time.perf_counter()
-        run(policy, work, limits=limits, batch_size=rows)
-        wall = time.perf_counter() - start
+        for _ in range(repeat):
+            times.clear()
+            run(policy, work, limits=limits, batch_size=rows)
+            means.append(1000 * sum(times) / len(times))
     finally:
         hf_backend.HFBackend.step = original
-    return {"rows": rows, "steps": len(times), "step_ms": 1000 * sum(times) / len(times), "wall_s": wall}
+    return {"rows": rows, "steps": len(times), "step_ms": sorted(means)[len(means) // 2], "runs_ms": means}
 
 
 def decode_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
     policy = load_policy(path, device=args.device, dtype=args.dtype)
-    return [decode_step_ms(policy, rows, args.decode_tokens) for rows in args.decode_rows]
+    return [decode_step_ms(policy, rows, args.decode_tokens, args.repeat) for rows in args.decode_rows]
 
 
 def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
     """``decode_table`` run by the vagent at ``args.baseline`` (a subprocess with that checkout first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
     command = [sys.executable, __file__, "--decode-only", "--model", path, "--decode-tokens", str(args.decode_tokens),
-               "--decode-rows", *map(str, args.decode_rows), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
+               "--decode-rows", *map(str, args.decode_rows), "--repeat", str(args.repeat), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
     if args.device:
         command += ["--device", args.device]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout

@@ -192,3 +192,12 @@ def test_a_turn_request_must_extend_its_row(policy):
         backend.submit(TurnRequest("s", ids, [], [], Sampling(max_new_tokens=0)))
     backend.release("r")
     assert not backend.busy and backend._free == [0]
+
+
+def test_under_autocast_the_cache_stores_what_the_layers_make(policy):
+    """The GRPO recipe rolls out under bf16 autocast: keys are stored in bf16, and the rollout still runs."""
+    backend = HFBackend(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(policy, _tasks()[:2], limits=RolloutLimits(max_turns=2, max_new_tokens=6), backend=backend)
+    assert backend.cache.dtype == torch.bfloat16 and all(t.metrics["sampled_tokens"] > 0 for t in out)
+    assert all(len(t.token_ids) == len(t.logprobs) == len(t.loss_mask) for t in out)

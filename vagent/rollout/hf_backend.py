@@ -268,12 +268,13 @@ class HFBackend:
         (B, 1, new tokens, keys) bool, True where a query may attend."""
         model, device = self.policy.model, self.policy.device
         start = time.perf_counter()
-        # An additive float mask, made once per forward: given a bool one, SDPA's CPU kernel converts it in every
-        # layer. (On a GPU a varlen/paged kernel would take each row's length instead: see kv_cache.py.)
-        additive = torch.zeros(mask.shape, dtype=self.policy.dtype).masked_fill_(~mask, float("-inf"))
+        # Keys are stored in the dtype the layers make them in: bf16 under the GRPO recipe's autocast, else the
+        # model's. (On a GPU a varlen/paged kernel would take each row's length instead of the mask: kv_cache.py.)
+        autocast = torch.is_autocast_enabled(device.type)
+        self.cache.ensure_dtype(torch.get_autocast_dtype(device.type) if autocast else self.policy.dtype)
         out = model.model(
             input_ids=input_ids.to(device),
-            attention_mask=additive.to(device),  # 4-D: transformers hands it to SDPA as-is
+            attention_mask=mask.to(device),  # 4-D bool: transformers hands it to SDPA as-is
             position_ids=positions.to(device),
             **{self._cache_argument: self.cache},
             use_cache=True,

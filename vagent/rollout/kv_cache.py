@@ -83,6 +83,14 @@ class SlotCache:
             new[: old.shape[0], :, : old.shape[2]] = old
         self.slots, self.capacity = slots, capacity
 
+    def ensure_dtype(self, dtype: torch.dtype) -> None:
+        """Store keys/values in ``dtype`` from now on (converts what is stored, once, if it differs)."""
+        if dtype != self.dtype:
+            self.keys = [t.to(dtype) for t in self.keys]
+            self.values = [t.to(dtype) for t in self.values]
+            self.dtype = dtype
+            self.growths += 1
+
     def copy_slot(self, source: int, target: int, length: int) -> None:
         """Copy the first ``length`` tokens of one slot into another (a shared prefix, a twin's prefill): O(row)."""
         for tensors in (self.keys, self.values):
