@@ -1,11 +1,14 @@
 """Where a rollout decode step's time goes: a ``torch.profiler`` breakdown, this code and (optionally) an older one.
 
-    python benchmarks/rollout_profile.py [--size small] [--rows 16] [--decode-tokens 32] [--baseline DIR]
+    python benchmarks/rollout_profile.py [--workload decode|multiturn] [--size small] [--rows 16]
+                                         [--decode-tokens 32] [--baseline DIR]
 
-The workload is ``benchmarks/rollout.py``'s decode timing (every row one sampled turn, EOS off, stop strings that
-no row reaches, so every decode step runs the full batch). Labels are put on the backend's parts from outside
-(the methods both the old and the new ``HFBackend`` have, plus each one's cache and stop-string code), and
-each decode ``step()`` is split into:
+Workloads: ``decode`` is ``benchmarks/rollout.py``'s decode timing (every row one sampled turn, EOS off, stop
+strings that no row reaches, so every decode step runs the full batch) and only its decode steps are profiled;
+``multiturn`` is that script's generation-only rollout (rows sample, call an instant tool, rejoin the batch) and
+every backend step is profiled, prefills (where rows join) included. Labels are put on the backend's parts from
+outside (the methods both the old and the new ``HFBackend`` have, plus each one's cache and stop-string code),
+and the steps' time is split into:
 
 * forward: the model forward (``HFBackend._forward``), of which attention (``aten::scaled_dot_product_attention``)
   and the KV cache update inside the layers (``DynamicLayer.update``'s ``torch.cat`` before,
@@ -58,7 +61,7 @@ def _label(owner: object, name: str, label: str, gate: list[bool]) -> None:
     setattr(owner, name, wrapped)
 
 
-def _instrument(policy) -> list[bool]:
+def _instrument(policy, all_steps: bool) -> list[bool]:
     from transformers.cache_utils import DynamicLayer
 
     from vagent.rollout import hf_backend
@@ -82,7 +85,7 @@ def _instrument(policy) -> list[bool]:
     step = backend.step
 
     def decode_step(self):
-        if self._pending:  # a prefill step: not profiled
+        if self._pending and not all_steps:  # a prefill step: not profiled in the decode workload
             return step(self)
         gate[0] = True
         try:
@@ -133,17 +136,34 @@ def profile_decode(path: str, args: argparse.Namespace) -> dict[str, float]:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     policy = load_policy(path, device=args.device, dtype=args.dtype)
-    bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
-    _instrument(policy)
+    if args.workload == "decode":
+        bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
+        _instrument(policy, all_steps=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            bench.decode_step_ms(policy, args.rows, args.decode_tokens)
+        return _breakdown(prof.events())
+    from vagent import toolbox
+    from vagent.rollout import RolloutLimits, run
+
+    toolbox.TOOLS["sleep"] = bench.sleep_tool(0.0)
+    limits = RolloutLimits(max_turns=16, max_new_tokens=args.decode_tokens, max_total_tokens=8192, temperature=0.0)
+    work = bench.tasks(args.rows)
+    run(policy, work[:2], limits=limits, batch_size=2)  # warm-up
+    _instrument(policy, all_steps=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        bench.decode_step_ms(policy, args.rows, args.decode_tokens)
-    return _breakdown(prof.events())
+        with record_function("rollout"):
+            run(policy, work, limits=limits, batch_size=len(work))
+    out = _breakdown(prof.events())
+    total = next(e for e in prof.events() if e.name == "rollout").cpu_time_total / 1000
+    out["engine outside steps (ms per run)"] = total - out["step"] * out["steps"]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=sorted(PRESETS))
     parser.add_argument("--model", help="A checkpoint dir instead of a tiny random one.")
+    parser.add_argument("--workload", default="decode", choices=["decode", "multiturn"])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--baseline", help="A checkout of another vagent to profile too, side by side.")
@@ -167,16 +187,21 @@ def main() -> None:
     if args.baseline:
         env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
         command = [sys.executable, __file__, "--json", "--model", path, "--rows", str(args.rows),
-                   "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
+                   "--decode-tokens", str(args.decode_tokens), "--workload", args.workload, "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         before = json.loads(out.strip().splitlines()[-1])
     after = profile_decode(path, args)
-    print(f"# decode step at {args.rows} rows, {args.decode_tokens} tokens per row, torch {torch.__version__}, "
+    kind = "decode step" if args.workload == "decode" else "backend step of a multi-turn rollout"
+    print(f"# {kind} at {args.rows} rows, {args.decode_tokens} tokens per turn, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; ms per step (share of the step)")  # fmt: skip
     print(f"| part | this code | {'baseline ' + args.baseline if before else ''} |\n|---|---:|---:|")
     for part in ("step", *PARTS):
         cells = [f"{t[part]:.2f} ({t[part] / t['step']:.0%})" if t else "" for t in (after, before)]
         print(f"| {part} | {cells[0]} | {cells[1]} |")
+    print(f"| steps | {after['steps']} | {before['steps'] if before else ''} |")
+    if args.workload == "multiturn":
+        key = "engine outside steps (ms per run)"
+        print(f"| {key} | {after[key]:.0f} | {f'{before[key]:.0f}' if before else ''} |")
 
 
 if __name__ == "__main__":

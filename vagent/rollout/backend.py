@@ -12,7 +12,7 @@ implementation today), so a second backend needs no engine change.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -87,7 +87,6 @@ class BackendStats:
     decode_steps: int = 0
     stop_decodes: int = 0
     cache_growths: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable
