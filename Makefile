@@ -45,7 +45,7 @@ chromium:
 
 ## The main job on the built-in default: tiny local Qwen2.5-VL, a generated image, one multi-turn rollout.
 run: venv bwrap
-	$(BIN)/vagent quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
+	$(BIN)/python -m quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
 
 ## Lint, then the default test suite (no slow or GPU tests). pytest's "no tests collected" (exit 5) is a failure.
 test: venv bwrap chromium

@@ -34,23 +34,23 @@ from pathlib import Path
 import torch
 
 from data_pipelines.synthetic.zoom import zoom_rows
+from quickstart.config import QuickstartConfig
+from quickstart.data import support_rows
+from quickstart.run import tiny_checkpoint
 from vagent.algorithms import token_nll_sum, trained_positions
-from vagent.config import QuickstartConfig
 from vagent.data import load_rows, write_rows
 from vagent.model import load_policy, policy_logits
-from vagent.recipes.common import tiny_checkpoint
-from vagent.recipes.quickstart import _support_rows
 from vagent.training.backend import build_optimizer
 from vagent.training.data import SFTDataset
 
 
 def build(work: Path, n: int) -> tuple[Path, dict[str, Path]]:
     cfg = QuickstartConfig()
-    model = tiny_checkpoint(cfg.model, work)
+    model = tiny_checkpoint(cfg, work)
     policy = load_policy(model, device="cpu")
     rows = zoom_rows(work / "data", n, seed=0, size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0,
                      direct_share=cfg.direct_share, grid=cfg.grid, margin=0, glyph=cfg.glyph, **policy.frame)  # fmt: skip
-    support = _support_rows(rows, policy)
+    support = support_rows(rows, policy)
     sets = {"perception": [r for r in support if r.source.endswith("perception")],
             "SFT mix": rows + [r for r in support if not r.source.endswith("reading")]}  # fmt: skip
     return model, {name: write_rows(r, work / f"{name.replace(' ', '_')}.jsonl") for name, r in sets.items()}

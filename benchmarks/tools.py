@@ -5,7 +5,7 @@
 Each row times ``call_tool`` end to end (argument check, the tool, resizing its output), which is
 what a rollout pays per call. ``sample_frames`` is compared with a naive OpenCV loop (open, seek,
 read per frame) on the same generated video, and ``code`` is a cold call: a fresh sandbox process
-per call, as in a rollout. Results go to docs/PERFORMANCE.md.
+per call, as in a rollout. Results go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def opencv_seek_frames(path: str, timestamps: list[float]) -> list[Image.Image]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=50)
-    parser.add_argument("--markdown", action="store_true", help="Print a markdown table for docs/PERFORMANCE.md.")
+    parser.add_argument("--markdown", action="store_true", help="Print a markdown table for docs/benchmarks.md.")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="vagent-bench-"))

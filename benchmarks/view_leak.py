@@ -7,7 +7,7 @@ the four directions), resizes each image exactly as the policy's processor would
 budget), cuts the tile's 36x36-px patch out of that view, and fits a logistic regression on the 2-D FFT
 magnitude of the patch (mean removed) on 3/4 of them. Prints the accuracy on the held-out quarter next to
 chance. A probe on the exact tile region is an upper bound on what the view reveals, not what a policy
-learns; the quickstart's no-tool baseline measures the latter. Results go to docs/PERFORMANCE.md.
+learns; the quickstart's no-tool baseline measures the latter. Results go to docs/benchmarks.md.
 """
 
 from __future__ import annotations

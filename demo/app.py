@@ -200,8 +200,8 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
 
 
 def _summary(trajectory, seconds: float) -> str:
-    calls = Counter(r["name"] or "malformed" for r in trajectory.tool_results)
-    failed = sum(1 for r in trajectory.tool_results if r["error"])
+    calls = Counter(r.name or "malformed" for r in trajectory.tool_results)
+    failed = sum(1 for r in trajectory.tool_results if r.error)
     sampled = sum(trajectory.loss_mask)
     answer = "(none)" if trajectory.answer is None else trajectory.answer or "(empty)"
     return (

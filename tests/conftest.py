@@ -34,3 +34,22 @@ def policy(tiny_qwen25):
     from vagent.model import load_policy
 
     return load_policy(tiny_qwen25, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def zoom_rows_file(tmp_path_factory, policy):
+    """Synthetic zoom rows (gold crop-then-answer trajectories) in the tiny Qwen2.5-VL's frame: ``(n, seed) ->
+    path`` of a JSONL, each written once. The production recipes take data only from ``data.train``."""
+    from data_pipelines.synthetic.zoom import zoom_rows
+    from vagent.data import write_rows
+
+    root = tmp_path_factory.mktemp("zoom")
+    made = {}
+
+    def make(n: int = 16, seed: int = 0):
+        if (n, seed) not in made:
+            out = root / f"{n}-{seed}"
+            made[n, seed] = write_rows(zoom_rows(out, n, seed=seed, **policy.frame), out / "rows.jsonl")
+        return made[n, seed]
+
+    return make

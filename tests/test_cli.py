@@ -94,7 +94,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     """Every stage on a toy budget (the real run's numbers are in the README): data, the warm-up and both SFTs,
     GRPO, four evaluations and the report with its pictures."""
     done = _run(VAGENT, "quickstart", "--config", str(ROOT / "configs/quickstart/tiny_cpu.yaml"), f"out_dir={tmp_path}",
-                "model.tiny.size=tiny", "train_rows=8", "test_rows=4", "warmup_rows=8", "warmup_epochs=1", "sft_epochs=1",
+                "tiny.size=tiny", "train_rows=8", "test_rows=4", "warmup_rows=8", "warmup_epochs=1", "sft_epochs=1",
                 "grpo_steps=1", "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8",
                 "grpo_negative_scale=0.5", "val_rows=3")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -147,14 +147,14 @@ def test_quickstart_runs_end_to_end(tmp_path):
 def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_path):
     import torch
 
-    from vagent.recipes.quickstart import _Beside
+    from quickstart.parallel import Beside
 
     torch.set_num_threads(2)
-    job = _Beside.start(True, "cpu", tmp_path / "ok.txt", "the job", json.loads, "[1, 2]")
+    job = Beside.start(True, "cpu", tmp_path / "ok.txt", "the job", json.loads, "[1, 2]")
     assert torch.get_num_threads() == 1  # the other thread is the job's
     assert job.result() == [1, 2] and torch.get_num_threads() == 2
     job.stop()
-    job = _Beside.start(True, "cpu", tmp_path / "slow.txt", "the job", time.sleep, 1.0)
+    job = Beside.start(True, "cpu", tmp_path / "slow.txt", "the job", time.sleep, 1.0)
     before_step = job.hand_over(0.6)  # the crop-tool SFT's hook: all threads from 60% of its steps on
     before_step(5, 10)
     assert not job.done and torch.get_num_threads() == 1  # before that step it neither waits nor takes a thread
@@ -163,31 +163,31 @@ def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_pat
     assert job.result() is None  # the result is kept, not read from the pipe twice
     job.stop()
     with pytest.raises(RuntimeError, match=r"(?s)the job failed; its log is .*bad.txt.*JSONDecodeError"):
-        _Beside.start(True, "cpu", tmp_path / "bad.txt", "the job", json.loads, "{bad").result()
+        Beside.start(True, "cpu", tmp_path / "bad.txt", "the job", json.loads, "{bad").result()
     with pytest.raises(RuntimeError, match="ended without a result \\(exit code 3\\)"):
-        _Beside.start(True, "cpu", tmp_path / "died.txt", "the job", os._exit, 3).result()  # killed, OOM: no hang
-    assert _Beside.start(False, "cpu", tmp_path / "x.txt", "the job", json.loads, "1") is None  # parallel_* off
-    assert _Beside.start(True, "cuda", tmp_path / "x.txt", "the job", json.loads, "1") is None  # CPU only
+        Beside.start(True, "cpu", tmp_path / "died.txt", "the job", os._exit, 3).result()  # killed, OOM: no hang
+    assert Beside.start(False, "cpu", tmp_path / "x.txt", "the job", json.loads, "1") is None  # parallel_* off
+    assert Beside.start(True, "cuda", tmp_path / "x.txt", "the job", json.loads, "1") is None  # CPU only
 
 
 def test_the_warm_up_checks_say_when_a_phase_has_not_learned_its_skill():
-    from vagent.recipes.quickstart import _check_line
+    from quickstart.report import check_line
 
-    stuck = _check_line({"phase": "grounding", "scores": {"box": [1.0, 0.0, 0.0, 0.0]}, "answers": 1})  # one box
+    stuck = check_line({"phase": "grounding", "scores": {"box": [1.0, 0.0, 0.0, 0.0]}, "answers": 1})  # one box
     assert "mean IoU 0.25, IoU >= 0.5 for 25%, 1 distinct box " in stuck and "not learned where the tile is" in stuck
-    learned = _check_line({"phase": "grounding", "scores": {"box": [0.98, 1.0]}, "answers": 2})
+    learned = check_line({"phase": "grounding", "scores": {"box": [0.98, 1.0]}, "answers": 2})
     assert "mean IoU 0.99" in learned and "2 distinct boxes" in learned and "plateau" not in learned
     diagonals = {"falling": [0.0, 0.0], "horizontal": [1.0], "rising": [1.0, 0.0, 1.0], "vertical": [1.0]}
-    stuck = _check_line({"phase": "perception", "what": "stripes", "scores": diagonals, "answers": 3})
+    stuck = check_line({"phase": "perception", "what": "stripes", "scores": diagonals, "answers": 3})
     assert "the stripes read from the gold crop on 7 val images" in stuck
     assert "accuracy 0.57 (falling 0/2, horizontal 1/1, rising 2/3, vertical 1/1)" in stuck
     assert "it does not read falling (" in stuck
-    digits = _check_line({"phase": "perception", "what": "digit", "scores": {"3": [1.0, 0.0]}, "answers": 2})
+    digits = check_line({"phase": "perception", "what": "digit", "scores": {"3": [1.0, 0.0]}, "answers": 2})
     assert digits.startswith("the digit read from the gold crop") and "plateau" not in digits
 
 
 def test_wilson_interval_matches_the_textbook_values():
-    from vagent.recipes.quickstart import wilson_interval
+    from quickstart.report import wilson_interval
 
     low, high = wilson_interval(5, 10)  # p = 0.5, n = 10: (0.237, 0.763)
     assert (round(low, 3), round(high, 3)) == (0.237, 0.763)
@@ -321,3 +321,21 @@ def test_rollout_runs_rows_end_to_end(tiny_qwen25, tmp_path, capsys):
     rows.write_text(rows.read_text() + json.dumps({"id": "c", "question": "q", "answer": "x", "answer_type": "exakt"}))
     assert main([*argv[:2], str(tmp_path / "no-model"), *argv[3:]]) == 2
     assert "rows.jsonl:3 (id 'c'): field 'answer_type' must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("stage", "config"), [("sft", "configs/sft/qwen2_5_vl_7b_zero2.yaml"), ("grpo", "configs/grpo/qwen2_5_vl_7b.yaml")]
+)
+@pytest.mark.parametrize("key", ["model.path", "data.train"])
+def test_a_production_recipe_without_its_model_or_data_stops_before_loading_anything(stage, config, key, capsys):
+    # A 7B run with a forgotten override must not train the toy: one line naming the key, exit 2, nothing loaded
+    # (the configs point at paths that do not exist here, so reaching a load would fail differently).
+    assert main([stage, "--config", str(ROOT / config), f"{key}=null"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{key} is required" in err[0], err
+
+
+def test_eval_without_a_model_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--benchmark", "vstar", "--data", "x.jsonl", "--out", "o"])
+    assert exit_.value.code == 2 and "--model" in capsys.readouterr().err

@@ -38,12 +38,12 @@ def test_refcoco_refs_become_grounding_rows_with_gold_crop_trajectories(tmp_path
     assert rows[0].answer == [300.0, 200.0, 380.0, 260.0] and rows[0].evidence.boxes == [rows[0].answer]
     assert '"red car"' in rows[0].question and rows[0].answer_type == "box"
     call, tool, answer = rows[0].messages
-    assert '"name": "crop"' in call["content"]
-    crop = Image.open(next(p["path"] for p in tool["content"] if p["type"] == "image"))
+    assert '"name": "crop"' in call.plain_text
+    crop = Image.open(next(p.path for p in tool.content if p.type == "image"))
     center = crop.convert("RGB").getpixel((crop.width // 2, crop.height // 2))
     assert max(abs(a - b) for a, b in zip(center, (220, 30, 30), strict=True)) <= 4  # the real crop tool's output
     # the answer is the box in the frame the policy sees (640x480 fits the budget: the same pixels here or scaled)
-    assert answer["content"].endswith("</answer>") and "[" in answer["content"]
+    assert answer.plain_text.endswith("</answer>") and "[" in answer.plain_text
 
 
 def test_refcoco_without_refs_uses_each_annotation(tmp_path):
@@ -99,8 +99,8 @@ def test_distillation_keeps_trajectories_above_the_threshold_as_sft_rows(tmp_pat
     assert [(r.id, r.extra["distill_reward"]) for r in kept] == [("r0-d0", 1.0), ("r1-d0", 0.9)]
     path = write_rows(kept, tmp_path / "distilled.jsonl")
     loaded = load_rows(path, known_tools=TOOLS)
-    roles = [m["role"] for m in loaded[0].messages]
-    assert roles == ["assistant", "tool", "assistant"] and "crop" in loaded[0].messages[0]["content"]
+    roles = [m.role for m in loaded[0].messages]
+    assert roles == ["assistant", "tool", "assistant"] and "crop" in loaded[0].messages[0].plain_text
     conversation = gold_conversation(loaded[0], ["crop"])  # SFT reads it like any gold trajectory
     assert [m.role for m in conversation] == ["system", "user", "assistant", "tool", "assistant"]
     assert Image.open(conversation[3].content[0].path).size == trajectories[0].messages[3].images[0].size
@@ -123,20 +123,20 @@ def test_synthetic_video_rows_hide_the_answer_in_a_short_window(tmp_path, policy
     assert colored[0] > 500 and colored[1] == 0, colored  # the square is on screen only inside the window
     roles = [m.role for m in gold_conversation(row, ["sample_frames"])]
     assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
-    clip_turn = row.messages[3]["content"]
-    assert any(p["type"] == "text" and p["text"].startswith("t=") for p in clip_turn)  # frames carry their times
+    clip_turn = row.messages[3].content
+    assert any(p.type == "text" and p.text.startswith("t=") for p in clip_turn)  # frames carry their times
 
 
 def test_synthetic_grounding_rows_score_their_own_gold_answer_as_a_perfect_box(tmp_path, policy):
     from data_pipelines.synthetic.grounding import grounding_rows
     from vagent.rewards import REWARDS
-    from vagent.types import Trajectory
+    from vagent.types import Frame, Trajectory
 
     min_pixels, max_pixels = policy.pixel_budget
     rows = grounding_rows(tmp_path, 3, seed=1, min_pixels=min_pixels, max_pixels=max_pixels)
     seen = policy.model_view(Image.open(rows[0].images[0])).size
-    frames = [{"original_size": [448, 336], "model_size": list(seen), "convention": "absolute"}]
-    answers = [r.messages[0]["content"].removeprefix("<answer>").removesuffix("</answer>") for r in rows]
+    frames = [Frame((448, 336), seen, "absolute")]
+    answers = [r.messages[0].plain_text.removeprefix("<answer>").removesuffix("</answer>") for r in rows]
     trajectories = [
         Trajectory(r.id, [], answer=a, stop_reason="answered", frames=frames)
         for r, a in zip(rows, answers, strict=True)
@@ -177,9 +177,9 @@ def test_synthetic_zoom_gold_think_text_names_the_quarter_the_tile_is_in(tmp_pat
     for row in rows:
         x1, y1, x2, y2 = row.evidence.boxes[0]
         where = f"{'top' if y1 + y2 < 252 else 'bottom'} {'left' if x1 + x2 < 336 else 'right'}"
-        think = row.messages[0]["content"]
+        think = row.messages[0].plain_text
         assert f"at the {where}" in think, (where, think)
-        said = " ".join(m["content"] for m in row.messages if isinstance(m["content"], str))
+        said = " ".join(m.plain_text for m in row.messages)
         assert "stripes is" not in said  # "the stripes ... are unreadable", "the stripes are rising"
         named.add(where)
     assert len(named) == 4  # every quarter drawn, so a constant word would fail

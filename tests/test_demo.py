@@ -213,14 +213,24 @@ def test_a_missing_model_is_one_clear_error(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def tool_calling_model(tmp_path_factory):
+def browser_stack():
+    """Chromium's path and playwright's sync API, or a skip: checked before the fixture below trains a model."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")
+    pytest.importorskip("gradio")
+    return chromium, pytest.importorskip("playwright.sync_api")
+
+
+@pytest.fixture(scope="module")
+def tool_calling_model(tmp_path_factory, tiny_qwen25, zoom_rows_file):
     """A tiny Qwen2.5-VL fine-tuned (SFT, about 20 s) on two gold crop-then-answer trajectories, so that it
     calls the crop tool on its own: the browser test needs a policy that really uses a tool."""
     from vagent.config import load_config
     from vagent.recipes import sft
 
     out = tmp_path_factory.mktemp("demo-sft")
-    cfg = load_config(sft.SFTConfig, None, [f"out_dir={out}", "model.tiny.size=tiny", "data.synthetic_rows=2",
+    cfg = load_config(sft.SFTConfig, None, [f"out_dir={out}", f"model.path={tiny_qwen25}", f"data.train={zoom_rows_file(2, 0)}",
                                             "data.micro_batch_size=2", "optim.lr=3e-3", "optim.min_lr_ratio=0.3",
                                             "train.max_steps=150", "train.precision=fp32", "train.tensorboard=false",
                                             "model.device=cpu"])  # fmt: skip
@@ -233,12 +243,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_browser_end_to_end(tool_calling_model, tmp_path):
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (`make test` installs it as root: apt-get install chromium)")
-    pytest.importorskip("gradio")
-    playwright = pytest.importorskip("playwright.sync_api")
+def test_browser_end_to_end(browser_stack, tool_calling_model, tmp_path):
+    chromium, playwright = browser_stack
     from data_pipelines.synthetic.zoom import zoom_rows
     from vagent.model import load_policy
 

@@ -128,15 +128,17 @@ def test_unknown_reward_names_and_deepspeed_are_config_errors(tmp_path):
         load_config(GRPOConfig, CONFIG, ["train.deepspeed=configs/deepspeed/zero2.json"])
 
 
-def _overrides(out_dir, model):
+def _overrides(out_dir, model, rows):
     return [f"out_dir={out_dir}", f"model.path={model}", "train.max_steps=4", "train.save_every=2",
-            "train.tensorboard=false", "data.synthetic_rows=16"]  # fmt: skip
+            "train.tensorboard=false", f"data.train={rows}"]  # fmt: skip
 
 
-def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, tiny_qwen25):
+def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, tiny_qwen25, zoom_rows_file):
     before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
     model_dir = grpo.train(
-        load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path, tiny_qwen25), "grpo.inner_updates=2"])
+        load_config(
+            GRPOConfig, CONFIG, [*_overrides(tmp_path, tiny_qwen25, zoom_rows_file(16, 1000)), "grpo.inner_updates=2"]
+        )
     )
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -167,10 +169,14 @@ def _val_rows(tmp_path):
     return tmp_path / "val" / "val.jsonl"
 
 
-def test_validation_leaves_training_alone_and_a_run_that_never_beats_its_start_hands_it_back(tmp_path, tiny_qwen25):
-    plain = grpo.train(load_config(GRPOConfig, CONFIG, _overrides(tmp_path / "plain", tiny_qwen25)))
+def test_validation_leaves_training_alone_and_a_run_that_never_beats_its_start_hands_it_back(
+    tmp_path, tiny_qwen25, zoom_rows_file
+):
+    plain = grpo.train(
+        load_config(GRPOConfig, CONFIG, _overrides(tmp_path / "plain", tiny_qwen25, zoom_rows_file(16, 1000)))
+    )
     val = _val_rows(tmp_path)
-    kept = grpo.train(load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path / "kept", tiny_qwen25),
+    kept = grpo.train(load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path / "kept", tiny_qwen25, zoom_rows_file(16, 1000)),
                                                        f"val.rows={val}", "val.every=2", "val.keep_best=true"]))  # fmt: skip
 
     def training(out):
@@ -190,14 +196,16 @@ def test_validation_leaves_training_alone_and_a_run_that_never_beats_its_start_h
     assert any(not torch.equal(start[k], trained[k]) for k in start), "the run must have moved the weights"
     assert all(torch.equal(start[k], published[k]) for k in start), "model/ must be the start it never beat"
     # byte for byte too: the quickstart then reuses its SFT evaluation instead of running the same policy again
-    from vagent.recipes.quickstart import _same_weights
+    from quickstart.run import _same_weights
 
     assert _same_weights(kept, tiny_qwen25) and not _same_weights(plain, tiny_qwen25)
     assert [d.name for d in (tmp_path / "kept" / "best").iterdir()] == ["step-00000000"]
     assert (tmp_path / "kept" / "rollouts" / "val-step-00000004.html").is_file()
 
 
-def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(tmp_path, tiny_qwen25, monkeypatch):
+def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
     import vagent.rewards as rewards
 
     val = _val_rows(tmp_path)
@@ -214,7 +222,7 @@ def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(tmp_path
     monkeypatch.setitem(rewards.REWARDS, "accuracy", accuracy)
     out = tmp_path / "run"
     model_dir = grpo.train(load_config(GRPOConfig, CONFIG, [
-        *_overrides(out, tiny_qwen25), f"val.rows={val}", "val.every=2", "val.keep_best=true",
+        *_overrides(out, tiny_qwen25, zoom_rows_file(16, 1000)), f"val.rows={val}", "val.every=2", "val.keep_best=true",
     ]))  # fmt: skip
     best = [r["val/best_step"] for r in read_metrics(out / "metrics.jsonl") if "val/best_step" in r]
     assert best == [0, 2, 2]
@@ -246,12 +254,12 @@ grpo.main(sys.argv[2:])
 """
 
 
-def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25):
+def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25, zoom_rows_file):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     val = [f"val.rows={_val_rows(tmp_path)}", "val.every=2", "val.keep_best=true"]
 
     def run(out, kill_at=-1):  # -1: never (step 0 is logged: the validation before the first step)
-        cmd = [sys.executable, "-c", KILL_AT_STEP, str(kill_at), "--config", str(CONFIG), *_overrides(out, tiny_qwen25),
+        cmd = [sys.executable, "-c", KILL_AT_STEP, str(kill_at), "--config", str(CONFIG), *_overrides(out, tiny_qwen25, zoom_rows_file(16, 1000)),
                *val]  # fmt: skip
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
@@ -283,14 +291,14 @@ def _even_tokens(trajectories, rows):
     return out
 
 
-def test_grpo_raises_the_mean_reward_on_a_toy_task(tmp_path, tiny_qwen25, monkeypatch):
+def test_grpo_raises_the_mean_reward_on_a_toy_task(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch):
     import vagent.rewards as rewards
 
     monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
     before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
     cfg = load_config(GRPOConfig, CONFIG, [
         f"out_dir={tmp_path}", f"model.path={tiny_qwen25}", "train.max_steps=14", "train.save_every=0",
-        "train.tensorboard=false", "data.synthetic_rows=16", "rewards.weights={even_tokens: 1.0}", "rewards.options={}",
+        "train.tensorboard=false", f"data.train={zoom_rows_file(16, 1001)}", "rewards.weights={even_tokens: 1.0}", "rewards.options={}",
         "rollout.max_turns=1", "rollout.max_new_tokens=4", "grpo.prompts_per_step=4", "grpo.group_size=8",
         "grpo.dynamic_sampling=false", "optim.lr=3e-2", "seed=1",
     ])  # fmt: skip

@@ -81,3 +81,45 @@ def test_the_demo_imports_no_training_code():
             if parts[0] == "vagent" and len(parts) > 1 and parts[1] in forbidden:
                 found.append(f"{path.name} imports {name}")
     assert found == []
+
+
+def _leaf_violations(root: Path) -> list[str]:
+    """The library imports no leaf that lives outside it (``data_pipelines``, ``quickstart``, ``demo``,
+    ``benchmarks``), except the CLI's lazy dispatch to ``quickstart`` and ``demo`` (entry points, like the CLI);
+    a recipe imports no other recipe's private (``_``) names."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [(node.module, alias.name) for alias in node.names]
+            else:
+                continue
+            for module, name in names:
+                top = module.split(".")[0]
+                if top == "data_pipelines" or (
+                    top in ("quickstart", "demo", "benchmarks") and rel.parts != ("cli.py",)
+                ):
+                    found.append(f"{rel} imports the leaf {module}")
+                recipe = module.startswith("vagent.recipes.") and module != f"vagent.recipes.{path.stem}"
+                if rel.parts[0] == "recipes" and recipe and name and name.startswith("_"):
+                    found.append(f"{rel} imports the private {module}.{name}")
+    return found
+
+
+def test_the_library_imports_no_leaf_and_recipes_no_private_helpers():
+    assert _leaf_violations(PACKAGE) == []
+
+
+def test_the_leaf_check_catches_data_pipelines_and_private_recipe_helpers(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "media.py").write_text("from data_pipelines.synthetic.zoom import zoom_rows\n")
+    (tmp_path / "recipes" / "sft.py").write_text("from vagent.recipes.grpo import _collect, train\n")
+    (tmp_path / "recipes" / "grpo.py").write_text("import quickstart.run\nfrom vagent.recipes.grpo import _own\n")
+    assert sorted(_leaf_violations(tmp_path)) == [
+        "media.py imports the leaf data_pipelines.synthetic.zoom",
+        "recipes/grpo.py imports the leaf quickstart.run",
+        "recipes/sft.py imports the private vagent.recipes.grpo._collect",
+    ]

@@ -7,10 +7,10 @@ import pytest
 from vagent.data import Evidence, Row
 from vagent.rewards import REWARDS, combine
 from vagent.rewards.answer import answer_score, choice_match, f1_em, number_match, token_f1
-from vagent.types import Trajectory
+from vagent.types import Frame, ToolResult, Trajectory
 
 # The policy saw a 448x336 frame of an 896x672 original: model boxes are half the original's.
-FRAMES = [{"original_size": [896, 672], "model_size": [448, 336], "convention": "absolute"}]
+FRAMES = [Frame((896, 672), (448, 336), "absolute")]
 
 
 def traj(answer=None, stop="answered", tool_results=(), metrics=None, sampled=10):
@@ -24,12 +24,7 @@ def row(answer="7", answer_type="exact", choices=None, boxes=(), spans=()):
 
 
 def crop(box, error=None, image_index=0):
-    return {
-        "name": "crop",
-        "arguments": {},
-        "error": error,
-        "metadata": {"box_original": box, "image_index": image_index},
-    }
+    return ToolResult("crop", {}, error, {"box_original": box, "image_index": image_index})
 
 
 def test_token_f1_and_em_by_hand():
@@ -96,7 +91,7 @@ def test_crop_grounding_uses_iou_so_a_whole_image_crop_scores_near_zero():
 
 def test_temporal_iou_of_sampled_spans_and_span_answers():
     r = [row(answer=[2.0, 6.0], answer_type="span", spans=[[2.0, 6.0]])]
-    sampled = {"name": "sample_frames", "arguments": {}, "error": None, "metadata": {"span": [4.0, 8.0]}}
+    sampled = ToolResult("sample_frames", {}, None, {"span": [4.0, 8.0]})
     # [4, 8] vs [2, 6]: intersection 2, union 6 -> 1/3
     assert REWARDS["temporal_iou"]([traj(tool_results=[sampled])], r) == pytest.approx([1 / 3])
     # an answered span [3, 6] vs [2, 6]: 3 / 4

@@ -73,7 +73,7 @@ def test_bad_tool_calls_become_observations_and_the_episode_goes_on(policy):
     assert traj.messages[3].plain_text.startswith("Error:") and "outside the image" in traj.messages[3].plain_text
     assert "not valid JSON" in traj.messages[7].plain_text
     # one record per call, in order, for the rewards: the unparseable one has no name
-    assert [(r["name"], r["error"]) for r in traj.tool_results] == [
+    assert [(r.name, r.error) for r in traj.tool_results] == [
         ("crop", "bad_box"), ("teleport", "unknown_tool"), (None, "bad_json")]  # fmt: skip
 
 
@@ -237,7 +237,7 @@ def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
     frames = traj.messages[3]
     assert len(frames.images) == 2 and [p.timestamps for p in frames.content if p.type == "image"] == [[1.2], [1.7]]
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
-    assert traj.tool_results[0]["name"] == "sample_frames" and traj.tool_results[0]["metadata"]["span"] == [1.0, 2.0]
+    assert traj.tool_results[0].name == "sample_frames" and traj.tool_results[0].metadata["span"] == [1.0, 2.0]
     from vagent.data.encode import encode_messages
 
     min_pixels, max_pixels = policy.pixel_budget

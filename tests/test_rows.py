@@ -5,6 +5,7 @@ import pytest
 from PIL import Image
 
 from vagent.data import Evidence, Row, RowError, load_rows, write_rows
+from vagent.types import Message
 
 TOOLS = ["crop", "zoom_in", "sample_frames"]
 
@@ -65,8 +66,28 @@ def test_valid_rows_load_with_resolved_paths_and_extra_keys(media):
     assert rows[1].source == "unknown" and rows[1].images == [] and rows[1].choices == ["blue", "red"]
     assert rows[2].videos == [str(media / "clip.mp4")] and rows[2].answer == [1.5, 3]
     assert rows[3].tools is None and rows[3].evidence is None
-    assert rows[5].messages[2]["content"][0]["path"] == str(media / "img" / "a.png")
-    assert rows[5].messages[0]["content"][0] == {"type": "image"}  # a path-less part is the row's prompt image
+    assert rows[5].messages[2].content[0].path == str(media / "img" / "a.png")
+    assert rows[5].messages[0].content[0].path == rows[5].images[0]  # a path-less part is the row's prompt image
+    assert (
+        all(isinstance(m, Message) for m in rows[5].messages)
+        and rows[5].messages[3].plain_text == "<answer>red</answer>"
+    )
+
+
+def test_gold_messages_are_message_objects_and_write_back_as_the_canonical_json(tmp_path):
+    image = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(image)
+    turns = [{"role": "assistant", "content": "<think>look</think>", "train": False},
+             {"role": "tool", "content": [{"type": "image", "path": str(image)}, {"type": "text", "text": "ok"}]},
+             {"role": "assistant", "content": "<answer>red</answer>"}]  # fmt: skip
+    row = Row(id="r", question="q?", answer="red", answer_type="exact", images=[str(image)], messages=turns)
+    assert [(m.role, m.trained) for m in row.messages] == [("assistant", False), ("tool", True), ("assistant", True)]
+    (back,) = load_rows(write_rows([row], tmp_path / "rows.jsonl"))
+    assert back.messages == row.messages
+    written = json.loads((tmp_path / "rows.jsonl").read_text())["messages"]
+    assert written[0] == turns[0] and written[1]["content"][0] == {"type": "image", "path": "a.png"}  # relative
+    with pytest.raises(RowError, match=r"row 'bad': field 'messages\[0\].role'"):
+        Row(id="bad", question="q?", answer="x", answer_type="exact", messages=[{"role": "robot", "content": "hi"}])
 
 
 @pytest.mark.parametrize(

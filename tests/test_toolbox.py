@@ -58,3 +58,15 @@ def test_tool_not_offered_is_unknown_and_schemas():
         tool_schemas(["nope"])
     for name, tool in TOOLS.items():
         assert tool.SCHEMA["name"] == name and tool.SCHEMA["parameters"]["type"] == "object"
+
+
+def test_every_tool_satisfies_the_tool_protocol_and_is_listed_under_its_name():
+    import inspect
+
+    from vagent.toolbox import TOOLS, Tool
+
+    for name, tool in TOOLS.items():
+        assert isinstance(tool, Tool), f"{name} lacks NAME, SCHEMA or call"
+        assert tool.NAME == name == tool.SCHEMA["name"]
+        assert list(inspect.signature(tool.call).parameters) == ["arguments", "context"], name
+        assert tool.SCHEMA["parameters"]["type"] == "object", name

@@ -86,9 +86,9 @@ def _eval_report(args: argparse.Namespace) -> int:
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    from vagent.recipes import quickstart
+    from quickstart import main as quickstart_main  # the toy job lives outside the library (like demo/)
 
-    return quickstart.main((["--config", args.config] if args.config else []) + args.overrides)
+    return quickstart_main((["--config", args.config] if args.config else []) + args.overrides)
 
 
 def _tools_list(args: argparse.Namespace) -> int:

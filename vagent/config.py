@@ -33,7 +33,6 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OptimConfig",
-    "QuickstartConfig",
     "RewardConfig",
     "RolloutConfig",
     "SFTConfig",
@@ -41,6 +40,7 @@ __all__ = [
     "TinyModelConfig",
     "ToolboxConfig",
     "TrainConfig",
+    "check_config",
     "config_to_dict",
     "load_config",
     "option",
@@ -210,6 +210,40 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def check_config(cfg: T) -> T:
+    """Run every section's ``validate`` on a config built in code (as ``load_config`` does on a YAML's), innermost
+    first; returns ``cfg``.
+
+    Raises:
+        ConfigError: naming the section whose check failed.
+    """
+
+    def visit(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                visit(value, f"{prefix}{f.name}.")
+        validate = getattr(obj, "validate", None)
+        if callable(validate):
+            try:
+                validate()
+            except ValueError as e:
+                raise ConfigError(f"<code>: {prefix[:-1] + ': ' if prefix else ''}{e}") from None
+
+    visit(cfg, "")
+    return cfg
+
+
+def require_paths(cfg: Any) -> None:
+    """A production recipe trains a given checkpoint on given rows: it never falls back to a toy model or toy data
+    (only the quickstart builds those), so a 7B run with a forgotten override stops here, before anything loads."""
+    if not cfg.model.path:
+        raise ValueError("model.path is required: an HF checkpoint dir (`vagent make-tiny-model --out DIR` builds a "
+                         "random tiny one)")  # fmt: skip
+    if not cfg.data.train:
+        raise ValueError("data.train is required: a canonical rows JSONL (see docs/guide/data.md)")
+
+
 # ---------------------------------------------------------------------------------------------------
 # The configs. One dataclass per section; recipes take the top-level one.
 
@@ -235,7 +269,7 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    path: str | None = option(None, "HF checkpoint dir. None builds (or reuses) a tiny random model under out_dir.")
+    path: str | None = option(None, "HF checkpoint dir (required: `vagent make-tiny-model` builds a random tiny one).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", "Weights dtype; auto = bf16 on CUDA, fp32 on CPU."
     )
@@ -250,7 +284,6 @@ class ModelConfig:
         28 * 28 * 256,
         "Tiny checkpoint's processor: largest image the model sees, in pixels (a real checkpoint keeps its own).",
     )
-    tiny: TinyModelConfig = option(TinyModelConfig(), "Tiny model to build when path is None.")
 
     def validate(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -299,9 +332,7 @@ class ToolboxConfig:
 
 @dataclass
 class SFTDataConfig:
-    train: str | None = option(
-        None, "Canonical rows (JSONL) with gold `messages`. None: a synthetic zoom set is written under out_dir."
-    )
+    train: str | None = option(None, "Canonical rows (JSONL) with gold `messages` (required).")
     val: str | None = option(None, "Rows for the periodic eval loss; None = no eval loss.")
     tools: list[str] = option(["crop"], "Tools named in the system prompt of rows without their own `tools` list.")
     micro_batch_size: int = option(2, "Conversations per forward pass on each rank.")
@@ -309,10 +340,9 @@ class SFTDataConfig:
     group_batches: int = option(16, "Length grouping sorts within windows of this many micro-batches.")
     max_length: int = option(4096, "Conversations longer than this (tokens, images included) are left out (counted).")
     num_workers: int = option(0, "DataLoader worker processes encoding batches (0 = in the training process).")
-    synthetic_rows: int = option(64, "Rows of the synthetic set written when train is None.")
 
     def validate(self) -> None:
-        for name in ("micro_batch_size", "group_batches", "max_length", "synthetic_rows"):
+        for name in ("micro_batch_size", "group_batches", "max_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
         if self.num_workers < 0:
@@ -411,18 +441,14 @@ class SFTConfig:
     optim: OptimConfig = option(OptimConfig(), "Optimizer and schedule.")
     train: TrainConfig = option(TrainConfig(), "Loop length, precision, distribution, checkpoints, logging.")
 
+    def validate(self) -> None:
+        require_paths(self)
+
 
 @dataclass
 class GRPODataConfig:
-    train: str | None = option(
-        None, "Canonical rows (JSONL) to roll out. None: a synthetic zoom set is written under out_dir/data."
-    )
+    train: str | None = option(None, "Canonical rows (JSONL) to roll out (required).")
     tools: list[str] = option(["crop"], "Tools offered to rows without their own `tools` list.")
-    synthetic_rows: int = option(64, "Rows of the synthetic set written when train is None.")
-
-    def validate(self) -> None:
-        if self.synthetic_rows <= 0:
-            raise ValueError(f"data.synthetic_rows must be positive, got {self.synthetic_rows}")
 
 
 @dataclass
@@ -509,6 +535,7 @@ class GRPOConfig:
     toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
 
     def validate(self) -> None:
+        require_paths(self)
         if self.train.deepspeed:
             raise ValueError(
                 "GRPO trains with DDP (train.deepspeed must be null): rollouts need whole weights on every rank, "
@@ -516,106 +543,9 @@ class GRPOConfig:
             )
 
 
-@dataclass
-class QuickstartConfig:
-    out_dir: str = option("runs/quickstart", "Everything the quickstart writes: data, checkpoints, evals, report.md.")
-    seed: int = option(0, "Seed of the data, the training order and sampling.")
-    model: ModelConfig = option(
-        ModelConfig(min_pixels=3136, max_pixels=50176, tiny=TinyModelConfig(size="small", rope_theta=10.0)),
-        "Policy to start from (the tiny random one by default).",
-    )
-    train_rows: int = option(448, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
-    test_rows: int = option(192, "Held-out rows the policies are evaluated on.")
-    val_rows: int = option(
-        64,
-        "Held-out rows (other images than train and test) GRPO answers greedily every grpo_val_every steps, its "
-        "start included; the best step is the GRPO policy (0: no validation, the last step).",
-    )
-    grpo_val_every: int = option(4, "GRPO steps between validations on the val rows.")
-    image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
-    grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
-    tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
-    glyph: Literal["stripes", "digit"] = option(
-        "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
-    )
-    direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    warmup_rows: int = option(3000, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
-    warmup_epochs: float | list[float] = option(
-        [2.0, 2.0],
-        "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' "
-        "order (0 skips a phase).",
-    )
-    warmup_phases: list[str] = option(
-        ["perception", "grounding"],
-        "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. grounding: "
-        "give the tile's box; perception: read a gold crop shown alone; reading: read it in a gold trajectory "
-        "(the crop call shown, not trained).",
-    )
-    sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
-    sft_lr: float = option(5e-4, "SFT peak learning rate.")
-    parallel_baseline: bool = option(
-        True,
-        "On CPU, train and evaluate the no-tool baseline in a second process beside the crop-tool SFT, half "
-        "the threads each (sooner than one after the other: the tiny model uses two threads poorly); from 60% "
-        "of its steps on, the crop-tool SFT has all the threads.",
-    )
-    parallel_eval: bool = option(
-        True,
-        "On CPU, evaluate the SFT policy (with and without its tool) in a second process beside GRPO, half the "
-        "threads each; from a quarter of its steps on, GRPO has all the threads.",
-    )
-    grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
-    grpo_lr: float = option(1e-4, "GRPO learning rate.")
-    grpo_negative_scale: float = option(
-        1.0, "GRPO's weight on the samples that lost to their group (grpo.negative_scale; 0: learn from the winners)."
-    )
-    group_size: int = option(4, "GRPO samples per prompt.")
-    prompts_per_step: int = option(8, "GRPO prompts per step.")
-    rollout: RolloutConfig = option(
-        RolloutConfig(max_turns=3, max_new_tokens=64, max_images=4, temperature=0.7),
-        "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy).",
-    )
-    toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
-
-    def phase_epochs(self) -> list[float]:
-        """Epochs of each warm-up phase, in warmup_phases' order (warmup_epochs is one number or one per phase)."""
-        if isinstance(self.warmup_epochs, list):
-            return list(self.warmup_epochs)
-        return [self.warmup_epochs] * len(self.warmup_phases)
-
-    def validate(self) -> None:
-        if len(self.image_size) != 2 or min(self.image_size) < 64:
-            raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
-        if not 8 <= self.tile <= min(self.image_size) // 2:
-            raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
-        if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
-            raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
-        if self.val_rows < 0 or self.grpo_val_every < 0:
-            raise ValueError(f"need val_rows >= 0 and grpo_val_every >= 0, got {self.val_rows}, {self.grpo_val_every}")
-        if self.grpo_steps:  # GRPO's and its optimizer's own checks of the knobs handed to them, at load, not after SFT
-            algo = GRPOAlgoConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
-                                  negative_scale=self.grpo_negative_scale)  # fmt: skip
-            for section in (algo, OptimConfig(lr=self.grpo_lr)):
-                try:
-                    section.validate()
-                except ValueError as e:
-                    raise ValueError(f"{e} (from the quickstart's group_size, prompts_per_step, grpo_negative_scale, "
-                                     "grpo_lr)") from None  # fmt: skip
-        epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]
-        if isinstance(self.warmup_epochs, list) and len(epochs) != len(self.warmup_phases):
-            raise ValueError(f"warmup_epochs lists {len(epochs)} numbers for {len(self.warmup_phases)} warmup_phases "
-                             f"{self.warmup_phases}; give one per phase, or one number for all")  # fmt: skip
-        if min(epochs, default=0) < 0 or self.sft_epochs <= 0:
-            raise ValueError("need warmup_epochs >= 0 and sft_epochs > 0")
-        unknown = set(self.warmup_phases) - {"grounding", "perception", "reading"}
-        if unknown:
-            raise ValueError(f"warmup_phases must be grounding, perception or reading; got {sorted(unknown)}")
-
-
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.
 CONFIGS: dict[str, type] = {
     "grpo": GRPOConfig,
-    "quickstart": QuickstartConfig,
     "sft": SFTConfig,
     "tiny": TinyModelConfig,
 }

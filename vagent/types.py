@@ -10,6 +10,7 @@ as files through a caller-supplied ``save_image`` function so a JSONL line stays
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,11 +19,13 @@ from PIL import Image
 
 __all__ = [
     "ContentPart",
+    "Frame",
     "Message",
     "Observation",
     "Role",
     "StopReason",
     "ToolCall",
+    "ToolResult",
     "Trajectory",
 ]
 
@@ -98,6 +101,44 @@ class Observation:
 
 
 @dataclass
+class ToolResult:
+    """One tool call of an episode as rewards, metrics and viewers read it (the images stay in ``messages``).
+
+    Attributes:
+        name: The tool called; None for a call that could not be parsed.
+        arguments: Its arguments as the tool received them; None for an unparsed call.
+        error: The Observation's error kind, None on success.
+        metadata: The Observation's metadata, e.g. a crop's ``box_original`` and ``image_index``, a video tool's
+            ``span``: grounding rewards read what the policy looked at from here.
+    """
+
+    name: str | None
+    arguments: dict[str, Any] | None
+    error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Frame:
+    """How the policy saw one prompt image, so a box it answers with maps back to original pixels
+    (``geometry.model_to_original``) without reopening the image.
+
+    Attributes:
+        original_size: ``(width, height)`` of the image on disk.
+        model_size: ``(width, height)`` after the processor's resize.
+        convention: How the policy writes boxes: ``"absolute"`` (pixels of the model's view) or ``"norm1000"``.
+    """
+
+    original_size: tuple[int, int]
+    model_size: tuple[int, int]
+    convention: str
+
+
+@dataclass
 class Message:
     """One chat turn.
 
@@ -148,13 +189,8 @@ class Trajectory:
         answer: Text inside the final ``<answer>`` tag, or None.
         stop_reason: Why the episode ended.
         metrics: Counters (turns, tool calls, tool errors by kind, ...).
-        tool_results: One entry per tool call, in order: ``{"name", "arguments", "error", "metadata"}``
-            (``name``/``arguments`` None for a call that could not be parsed; ``metadata`` is the
-            Observation's, e.g. a crop's ``box_original`` and ``image_index``, a video tool's ``span``).
-            Grounding rewards read what the policy looked at from here.
-        frames: Per prompt image, the frame the policy saw: ``{"original_size": [w, h], "model_size": [w, h],
-            "convention": "absolute" | "norm1000"}``, so a box the policy answers with can be mapped back
-            to original pixels (``geometry.model_to_original``) without reopening the image.
+        tool_results: One ``ToolResult`` per tool call, in order.
+        frames: Per prompt image, the ``Frame`` the policy saw.
         reward: Filled in by the trainer or eval, never by the rollout.
     """
 
@@ -166,8 +202,8 @@ class Trajectory:
     answer: str | None = None
     stop_reason: StopReason = "failed"
     metrics: dict[str, Any] = field(default_factory=dict)
-    tool_results: list[dict[str, Any]] = field(default_factory=list)
-    frames: list[dict[str, Any]] = field(default_factory=list)
+    tool_results: list[ToolResult] = field(default_factory=list)
+    frames: list[Frame] = field(default_factory=list)
     reward: float | None = None
 
     def __post_init__(self) -> None:
@@ -215,8 +251,8 @@ class Trajectory:
             "answer": self.answer,
             "stop_reason": self.stop_reason,
             "metrics": self.metrics,
-            "tool_results": self.tool_results,
-            "frames": self.frames,
+            "tool_results": [dataclasses.asdict(r) for r in self.tool_results],
+            "frames": [dataclasses.asdict(f) for f in self.frames],  # sizes as JSON lists
             "reward": self.reward,
         }
 
@@ -245,7 +281,10 @@ class Trajectory:
             answer=data.get("answer"),
             stop_reason=data.get("stop_reason", "failed"),
             metrics=dict(data.get("metrics", {})),
-            tool_results=list(data.get("tool_results", [])),
-            frames=list(data.get("frames", [])),
+            tool_results=[ToolResult(**r) for r in data.get("tool_results", [])],
+            frames=[
+                Frame(tuple(f["original_size"]), tuple(f["model_size"]), f["convention"])
+                for f in data.get("frames", [])
+            ],
             reward=data.get("reward"),
         )

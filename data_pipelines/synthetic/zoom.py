@@ -33,7 +33,7 @@ __all__ = ["COLORS", "GLYPHS", "STRIPES", "draw_task", "zoom_rows"]
 COLORS = {"red": (200, 30, 30), "blue": (30, 60, 200), "green": (20, 140, 40), "purple": (130, 40, 160)}
 # The look templates say which quarter the tile is in (``_where``), as a person would before cropping. Without it,
 # the quickstart's policy tied its crop box to which template it sampled first. With it, the tiny policy still says
-# one or two quarter words for every image, though the box that follows is right (docs/PERFORMANCE.md).
+# one or two quarter words for every image, though the box that follows is right (docs/quickstart.md).
 _LOOK = [
     "The {color} tile at the {where} is too small to read at this resolution. I will crop it.",
     "I can see a small {color} tile at the {where} but not its {what}. Let me zoom in on it.",
@@ -205,11 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile", type=int, default=28, help="tile side in original pixels")
     parser.add_argument("--distractors", type=int, default=1)
     parser.add_argument("--direct-share", type=float, default=0.2)
+    parser.add_argument("--model", help="checkpoint dir whose pixel budget and coordinate convention the gold "
+                                        "trajectories' crop boxes use (default: Qwen2.5-VL's pixels, 3136-200704)")  # fmt: skip
+    parser.add_argument("--val-rows", type=int, default=0, help="also write val.jsonl: rows of other images")
     args = parser.parse_args(argv)
-    rows = zoom_rows(args.out, args.rows, seed=args.seed, tile=args.tile, distractors=args.distractors,
-                     direct_share=args.direct_share)  # fmt: skip
+    frame = {}
+    if args.model:
+        from vagent.model import load_policy
+
+        frame = load_policy(args.model, device="cpu").frame
+    knobs = dict(tile=args.tile, distractors=args.distractors, direct_share=args.direct_share, **frame)
+    rows = zoom_rows(args.out, args.rows, seed=args.seed, **knobs)
     path = write_rows(rows, Path(args.out) / "rows.jsonl")
     print(f"wrote {len(rows)} rows to {path}")
+    if args.val_rows:
+        val = zoom_rows(args.out, args.val_rows, seed=args.seed + 1, **knobs)
+        print(f"wrote {len(val)} rows to {write_rows(val, Path(args.out) / 'val.jsonl')}")
     return 0
 
 

@@ -31,7 +31,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
         negative_scale: multiplies the advantages below zero. 1 is GRPO; below 1 the update leans on the
             samples that beat their group; 0 trains on the winners only. Pushing a sampled token down
             spreads its probability over the others: in the quickstart it raised the entropy, and winners
-            only lowered it (docs/PERFORMANCE.md).
+            only lowered it (docs/decisions/negative-scale.md).
 
     Returns:
         (N,) advantages; a group whose rewards are all equal gets 0 everywhere.

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vagent.types import ContentPart, Message
+
 __all__ = ["ANSWER_TYPES", "AnswerType", "Evidence", "Row", "RowError", "load_rows", "write_rows"]
 
 AnswerType = Literal["exact", "choice", "number", "f1", "box", "span"]
@@ -99,10 +101,11 @@ class Row:
         choices: The options of a ``choice`` question, shown as "A. ...", "B. ...".
         evidence: Boxes and spans that support the answer (for grounding rewards), or None.
         tools: Names of the tools offered for this row, or None for the run's default.
-        messages: A gold trajectory for SFT: ``[{"role", "content": str | [{"type", "text"?, "path"?}]}]``;
-            an assistant turn with ``"train": false`` is shown as context but not trained on.
-            Part paths are resolved like ``images``; an image part without a path stands for the
-            row's next prompt image.
+        messages: A gold trajectory for SFT as ``Message`` objects. In JSON (and given to the constructor as
+            dicts, which it checks and converts): ``[{"role", "content": str | [{"type", "text"?, "path"?}]}]``;
+            an assistant turn with ``"train": false`` (``Message.trained``) is shown as context but not trained
+            on. Part paths are resolved like ``images``; an image part without a path stands for the row's
+            next prompt image (its path is filled in).
         extra: Every other key of the JSON object, kept as written.
     """
 
@@ -116,8 +119,15 @@ class Row:
     choices: list[str] | None = None
     evidence: Evidence | None = None
     tools: list[str] | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[Message] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.messages is not None and any(isinstance(m, dict) for m in self.messages):
+            try:
+                self.messages = _to_messages(_messages(self.messages, None), self.images)
+            except _FieldError as e:
+                raise RowError(f"row {self.id!r}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the row: canonical keys first (optional ones only when set), then ``extra``."""
@@ -137,7 +147,7 @@ class Row:
         if self.tools is not None:
             out["tools"] = list(self.tools)
         if self.messages is not None:
-            out["messages"] = self.messages
+            out["messages"] = [_message_dict(m) for m in self.messages]
         return {**out, **self.extra}
 
     @classmethod
@@ -291,6 +301,44 @@ def _messages(value: Any, base: Path | None) -> list[dict[str, Any]] | None:
     return out
 
 
+def _to_messages(turns: list[dict[str, Any]] | None, images: list[str]) -> list[Message] | None:
+    """Checked JSON turns (``_messages``) as ``Message`` objects; path-less image parts take the next prompt image."""
+    if turns is None:
+        return None
+    prompt_images = iter(images)
+    out = []
+    for i, turn in enumerate(turns):
+        content = turn["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        parts = []
+        for j, part in enumerate(content):
+            path = part.get("path")
+            if part["type"] == "image" and path is None:
+                path = next(prompt_images, None)
+                if path is None:
+                    raise _FieldError(f"messages[{i}].content[{j}]", "uses more images than the row has")
+            parts.append(ContentPart(part["type"], text=part.get("text"), path=path))
+        out.append(Message(turn["role"], parts, trained=turn.get("train", True)))
+    return out
+
+
+def _message_dict(message: Message, relative_to: Path | None = None) -> dict[str, Any]:
+    """A gold turn as its JSON object: one text part as a string, paths relative to ``relative_to`` when given."""
+    out: dict[str, Any] = {"role": message.role}
+    if len(message.content) == 1 and message.content[0].type == "text":
+        out["content"] = message.content[0].text
+    else:
+        out["content"] = [
+            {"type": p.type, **({"text": p.text} if p.text is not None else {}),
+             **({"path": _relative(p.path, relative_to) if relative_to else p.path} if p.path else {})}
+            for p in message.content
+        ]  # fmt: skip
+    if not message.trained:
+        out["train"] = False
+    return out
+
+
 def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) -> Row:
     if not isinstance(data, dict):
         raise _FieldError(None, f"a row must be a JSON object, got {type(data).__name__}")
@@ -340,7 +388,7 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
         choices=choices,
         evidence=_evidence(data.get("evidence"), len(images), len(videos)),
         tools=tools,
-        messages=_messages(data.get("messages"), base),
+        messages=_to_messages(_messages(data.get("messages"), base), images),
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 
@@ -350,10 +398,9 @@ def _media_paths(row: Row) -> Iterable[tuple[str, str]]:
     yield from ((f"images[{i}]", p) for i, p in enumerate(row.images))
     yield from ((f"videos[{i}]", p) for i, p in enumerate(row.videos))
     for i, message in enumerate(row.messages or []):
-        if isinstance(message["content"], list):
-            for j, part in enumerate(message["content"]):
-                if part.get("path"):
-                    yield f"messages[{i}].content[{j}].path", part["path"]
+        for j, part in enumerate(message.content):
+            if part.path:
+                yield f"messages[{i}].content[{j}].path", part.path
 
 
 def load_rows(
@@ -435,17 +482,7 @@ def write_rows(rows: Iterable[Row], path: str | os.PathLike[str]) -> Path:
         data["images"] = [_relative(p, out_dir) for p in row.images]
         data["videos"] = [_relative(p, out_dir) for p in row.videos]
         if row.messages is not None:
-            data["messages"] = [
-                m
-                if isinstance(m["content"], str)
-                else {
-                    **m,
-                    "content": [
-                        {**p, "path": _relative(p["path"], out_dir)} if p.get("path") else p for p in m["content"]
-                    ],
-                }
-                for m in row.messages
-            ]
+            data["messages"] = [_message_dict(m, out_dir) for m in row.messages]
         lines.append(json.dumps(data, ensure_ascii=False) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{out.name}.", suffix=".tmp")

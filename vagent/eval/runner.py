@@ -85,8 +85,8 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
             tw.write(trajectory)
             scores = benchmark.score(row, trajectory)
             record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": gold_answers(row.answer, row.answer_type),
-                      **scores, "tool_calls": [r["name"] for r in trajectory.tool_results],
-                      "tool_errors": sum(1 for r in trajectory.tool_results if r["error"]),
+                      **scores, "tool_calls": [r.name for r in trajectory.tool_results],
+                      "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
                       "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
                       "type": row.extra.get("type") or []}  # fmt: skip
             if clash := [key for key in scores if record[key] != scores[key]]:

@@ -4,7 +4,6 @@ backend, atomic checkpoints)."""
 
 from __future__ import annotations
 
-import json
 import resource
 import shutil
 from collections.abc import Sequence
@@ -32,7 +31,6 @@ __all__ = [
     "resume_training",
     "save_checkpoint",
     "say",
-    "tiny_checkpoint",
     "to_device",
     "tool_services",
     "uses_bf16",
@@ -58,25 +56,6 @@ def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:
         timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb, allow_unsandboxed=cfg.allow_unsandboxed_code
     )
     return {"search": search, "sandbox": sandbox}
-
-
-def tiny_checkpoint(cfg: ModelConfig, out_dir: str | Path, build: bool = True) -> Path:
-    """The configured checkpoint dir, or the tiny random one under ``out_dir``, built once (rebuilt when its
-    recipe changed). ``build=False`` only names the dir (ranks other than 0 wait for rank 0 to build it)."""
-    if cfg.path:
-        return Path(cfg.path)
-    tiny = cfg.tiny
-    out = Path(out_dir) / f"tiny-{tiny.family}-{tiny.size}"
-    recipe = {"family": tiny.family, "size": tiny.size, "vocab_size": tiny.vocab_size, "seed": tiny.seed,
-              "rope_theta": tiny.rope_theta,
-              "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}  # fmt: skip
-    marker = out / "vagent_tiny.json"
-    if build and not (marker.is_file() and json.loads(marker.read_text()) == recipe):
-        from vagent.tiny_model import build_tiny_checkpoint
-
-        print(f"building a random tiny {tiny.family} checkpoint ({tiny.size}) in {out} ...", flush=True)
-        build_tiny_checkpoint(out, **recipe)
-    return out
 
 
 def say(env: DistEnv, message: str) -> None:
@@ -132,13 +111,10 @@ def uses_bf16(cfg: TrainConfig, env: DistEnv) -> bool:
 
 def load_trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, out: Path, env: DistEnv, resume_from: Path | None,
                    seed: int) -> tuple[Policy, torch.nn.Module, Path]:  # fmt: skip
-    """The policy to train, in fp32 master weights on ``env.device``: the configured checkpoint (or the tiny default,
-    built once by rank 0), or on a full-weights resume the checkpoint's own model dir; then frozen, checkpointed and
+    """The policy to train, in fp32 master weights on ``env.device``: the configured checkpoint, or on a full-weights
+    resume the checkpoint's own model dir; then frozen, checkpointed and
     LoRA-wrapped as configured (``prepare_model``). Returns (policy, the trained module, the starting model dir)."""
-    if env.is_main:
-        tiny_checkpoint(model_cfg, out)
-    barrier()
-    model_path = tiny_checkpoint(model_cfg, out, build=False)
+    model_path = Path(model_cfg.path)  # required by the config (require_paths): never a toy fallback
     # LoRA resumes its adapter onto the base; DeepSpeed restores the weights from its own checkpoint
     full_weights = resume_from is not None and not train_cfg.lora.enabled and not train_cfg.deepspeed
     # bf16 comes from autocast (DDP) or DeepSpeed's bf16 mode, over fp32 master weights

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
 from vagent.config import ConfigError, GRPOConfig, config_to_dict
-from vagent.data import Row, encode_messages, load_rows, write_rows
+from vagent.data import Row, encode_messages, load_rows
 from vagent.data.batching import collate
 from vagent.model import Policy, load_policy, policy_logits
 from vagent.recipes.common import (
@@ -111,7 +111,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
         reference = load_policy(model_path, device=env.device, dtype="float32").model.requires_grad_(False)
 
     # -- prompts ------------------------------------------------------------------------------------------
-    train_path = _prompts(cfg, env, out, policy)
+    train_path = cfg.data.train
     rows = load_rows(train_path, known_tools=TOOLS)
     per_round = algo.prompts_per_step * env.world_size
     total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * len(rows) / per_round)
@@ -447,7 +447,7 @@ def _metrics(seen: list[Trajectory], components: dict[str, list[float]], kept, n
     }
     keys = sorted(sums)
     totals = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys] + [float(len(seen)), float(calls),
-                            float(sum(1 for t in seen for r in t.tool_results if r["error"]))], device=env.device))  # fmt: skip
+                            float(sum(1 for t in seen for r in t.tool_results if r.error))], device=env.device))  # fmt: skip
     count, all_calls, failed = float(totals[-3]), float(totals[-2]), float(totals[-1])
     record: dict[str, Any] = {k: float(v) / max(count, 1.0) for k, v in zip(keys, totals[:-3].tolist(), strict=True)}
     record["tool_failure_rate"] = failed / all_calls if all_calls else 0.0
@@ -464,21 +464,6 @@ def _metrics(seen: list[Trajectory], components: dict[str, list[float]], kept, n
     for stage in ("gen", "tools", "reward", "logprob", "update", "step"):
         record[f"time/{stage}"] = timer.get(stage, 0.0)
     return record
-
-
-def _prompts(cfg: GRPOConfig, env: DistEnv, out: Path, policy: Policy) -> str:
-    """The configured rows, or (data.train = None) a synthetic zoom set written once by rank 0."""
-    if cfg.data.train:
-        return cfg.data.train
-    path = out / "data" / "prompts.jsonl"
-    if env.is_main and not path.is_file():
-        from data_pipelines.synthetic.zoom import zoom_rows
-
-        rows = zoom_rows(path.parent, cfg.data.synthetic_rows, seed=cfg.seed + 1000, **policy.frame)
-        write_rows(rows, path)
-        say(env, f"wrote {len(rows)} synthetic zoom prompts to {path}")
-    barrier()
-    return str(path)
 
 
 def _save(cfg: GRPOConfig, backend, policy: Policy, root: Path, step: int, consumed: int,

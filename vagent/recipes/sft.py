@@ -27,7 +27,7 @@ from tqdm import tqdm
 from vagent.algorithms import token_nll_sum, trained_positions, trained_token_count
 from vagent.config import SFTConfig, config_to_dict
 from vagent.data import load_rows
-from vagent.model import Policy, policy_logits
+from vagent.model import policy_logits
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
@@ -45,7 +45,7 @@ from vagent.toolbox import TOOLS
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import TrainBackend
 from vagent.training.data import SFTDataset, rank_micro_batches
-from vagent.training.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
+from vagent.training.distributed import DistEnv, all_reduce_sum, init_distributed, shutdown
 from vagent.training.metrics import MetricsLogger
 
 
@@ -75,7 +75,7 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
     policy, model, _ = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed)
 
     # -- data -------------------------------------------------------------------------------------------
-    train_path, val_path = _data_paths(cfg, env, out, policy)
+    train_path, val_path = cfg.data.train, cfg.data.val
     min_pixels, max_pixels = policy.pixel_budget
     common = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
                   default_tools=cfg.data.tools, max_length=cfg.data.max_length,
@@ -162,25 +162,6 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
     model_dir = publish_model(final, out, env)  # the final model at a stable path
     say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
     return model_dir
-
-
-def _data_paths(cfg: SFTConfig, env: DistEnv, out: Path, policy: Policy) -> tuple[str, str | None]:
-    """The configured rows, or (data.train = None) a synthetic zoom set written once by rank 0."""
-    if cfg.data.train:
-        return cfg.data.train, cfg.data.val
-    synthetic = out / "data"
-    if env.is_main and not (synthetic / "train.jsonl").is_file():
-        from data_pipelines.synthetic.zoom import zoom_rows
-        from vagent.data import write_rows
-
-        n = cfg.data.synthetic_rows
-        write_rows(zoom_rows(synthetic, max(4, n // 4), seed=cfg.seed + 1, **policy.frame), synthetic / "val.jsonl")
-        write_rows(
-            zoom_rows(synthetic, n, seed=cfg.seed, **policy.frame), synthetic / "train.jsonl"
-        )  # last: the marker
-        say(env, f"wrote a synthetic zoom set to {synthetic} ({n} train rows)")
-    barrier()
-    return str(synthetic / "train.jsonl"), str(synthetic / "val.jsonl")
 
 
 def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_prefix: bool = True) -> float:

@@ -53,7 +53,7 @@ def predicted_box(trajectory: Trajectory) -> list[float] | None:
     if box is None or not trajectory.frames:
         return box
     frame = trajectory.frames[0]
-    return list(model_to_original(box, frame["convention"], tuple(frame["model_size"]), tuple(frame["original_size"])))
+    return list(model_to_original(box, frame.convention, frame.model_size, frame.original_size))
 
 
 def _score(trajectory: Trajectory, row: RewardRow, iou_threshold: float) -> float:
@@ -104,8 +104,8 @@ def crop_iou(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow]) -> l
     out = []
     for t, row in zip(trajectories, rows, strict=True):
         boxes = row.evidence.boxes if row.evidence is not None else []
-        regions = [r["metadata"]["box_original"] for r in t.tool_results
-                   if r["name"] in LOOK_TOOLS and not r["error"] and r["metadata"].get("image_index", 0) < len(t.frames)]  # fmt: skip
+        regions = [r.metadata["box_original"] for r in t.tool_results
+                   if r.name in LOOK_TOOLS and not r.error and r.metadata.get("image_index", 0) < len(t.frames)]  # fmt: skip
         out.append(max((iou(a, b) for a in regions for b in boxes), default=0.0))
     return out
 
@@ -115,7 +115,7 @@ def temporal_iou(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow]) 
     out = []
     for t, row in zip(trajectories, rows, strict=True):
         spans = row.evidence.spans if row.evidence is not None else []
-        sampled = [r["metadata"]["span"] for r in t.tool_results if r["name"] in VIDEO_TOOLS and not r["error"]]
+        sampled = [r.metadata["span"] for r in t.tool_results if r.name in VIDEO_TOOLS and not r.error]
         out.append(max((span_iou(a, b) for a in sampled for b in spans), default=0.0))
     return out
 
@@ -126,14 +126,14 @@ def tool_bonus(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow], co
     for tool use alone teaches calling tools for their own sake."""
     out = []
     for t, row in zip(trajectories, rows, strict=True):
-        used = any(not r["error"] for r in t.tool_results)
+        used = any(not r.error for r in t.tool_results)
         out.append(float(used and _score(t, row, iou_threshold) >= correct_at))
     return out
 
 
 def invalid_calls(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow]) -> list[float]:
     """Minus the share of tool calls that failed (unparseable, unknown tool, bad arguments, tool error)."""
-    return [-sum(1 for r in t.tool_results if r["error"]) / len(t.tool_results) if t.tool_results else 0.0
+    return [-sum(1 for r in t.tool_results if r.error) / len(t.tool_results) if t.tool_results else 0.0
             for t in trajectories]  # fmt: skip
 
 

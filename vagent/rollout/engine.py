@@ -45,7 +45,7 @@ from vagent.model import Policy
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
 from vagent.rollout.hf_backend import HFBackend
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
-from vagent.types import ContentPart, Message, Observation, ToolCall, Trajectory
+from vagent.types import ContentPart, Frame, Message, Observation, ToolCall, ToolResult, Trajectory
 
 if TYPE_CHECKING:
     from vagent.toolbox.sandbox import Sandbox
@@ -162,8 +162,8 @@ class _Row:
     deadline: float = 0.0
     pending_calls: int = 0
     pending_actions: list[ToolCall | ParseError] = field(default_factory=list)
-    tool_results: list[dict] = field(default_factory=list)  # Trajectory.tool_results
-    frames: list[dict] = field(default_factory=list)  # Trajectory.frames
+    tool_results: list[ToolResult] = field(default_factory=list)  # Trajectory.tool_results
+    frames: list[Frame] = field(default_factory=list)  # Trajectory.frames
     tool_started: float = 0.0
     answer: str | None = None
     stop: str | None = None
@@ -256,8 +256,7 @@ class _Engine:
             sandbox=self.sandbox,
         )
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
-        row.frames = [{"original_size": list(o.size), "model_size": list(v.size), "convention": policy.coord_convention}
-                      for o, v in zip(originals, shown, strict=True)]  # fmt: skip
+        row.frames = [Frame(o.size, v.size, policy.coord_convention) for o, v in zip(originals, shown, strict=True)]
         row.force(segment)
         self.rows[key] = row
         self._next_turn(row)
@@ -369,8 +368,8 @@ class _Engine:
             if observation.error:
                 row.metrics[f"tool_error/{observation.error}"] += 1
             call = action if isinstance(action, ToolCall) else None
-            row.tool_results.append({"name": call and call.name, "arguments": call and call.arguments,
-                                     "error": observation.error, "metadata": observation.metadata})  # fmt: skip
+            row.tool_results.append(ToolResult(call and call.name, call and call.arguments, observation.error,
+                                               observation.metadata))  # fmt: skip
         for message, segment, observation in zip(outcome.messages, outcome.segments, outcome.observations, strict=True):
             row.force(segment)
             self._emit(row, message, observation)

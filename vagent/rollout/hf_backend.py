@@ -120,7 +120,8 @@ class HFBackend:
         """Prefill queued turns (joining them to the batch), else decode one token for every generating row.
 
         A prefill step runs only the joining rows' new tokens; the decoding rows wait for that one step
-        (running both in one forward would pad every decoding row to the widest new segment).
+        (running both in one forward would pad every decoding row to the widest new segment:
+        docs/decisions/rollout-join-prefill.md).
         """
         if self._pending:
             requests, self._pending = self._pending, []

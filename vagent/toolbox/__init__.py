@@ -9,8 +9,7 @@ turns every failure (unknown tool, bad arguments, an exception inside the tool) 
 from __future__ import annotations
 
 import functools
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jsonschema
 
@@ -18,9 +17,22 @@ from vagent.toolbox import code, crop, crop_clip, draw, enhance, flip, rotate, s
 from vagent.toolbox.context import ToolContext
 from vagent.types import Observation, ToolCall
 
-__all__ = ["TOOLS", "ToolContext", "call_tool", "check_arguments", "check_call", "tool_schemas"]
+__all__ = ["TOOLS", "Tool", "ToolContext", "call_tool", "check_arguments", "check_call", "tool_schemas"]
 
-TOOLS: dict[str, ModuleType] = {
+
+@runtime_checkable
+class Tool(Protocol):
+    """What every tool module provides (a module satisfies a Protocol: PEP 544)."""
+
+    NAME: str
+    SCHEMA: dict[str, Any]  # OpenAI/Qwen function schema: {"name", "description", "parameters": JSON schema}
+
+    def call(self, arguments: dict[str, Any], context: ToolContext) -> Observation:
+        """Run the tool on validated ``arguments``; failures come back as an error ``Observation``."""
+        ...
+
+
+TOOLS: dict[str, Tool] = {
     crop.NAME: crop,
     code.NAME: code,
     zoom_in.NAME: zoom_in,

@@ -26,7 +26,7 @@ from vagent.data.batching import collate, epoch_batches
 from vagent.data.encode import encode_messages, encoded_length
 from vagent.data.rows import Row, RowError
 from vagent.rollout.engine import Task, prompt_messages
-from vagent.types import ContentPart, Message
+from vagent.types import Message
 
 __all__ = ["SFTDataset", "gold_conversation", "rank_micro_batches"]
 
@@ -39,28 +39,14 @@ def gold_conversation(row: Row, default_tools: Sequence[str]) -> list[Message]:
     """
     if not row.messages:
         raise RowError(f"row {row.id!r}: has no gold `messages` to train on")
-    prompt_images = iter(row.images)
-    turns = []
     for i, message in enumerate(row.messages):
-        content, trained = message["content"], message.get("train", True)
-        if isinstance(content, str):
-            turns.append(Message(message["role"], [ContentPart("text", content)], trained=trained))
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            if part["type"] == "text":
-                parts.append(ContentPart("text", part["text"]))
-            elif part["type"] == "image":
-                path = part.get("path") or next(prompt_images, None)
-                if path is None:
-                    raise RowError(f"row {row.id!r}: messages[{i}].content[{j}] uses more images than the row has")
-                parts.append(ContentPart("image", path=path))
-            else:  # the engine shows videos only as frames returned by the video tools
+        for j, part in enumerate(message.content):
+            if part.type == "video":  # the engine shows videos only as frames returned by the video tools
                 raise RowError(
                     f"row {row.id!r}: messages[{i}].content[{j}] is a video part; SFT rows show videos as the "
                     "frames a sample_frames/crop_clip tool turn returned (image parts), as the rollout engine does"
                 )
-        turns.append(Message(message["role"], parts, trained=trained))
+    turns = list(row.messages)
     if any(m.role in ("system", "user") for m in turns):
         if turns[0].role not in ("system", "user"):
             raise RowError(f"row {row.id!r}: messages with their own prompt must start with a system or user turn")

@@ -1,0 +1,117 @@
+"""The quickstart's configuration: the toy task, its warm-up, and the knobs of the stages it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from vagent.config import (
+    GRPOAlgoConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TinyModelConfig,
+    ToolboxConfig,
+    option,
+)
+
+__all__ = ["QuickstartConfig"]
+
+
+@dataclass
+class QuickstartConfig:
+    out_dir: str = option("runs/quickstart", "Everything the quickstart writes: data, checkpoints, evals, report.md.")
+    seed: int = option(0, "Seed of the data, the training order and sampling.")
+    model: ModelConfig = option(
+        ModelConfig(min_pixels=3136, max_pixels=50176),
+        "Policy to start from: path null builds the random tiny one (``tiny``) under out_dir.",
+    )
+    tiny: TinyModelConfig = option(
+        TinyModelConfig(size="small", rope_theta=10.0), "The random tiny checkpoint built when model.path is null."
+    )
+    train_rows: int = option(448, "Synthetic zoom rows with gold trajectories for SFT (and prompts for GRPO).")
+    test_rows: int = option(192, "Held-out rows the policies are evaluated on.")
+    val_rows: int = option(
+        64,
+        "Held-out rows (other images than train and test) GRPO answers greedily every grpo_val_every steps, its "
+        "start included; the best step is the GRPO policy (0: no validation, the last step).",
+    )
+    grpo_val_every: int = option(4, "GRPO steps between validations on the val rows.")
+    image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
+    grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
+    tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
+    glyph: Literal["stripes", "digit"] = option(
+        "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
+    )
+    direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
+    warmup_rows: int = option(3000, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
+    warmup_epochs: float | list[float] = option(
+        [2.0, 2.0],
+        "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' "
+        "order (0 skips a phase).",
+    )
+    warmup_phases: list[str] = option(
+        ["perception", "grounding"],
+        "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. grounding: "
+        "give the tile's box; perception: read a gold crop shown alone; reading: read it in a gold trajectory "
+        "(the crop call shown, not trained).",
+    )
+    sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
+    sft_lr: float = option(5e-4, "SFT peak learning rate.")
+    parallel_baseline: bool = option(
+        True,
+        "On CPU, train and evaluate the no-tool baseline in a second process beside the crop-tool SFT, half "
+        "the threads each (sooner than one after the other: the tiny model uses two threads poorly); from 60% "
+        "of its steps on, the crop-tool SFT has all the threads.",
+    )
+    parallel_eval: bool = option(
+        True,
+        "On CPU, evaluate the SFT policy (with and without its tool) in a second process beside GRPO, half the "
+        "threads each; from a quarter of its steps on, GRPO has all the threads.",
+    )
+    grpo_steps: int = option(12, "GRPO steps after SFT (0 skips GRPO).")
+    grpo_lr: float = option(1e-4, "GRPO learning rate.")
+    grpo_negative_scale: float = option(
+        1.0, "GRPO's weight on the samples that lost to their group (grpo.negative_scale; 0: learn from the winners)."
+    )
+    group_size: int = option(4, "GRPO samples per prompt.")
+    prompts_per_step: int = option(8, "GRPO prompts per step.")
+    rollout: RolloutConfig = option(
+        RolloutConfig(max_turns=3, max_new_tokens=64, max_images=4, temperature=0.7),
+        "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy).",
+    )
+    toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
+
+    def phase_epochs(self) -> list[float]:
+        """Epochs of each warm-up phase, in warmup_phases' order (warmup_epochs is one number or one per phase)."""
+        if isinstance(self.warmup_epochs, list):
+            return list(self.warmup_epochs)
+        return [self.warmup_epochs] * len(self.warmup_phases)
+
+    def validate(self) -> None:
+        if len(self.image_size) != 2 or min(self.image_size) < 64:
+            raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
+        if not 8 <= self.tile <= min(self.image_size) // 2:
+            raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
+        if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
+            raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
+        if self.val_rows < 0 or self.grpo_val_every < 0:
+            raise ValueError(f"need val_rows >= 0 and grpo_val_every >= 0, got {self.val_rows}, {self.grpo_val_every}")
+        if self.grpo_steps:  # GRPO's and its optimizer's own checks of the knobs handed to them, at load, not after SFT
+            algo = GRPOAlgoConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
+                                  negative_scale=self.grpo_negative_scale)  # fmt: skip
+            for section in (algo, OptimConfig(lr=self.grpo_lr)):
+                try:
+                    section.validate()
+                except ValueError as e:
+                    raise ValueError(f"{e} (from the quickstart's group_size, prompts_per_step, grpo_negative_scale, "
+                                     "grpo_lr)") from None  # fmt: skip
+        epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]
+        if isinstance(self.warmup_epochs, list) and len(epochs) != len(self.warmup_phases):
+            raise ValueError(f"warmup_epochs lists {len(epochs)} numbers for {len(self.warmup_phases)} warmup_phases "
+                             f"{self.warmup_phases}; give one per phase, or one number for all")  # fmt: skip
+        if min(epochs, default=0) < 0 or self.sft_epochs <= 0:
+            raise ValueError("need warmup_epochs >= 0 and sft_epochs > 0")
+        unknown = set(self.warmup_phases) - {"grounding", "perception", "reading"}
+        if unknown:
+            raise ValueError(f"warmup_phases must be grounding, perception or reading; got {sorted(unknown)}")

@@ -1,0 +1,275 @@
+"""The quickstart's report.md: results, targets met or not, tool use, what the warm-up learned, curves."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from quickstart.config import QuickstartConfig
+from quickstart.data import warmup_runs
+from vagent.eval.runner import read_samples, write_table
+from vagent.recipes.evaluate import bar_chart
+from vagent.training.metrics import read_metrics
+
+# What the quickstart sets out to show (the report's "Targets" table checks each): the best policy with the crop
+# tool answers at least 60% of the test rows and 3x the no-tool baseline; its median crop IoU with the tile, over
+# the rows with a small tile (0 where it did not crop), is at least 0.3; GRPO gains 5 points over its SFT start
+# with a rising rollout reward; all within 20 minutes and 8 GB.
+TARGETS = {"accuracy": 0.60, "ratio": 3.0, "median_iou": 0.3, "grpo_gain": 0.05, "minutes": 20.0, "memory_gb": 8.0}
+
+
+def check_line(check: dict[str, Any]) -> str:
+    """One line saying what a warm-up phase learned, and what it did not (``_warmup_check``)."""
+    scores = check["scores"]
+    if check["phase"] == "grounding":
+        ious = scores["box"]
+        hit = sum(i >= 0.5 for i in ious) / len(ious)
+        line = (f"the tile's box on {len(ious)} val images (greedy): mean IoU {sum(ious) / len(ious):.2f}, IoU >= 0.5 "
+                f"for {hit:.0%}, {check['answers']} distinct box{'' if check['answers'] == 1 else 'es'}")  # fmt: skip
+        if hit < 0.5:
+            line += (" - it has not learned where the tile is (its loss is still on the plateau), so the crop-tool "
+                     "SFT has to; a longer grounding phase (its number in warmup_epochs) usually gets past it")  # fmt: skip
+        return line
+    n = sum(len(v) for v in scores.values())
+    right = sum(sum(v) for v in scores.values())
+    line = (f"the {check['what']} read from the gold crop on {n} val images (greedy): accuracy {right / n:.2f} ("
+            + ", ".join(f"{gold} {sum(v):.0f}/{len(v)}" for gold, v in sorted(scores.items())) + ")")  # fmt: skip
+    missed = [gold for gold, v in sorted(scores.items()) if sum(v) < 0.5 * len(v)]
+    if missed:
+        line += (f" - it does not read {' or '.join(missed)} (its loss is still on the plateau), so the crop-tool SFT "
+                 "has to; a longer perception phase (its number in warmup_epochs) may get past it (after a grounding "
+                 "phase it stays on the plateau longer: docs/decisions/perception-before-grounding.md)")  # fmt: skip
+    return line
+
+
+def write_report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path, dict[str, Any]]], test_rows,
+            checks: dict[str, dict[str, Any]], times: dict[str, float], total: float) -> str:  # fmt: skip
+    names = list(results)
+    metrics = [m for _, m in results.values()]
+    bar_chart(metrics, names, out / "results.png", title="held-out test split")
+    _curves(cfg, out)
+    direct = {r.id for r in test_rows if r.extra.get("difficulty", {}).get("direct")}
+    split_lines = []
+    samples = {name: read_samples(run_dir / "samples.jsonl") for name, (run_dir, _) in results.items()}
+    for name, rows in samples.items():
+        small = [s for s in rows if s["id"] not in direct]
+        large = [s for s in rows if s["id"] in direct]
+
+        def rate(group):
+            return f"{sum(1 for s in group if s['tool_calls']) / len(group):.2f}" if group else "-"
+
+        def acc(group):
+            return f"{sum(s['accuracy'] for s in group) / len(group):.2f}" if group else "-"
+
+        split_lines.append(f"| {name} | {acc(small)} | {rate(small)} | {acc(large)} | {rate(large)} |")
+    baseline = results["no-tool baseline"][1]["accuracy"]
+    best = max((n for n in names if n.endswith("+ crop")), key=lambda n: results[n][1]["accuracy"])
+    low, high = wilson_interval(sum(s["accuracy"] for s in samples[best]), len(samples[best]))
+    learned = [f"- {run}: {check_line(check)}." for run, check in checks.items()]
+    if learned:
+        learned = ["## What the warm-up learned", "", *learned, ""]
+    lines = [
+        "# vagent quickstart report",
+        "",
+        f"Total time **{total / 60:.1f} min** on this machine ({', '.join(f'{k} {v:.0f}s' for k, v in times.items())}).",
+        f"Policy: a random tiny Qwen2.5-VL ({cfg.tiny.size} preset) trained from scratch on "
+        f"{cfg.train_rows} synthetic zoom rows; {len(test_rows)} held-out test rows ({len(direct)} with a large, "
+        "readable tile). Greedy decoding.",
+        "",
+        "## Results on the held-out test split",
+        "",
+        write_table(metrics, None, names),
+        "![results](results.png)",
+        "",
+        f"Best policy with a tool: **{best}** (accuracy {results[best][1]['accuracy']:.2f}, 95% interval "
+        f"{low:.2f}-{high:.2f} over {len(samples[best])} rows) vs the no-tool baseline {baseline:.2f} (chance is "
+        f"{'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
+        "",
+        *_grpo_vs_sft(samples),
+        *_grpo_kept(out, cfg.val_rows),
+        "## Targets",
+        "",
+        *_targets(cfg, results, samples, best, direct, out, total),
+        "",
+        "## Which answers does each policy get right?",
+        "",
+        *_per_answer(samples),
+        "",
+        "## Does the agent look closer when it needs to?",
+        "",
+        "| policy | accuracy, small tile | tool use, small tile | accuracy, large tile | tool use, large tile |",
+        "|---|---:|---:|---:|---:|",
+        *split_lines,
+        "",
+        *learned,
+        "## Training curves",
+        "",
+        "![SFT loss](sft_loss.png)",
+        "",
+        "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
+        "",
+        "## Trajectories",
+        "",
+        *[
+            f"- {name}: [{run_dir.relative_to(out)}/trajectories.html]({run_dir.relative_to(out)}/trajectories.html)"
+            for name, (run_dir, _) in results.items()
+        ],
+        "",
+        "Metrics: `accuracy` = exact answer; `crop_iou` = best IoU of a crop with the tile (0 without a crop); "
+        "`tool_calls` = calls per sample. Per-sample records are in each run's `samples.jsonl`.",
+        "",
+    ]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a success rate: unlike p +- z*se it stays inside [0, 1] and is honest at
+    the few dozen rows a quick evaluation has."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _grpo_vs_sft(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """GRPO against its own SFT start on the same rows: which rows it fixed and which it broke."""
+    if "grpo + crop" not in samples:
+        return []
+    sft_right = {s["id"]: s["accuracy"] for s in samples["sft + crop"]}
+    fixed = sum(1 for s in samples["grpo + crop"] if s["accuracy"] > sft_right.get(s["id"], 1.0))
+    broke = sum(1 for s in samples["grpo + crop"] if s["accuracy"] < sft_right.get(s["id"], 0.0))
+    return [f"GRPO against its SFT start on the same rows: {fixed} answered right that SFT got wrong, {broke} "
+            "the other way round.", ""]  # fmt: skip
+
+
+def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any]]],
+             samples: dict[str, list[dict[str, Any]]], best: str, direct: set[str], out: Path,
+             total: float) -> list[str]:  # fmt: skip
+    """The table of ``TARGETS`` for ``best``, the best policy with the crop tool: each target, what this run
+    measured, and whether it is met."""
+    import resource
+    import statistics
+
+    accuracy, baseline = results[best][1]["accuracy"], results["no-tool baseline"][1]["accuracy"]
+    ious = [s["crop_iou"] or 0.0 for s in samples[best] if s["id"] not in direct]
+    median_iou = statistics.median(ious) if ious else 0.0
+    rows = [
+        (f"with-tools accuracy >= {TARGETS['accuracy']:.2f}", f"{accuracy:.3f} ({best})",
+         accuracy >= TARGETS["accuracy"]),
+        (f"at least {TARGETS['ratio']:g}x the no-tool baseline",
+         f"{accuracy / baseline:.1f}x ({accuracy:.3f} / {baseline:.3f})" if baseline else f"{accuracy:.3f} / 0",
+         accuracy >= TARGETS["ratio"] * baseline),
+        (f"median crop IoU with the tile >= {TARGETS['median_iou']:g} (small-tile rows, 0 without a crop)",
+         f"{median_iou:.2f} ({best}, {len(ious)} rows)", median_iou >= TARGETS["median_iou"]),
+    ]  # fmt: skip
+    if "grpo + crop" in results:
+        gain = results["grpo + crop"][1]["accuracy"] - results["sft + crop"][1]["accuracy"]
+        rows.append((f"GRPO at least {TARGETS['grpo_gain'] * 100:g} points above its SFT start",
+                     f"{gain * 100:+.1f} points", gain >= TARGETS["grpo_gain"] - 1e-9))  # fmt: skip
+        rewards = [r["reward"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "reward" in r]
+        third = max(1, len(rewards) // 3)
+        first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+        rows.append(("GRPO's rollout reward rises (mean of its last third of steps over its first third)",
+                     f"{first:.2f} -> {last:.2f} over {len(rewards)} steps", len(rewards) > 1 and last > first))  # fmt: skip
+    # ru_maxrss is in KiB on Linux; the children are the processes run beside the main one
+    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
+    rows += [(f"within {TARGETS['minutes']:g} minutes", f"{total / 60:.1f} min", total / 60 <= TARGETS["minutes"]),
+             (f"within {TARGETS['memory_gb']:g} GB of RAM", f"{peak:.1f} GB (the largest process's peak RSS)",
+              peak <= TARGETS["memory_gb"])]  # fmt: skip
+    met = sum(ok for _, _, ok in rows)
+    return ["| target | measured | met |", "|---|---|---|",
+            *[f"| {target} | {measured} | {'yes' if ok else '**no**'} |" for target, measured, ok in rows],
+            "", f"{met} of {len(rows)} targets met at seed {cfg.seed} (another seed, or another CPU's float sums, is "
+            "another draw: docs/quickstart.md gives several)."]  # fmt: skip
+
+
+def _grpo_kept(out: Path, val_rows: int) -> list[str]:
+    """Which GRPO step the report's GRPO policy is, and the validation accuracy of each step checked."""
+    records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
+    if not records:
+        return []
+    best = records[-1].get("val/best_step", records[-1]["step"])
+    checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}" for r in records)
+    kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
+    return [f"GRPO policy = {kept} (greedy accuracy on the {val_rows} val rows: {checks}).", ""]
+
+
+def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Accuracy per gold answer (rows: policies): a policy that guesses one answer shows it here, not in the mean."""
+    golds = sorted({str(s["gold"][0]) for rows in samples.values() for s in rows if s["gold"]})
+    if not golds or len(golds) > 8:
+        return [f"({'no gold answers' if not golds else 'too many distinct answers'} to tabulate)"]
+    lines = [f"| policy | {' | '.join(golds)} | most given answer |", f"|---|{'---:|' * len(golds)}---|"]
+    for name, rows in samples.items():
+        cells = []
+        for gold in golds:
+            group = [s["accuracy"] for s in rows if s["gold"] and str(s["gold"][0]) == gold]
+            cells.append(f"{sum(group) / len(group):.2f} ({len(group)})" if group else "-")
+        given = Counter(str(s["prediction"]) for s in rows if s["prediction"])
+        top = given.most_common(1)
+        text = " ".join(top[0][0].split())[:24].replace("|", "\\|") if top else ""
+        share = f"`{text}` ({top[0][1] / len(rows):.0%})" if top else "-"
+        lines.append(f"| {name} | {' | '.join(cells)} | {share} |")
+    return lines
+
+
+def _running_mean(values: list[float], n: int) -> list[float]:
+    """Mean of each value and the ``n - 1`` before it (fewer at the start)."""
+    means = []
+    for i in range(len(values)):
+        window = values[max(0, i - n + 1) : i + 1]
+        means.append(sum(window) / len(window))
+    return means
+
+
+def _curves(cfg: QuickstartConfig, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    offset = 0  # each warm-up phase continues from the last; both SFT runs from the end of the warm-up
+    for name in (*(run for run, _, _ in warmup_runs(cfg)), "sft", "sft-notool"):
+        records = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
+        steps, losses = [offset + r["step"] for r in records], [r["loss"] for r in records]
+        # one micro-batch's loss swings by two orders of magnitude (its rows' kinds differ): faint per-step
+        # points, and their running mean of 25 steps as the line to read (both SFT runs overlap in steps)
+        (line,) = ax.plot(steps, losses, alpha=0.2, linewidth=0.6)
+        ax.plot(steps, _running_mean(losses, 25), color=line.get_color(), label=name)
+        if records and name.startswith("sft-warmup"):
+            offset += records[-1]["step"]
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (trained tokens)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("SFT: loss per step (faint), its running mean of 25 (lines)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "sft_loss.png", dpi=110)
+    plt.close(fig)
+    records = read_metrics(out / "grpo" / "metrics.jsonl")
+    if records:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        val = [r for r in records if "val/accuracy" in r]
+        records = [r for r in records if "reward" in r]
+        steps = [r["step"] for r in records]
+        for key in ("reward", "accuracy", "reward/crop_iou", "tool_calls_per_traj"):
+            values = [r.get(key, float("nan")) for r in records]
+            (line,) = ax.plot(steps, values, label=key, marker=".", alpha=0.35)
+            # each point is one step's few rollouts; the trend is their running mean (as TensorBoard smooths)
+            ax.plot(steps, _running_mean(values, 4), color=line.get_color())
+        if val:
+            ax.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "k--s", label="val accuracy (greedy)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.set_title("GRPO: rollout mean per step (dots), its running mean of 4 (lines)"
+                     + ("\nand greedy accuracy on held-out val rows (squares)" if val else ""), fontsize=9)  # fmt: skip
+        fig.tight_layout()
+        fig.savefig(out / "grpo.png", dpi=110)
+        plt.close(fig)

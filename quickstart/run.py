@@ -1,0 +1,270 @@
+"""The quickstart's stages, top to bottom: checkpoint, data, SFT (+ baseline), GRPO, evaluation, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from quickstart.config import QuickstartConfig
+from quickstart.data import build_data, warmup_runs
+from quickstart.parallel import Beside
+from quickstart.report import check_line, write_report
+from vagent.config import (
+    GRPOAlgoConfig,
+    GRPOConfig,
+    GRPODataConfig,
+    GRPOValConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    SFTConfig,
+    SFTDataConfig,
+    TrainConfig,
+    check_config,
+    load_config,
+)
+from vagent.data import load_rows
+from vagent.eval import BENCHMARKS
+from vagent.eval.runner import evaluate, read_samples
+from vagent.model import load_policy
+from vagent.recipes import grpo, sft
+from vagent.recipes.common import tool_services
+from vagent.rollout import RolloutLimits
+
+# The fraction of the crop-tool SFT's steps after which it takes the baseline's thread back. The baseline side
+# (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured. Where it
+# ends later, the crop-tool SFT waits for it there; where it ends sooner, one core idles until that step.
+HANDOVER = 0.6
+# The fraction of GRPO's steps after which it takes back the thread of the SFT policy's evaluations beside it: the
+# evaluations (192 test rows with the crop tool, 192 without) end between GRPO's steps 3 and 4 of 12.
+GRPO_HANDOVER = 0.25
+REWARDS = {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2}
+
+
+@dataclasses.dataclass
+class _Evaluation:
+    """What every test-split evaluation shares (picklable: it goes to the process beside)."""
+
+    test_rows: list
+    out: Path
+    limits: RolloutLimits
+    toolbox: Any
+    device: str
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m quickstart [--config YAML] [key=value ...]`` (``make run``, ``vagent quickstart``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path = None
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        config_path, argv = argv[1], argv[2:]
+    cfg = load_config(QuickstartConfig, config_path, argv)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t_start = time.perf_counter()
+
+    def stage(n: int, name: str, key: str | None = None):
+        """Print the stage's header; the returned callable records its time under ``key``."""
+        print(f"\n[{n}/6] {name}  ({time.perf_counter() - t_start:.0f}s so far)", flush=True)
+        t = time.perf_counter()
+        return lambda label=key: times.__setitem__(label, time.perf_counter() - t)
+
+    done = stage(1, "tiny checkpoint", "checkpoint")
+    base = tiny_checkpoint(cfg, out)
+    policy = load_policy(base, device=_device(cfg))  # its pixel budget and coordinate convention
+    done()
+    done = stage(2, "synthetic zoom tasks", "data")
+    data = build_data(cfg, out / "data", policy)
+    del policy
+    done()
+    done = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the crop-tool cold start and the no-tool "
+                    "baseline", "sft")  # fmt: skip
+    evaluation = _Evaluation(load_rows(data["test"]), out, _greedy(cfg), cfg.toolbox, _device(cfg))
+    start, checks = _warmup(cfg, out, base, data)
+    sft_model, notool_model, notool_eval = _sft_stage(cfg, out, start, data, evaluation)
+    done()
+    done = stage(4, "GRPO from the SFT policy")
+    # The SFT policy's evaluations run beside GRPO (on CPU, with parallel_eval), the rest after it.
+    sft_runs = {"sft + crop": (sft_model, ["crop"]), "sft, tool taken away": (sft_model, [])}
+    beside = Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, _device(cfg), out / "eval" / "log-sft.txt",
+                          "the SFT policy's evaluations, with its tool and without", _evaluate_runs, sft_runs,
+                          evaluation)  # fmt: skip
+    try:
+        grpo_model = None
+        if cfg.grpo_steps:
+            grpo_model = grpo.train(grpo_config(cfg, out, sft_model, data),
+                                    before_step=beside.hand_over(GRPO_HANDOVER) if beside else None)  # fmt: skip
+        done("grpo (SFT evaluated beside it)" if beside else "grpo")
+        done = stage(5, "evaluation on the held-out test split", "eval")
+        sft_evals = beside.result() if beside else _evaluate_runs(sft_runs, evaluation)
+    finally:
+        if beside:
+            beside.stop()
+    results = {**sft_evals, "no-tool baseline": notool_eval or _evaluate("no-tool baseline", notool_model, [],
+                                                                         evaluation)}  # fmt: skip
+    if grpo_model is not None:  # when it kept its SFT start, that policy's evaluation is already there
+        if _same_weights(grpo_model, sft_model):
+            print("GRPO kept its SFT start (no step beat it on the val rows): its evaluation is SFT + crop's")
+            results["grpo + crop"] = results["sft + crop"]
+        else:
+            results["grpo + crop"] = _evaluate("grpo + crop", grpo_model, ["crop"], evaluation)
+    order = ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away")
+    results = {name: results[name] for name in order if name in results}
+    done()
+    done = stage(6, "report", "report")
+    times["report"] = 0.0
+    report = write_report(cfg, out, results, evaluation.test_rows, checks, times, time.perf_counter() - t_start)
+    done()
+    print(report)
+    print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see the crops.")
+    return 0
+
+
+def tiny_checkpoint(cfg: QuickstartConfig, out: Path) -> Path:
+    """``model.path``, or the tiny random checkpoint under ``out``, built once (rebuilt when its recipe changed)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    tiny = cfg.tiny
+    target = out / f"tiny-{tiny.family}-{tiny.size}"
+    recipe = {"family": tiny.family, "size": tiny.size, "vocab_size": tiny.vocab_size, "seed": tiny.seed,
+              "rope_theta": tiny.rope_theta, "min_pixels": cfg.model.min_pixels, "max_pixels": cfg.model.max_pixels}  # fmt: skip
+    marker = target / "vagent_tiny.json"
+    if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
+        from vagent.tiny_model import build_tiny_checkpoint
+
+        print(f"building a random tiny {tiny.family} checkpoint ({tiny.size}) in {target} ...", flush=True)
+        build_tiny_checkpoint(target, **recipe)
+    return target
+
+
+def _device(cfg: QuickstartConfig) -> str:
+    return cfg.model.device or "cpu"
+
+
+def _greedy(cfg: QuickstartConfig) -> RolloutLimits:
+    """The evaluations' episode limits: the rollout's, sampled greedily."""
+    limits = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k != "tools"}
+    return RolloutLimits(**limits | {"temperature": 0.0})
+
+
+def sft_config(cfg: QuickstartConfig, out_dir: Path, model: Path, train: Path, epochs: float,
+               tools: list[str] | None = None) -> SFTConfig:  # fmt: skip
+    """One of the quickstart's SFT runs (warm-up phases, the crop-tool cold start, the no-tool baseline)."""
+    data = SFTDataConfig(train=str(train), micro_batch_size=8)
+    if tools is not None:
+        data.tools = tools
+    return check_config(SFTConfig(
+        out_dir=str(out_dir), seed=cfg.seed, model=ModelConfig(path=str(model), device=_device(cfg)), data=data,
+        optim=OptimConfig(lr=cfg.sft_lr, warmup_steps=10, min_lr_ratio=0.05),
+        train=TrainConfig(epochs=epochs, precision="fp32", save_every=0, resume="auto"),
+    ))  # fmt: skip
+
+
+def grpo_config(cfg: QuickstartConfig, out: Path, model: Path, data: dict[str, Path]) -> GRPOConfig:
+    """GRPO from the SFT policy, checking itself on the val rows every few steps and keeping its best."""
+    val = GRPOValConfig()
+    if cfg.val_rows:
+        val = GRPOValConfig(rows=str(data["val"]), every=cfg.grpo_val_every, keep_best=True)
+    algo = GRPOAlgoConfig(group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step, micro_batch_size=8,
+                          rollout_batch_size=cfg.group_size * cfg.prompts_per_step,
+                          negative_scale=cfg.grpo_negative_scale)  # fmt: skip
+    return check_config(GRPOConfig(
+        out_dir=str(out / "grpo"), seed=cfg.seed, model=ModelConfig(path=str(model), device=_device(cfg)),
+        data=GRPODataConfig(train=str(data["train"])), rollout=dataclasses.replace(cfg.rollout), grpo=algo, val=val,
+        rewards=RewardConfig(weights=dict(REWARDS)), optim=OptimConfig(lr=cfg.grpo_lr),
+        train=TrainConfig(max_steps=cfg.grpo_steps, precision="fp32", save_every=0, resume="auto"),
+    ))  # fmt: skip
+
+
+def _warmup(cfg: QuickstartConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
+    """The warm-up SFT runs in order, each from the last, each phase checked right after it (a later phase wears
+    its skill down): (the last checkpoint, the checks by run)."""
+    from data_pipelines.synthetic.zoom import GLYPHS
+
+    what = GLYPHS[cfg.glyph][0]  # "stripes", "digit": what the perception check reads
+    start, checks = base, {}
+    for run, phase, epochs in warmup_runs(cfg):  # shared: the baseline gets the same budget
+        start = sft.train(sft_config(cfg, out / run, start, data[f"warmup_{phase}"], epochs))
+        if f"check_{phase}" in data:
+            check = _warmup_check(run, phase, what, start, data[f"check_{phase}"], out, _device(cfg))
+            if check:
+                checks[run] = check
+    return start, checks
+
+
+def _sft_stage(cfg: QuickstartConfig, out: Path, start: Path, data: dict[str, Path],
+               evaluation: _Evaluation) -> tuple[Path, Path, tuple[Path, dict] | None]:  # fmt: skip
+    """The crop-tool cold start, and beside it (on CPU) the no-tool baseline's SFT and evaluation: (the SFT model,
+    the baseline model, the baseline's evaluation if it ran beside)."""
+    notool = sft_config(cfg, out / "sft-notool", start, data["sft_mix_notool"], cfg.sft_epochs, tools=[])
+    baseline = Beside.start(cfg.parallel_baseline, _device(cfg), out / "sft-notool" / "log.txt",
+                            "the no-tool baseline's SFT and evaluation", _baseline, notool, evaluation)  # fmt: skip
+    try:
+        sft_model = sft.train(sft_config(cfg, out / "sft", start, data["sft_mix"], cfg.sft_epochs),
+                              before_step=baseline.hand_over(HANDOVER) if baseline else None)  # fmt: skip
+        notool_model, notool_eval = baseline.result() if baseline else _baseline(notool, None)
+    finally:
+        if baseline:
+            baseline.stop()
+    return sft_model, notool_model, notool_eval
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    """Whether two HF model dirs hold the same weight files, byte for byte."""
+    from vagent.training.checkpoint import file_digest
+
+    files = sorted(p.name for p in Path(a).glob("*.safetensors"))
+    return (
+        bool(files)
+        and files == sorted(p.name for p in Path(b).glob("*.safetensors"))
+        and all(file_digest(Path(a) / f) == file_digest(Path(b) / f) for f in files)
+    )
+
+
+def _evaluate(name: str, model_dir: Path, tools: list[str], evaluation: _Evaluation) -> tuple[Path, dict[str, Any]]:
+    """One policy on the test split, greedy: (its eval dir, its metrics)."""
+    run_dir = evaluation.out / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
+    policy = load_policy(model_dir, device=evaluation.device)
+    return run_dir, evaluate(policy, BENCHMARKS["synthetic"], evaluation.test_rows, run_dir, tools=tools,
+                             limits=evaluation.limits, batch_size=16, services=tool_services(evaluation.toolbox),
+                             label=name)  # fmt: skip
+
+
+def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: Path, out: Path,
+                  device: str) -> dict | None:  # fmt: skip
+    """A warm-up phase's checkpoint on the val images' rows of that phase (the grounding phase: the tile's box;
+    perception: the glyph, ``what``, read from the gold crop), greedy. Each phase's loss sits on a plateau (the format
+    learned, the skill not) for a few hundred steps before it drops, after a number of steps that varies with the
+    draw; a phase that stops on it leaves its skill to the crop-tool SFT (docs/decisions/perception-before-grounding.md). Returns the
+    scores (IoU or accuracy) per gold answer and the distinct answers; None when no val image has a small tile."""
+    if not rows_path.stat().st_size:
+        return None
+    rows = load_rows(rows_path)
+    run_dir = out / "eval" / run
+    limits = RolloutLimits(max_turns=1, max_new_tokens=32, temperature=0.0)
+    evaluate(load_policy(model_dir, device=device), BENCHMARKS["synthetic"], rows, run_dir, tools=[], limits=limits,
+             batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
+    samples = read_samples(run_dir / "samples.jsonl")
+    scores: dict[str, list[float]] = {}
+    for s in samples:
+        scores.setdefault(str(s["gold"][0]) if phase == "perception" else "box", []).append(s["accuracy"])
+    check = {"phase": phase, "what": what, "scores": scores,
+             "answers": len({str(s["prediction"]) for s in samples if s["prediction"] is not None})}  # fmt: skip
+    print(f"{run}: {check_line(check)}", flush=True)
+    return check
+
+
+def _evaluate_runs(runs: dict[str, tuple[Path, list[str]]], evaluation: _Evaluation) -> dict[str, tuple[Path, dict]]:
+    """``_evaluate`` each of ``runs`` (name: (model dir, tools)), one after the other."""
+    return {name: _evaluate(name, model_dir, tools, evaluation) for name, (model_dir, tools) in runs.items()}
+
+
+def _baseline(cfg: SFTConfig, evaluation: _Evaluation | None) -> tuple[Path, tuple[Path, dict] | None]:
+    """Train the no-tool baseline and, given ``evaluation``, evaluate it: (its model dir, its evaluation)."""
+    model_dir = sft.train(cfg)
+    return model_dir, _evaluate("no-tool baseline", model_dir, [], evaluation) if evaluation else None
