@@ -94,7 +94,7 @@ def median_run(policy, work, limits, repeat, make_backend=None):
     return runs[len(runs) // 2]
 
 
-def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1) -> dict[str, float]:
+def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1, warm_up: bool = True) -> dict[str, float]:
     """Mean wall time of a decode ``step()`` at ``rows`` rows, the median over ``repeat`` rollouts (see the module
     docstring). Uses only what old and
     new vagent share (``run``, ``HFBackend.step`` and its ``_pending`` queue), so ``--baseline`` can run it."""
@@ -122,7 +122,8 @@ def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1) -> dict[
     hf_backend.HFBackend.step = timed_step
     means = []
     try:
-        run(policy, work[:2], limits=limits, batch_size=2)  # warm-up
+        if warm_up:
+            run(policy, work[:2], limits=limits, batch_size=2)
         for _ in range(repeat):
             times.clear()
             run(policy, work, limits=limits, batch_size=rows)

@@ -140,7 +140,7 @@ def profile_decode(path: str, args: argparse.Namespace) -> dict[str, float]:
         bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
         _instrument(policy, all_steps=False)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            bench.decode_step_ms(policy, args.rows, args.decode_tokens)
+            bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False)  # only the full batch
         return _breakdown(prof.events())
     from vagent import toolbox
     from vagent.rollout import RolloutLimits, run
