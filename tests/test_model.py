@@ -6,6 +6,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vagent.model import PolicyLoadError, load_policy, mm_token_type_ids, resolve_attn_implementation, token_logprobs
+from vagent.rollout import generate
 from vagent.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
 
 IMAGE = Image.new("RGB", (320, 240), (30, 140, 200))
@@ -13,6 +14,13 @@ IMAGE = Image.new("RGB", (320, 240), (30, 140, 200))
 
 def _messages(text="What color is this?"):
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+
+def _prompt(text="What color is this?", image=IMAGE):
+    """``_messages`` as the ``Message`` list ``vagent.rollout.generate`` takes."""
+    from vagent.types import ContentPart, Message
+
+    return [Message("user", [ContentPart("image", image=image), ContentPart("text", text)])]
 
 
 def test_tiny_checkpoint_loads_with_plain_transformers(tiny_qwen25):
@@ -71,7 +79,7 @@ def test_load_policy_picks_sdpa_on_cpu_and_knows_the_convention(policy, tiny_qwe
     assert policy.pixel_budget == (28 * 28 * 4, 28 * 28 * 256)
     qwen2 = load_policy(tiny_qwen2, device="cpu")
     assert qwen2.family == "qwen2_vl" and qwen2.coord_convention == "norm1000"
-    out = qwen2.generate(qwen2.prepare(_messages(), [IMAGE]), max_new_tokens=4)
+    out = generate(qwen2, _prompt(), max_new_tokens=4)
     assert 1 <= len(out[0].token_ids) <= 4
 
 
@@ -109,38 +117,10 @@ def test_attention_choice():
             resolve_attn_implementation("flash_attention_2", cuda)
 
 
-def test_generate_respects_budget_and_stop_strings(policy):
-    inputs = policy.prepare(_messages(), [IMAGE])
-    greedy = policy.generate(inputs, max_new_tokens=12)[0]
-    assert len(greedy.token_ids) <= 12 and len(greedy.logprobs) == len(greedy.token_ids)
-    assert all(lp <= 0 for lp in greedy.logprobs)
-    assert policy.generate(inputs, max_new_tokens=12)[0].token_ids == greedy.token_ids  # greedy is deterministic
-    torch.manual_seed(0)
-    sampled = policy.generate(inputs, max_new_tokens=40, temperature=1.0, stop_strings=["</tool_call>"])[0]
-    placeholders = {policy.model.config.image_token_id, policy.model.config.video_token_id}
-    assert not placeholders & set(sampled.token_ids), "vision placeholders must never be sampled"
-
-
-def test_rows_are_cut_at_their_own_stop(policy):
-    """Finished rows of a batch are padded; each row is trimmed at its EOS or stop string."""
-    tok = policy.tokenizer
-    ids = tok.encode('x <tool_call>{"a": 1}</tool_call> junk after')
-    lps = [-1.0] * len(ids)
-    cut = policy._trim(ids, lps, ["</tool_call>", "</answer>"], budget=99)
-    assert cut.stop == "stop_string" and cut.text == 'x <tool_call>{"a": 1}</tool_call>'
-    assert len(cut.logprobs) == len(cut.token_ids) < len(ids)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    pad = tok.pad_token_id
-    ids = [*tok.encode("done"), eos, pad, pad]
-    cut = policy._trim(ids, [-1.0] * len(ids), [], budget=99)
-    assert cut.stop == "eos" and cut.token_ids[-1] == eos
-    cut = policy._trim(tok.encode("a b c"), [-1.0] * 3, [], budget=3)
-    assert cut.stop == "length"
-
-
 def test_token_logprobs_match_generation_and_use_multimodal_rope(policy):
     inputs = policy.prepare(_messages(), [IMAGE])
-    gen = policy.generate(inputs, max_new_tokens=6)[0]
+    gen = generate(policy, _prompt(), max_new_tokens=6)[0]
+    assert gen.prompt_tokens == inputs["input_ids"].shape[1]  # the engine's encoder renders the same prompt
     full = torch.cat([inputs["input_ids"], torch.tensor([gen.token_ids])], dim=1)
     batch = {
         "input_ids": full,
@@ -167,7 +147,7 @@ def test_token_logprobs_not_affected_by_stale_rope_deltas(policy):
     batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
     with torch.no_grad():
         fresh = token_logprobs(policy.model, batch)
-        policy.generate(policy.prepare(_messages("another"), [other]), max_new_tokens=3)
+        policy.model.generate(**policy.prepare(_messages("another"), [other]), max_new_tokens=3)  # caches deltas
         after = token_logprobs(policy.model, batch)
     assert torch.equal(fresh, after)
 
@@ -193,7 +173,7 @@ def test_tiny_checkpoint_is_deterministic_and_written_atomically(tmp_path):
 def test_bf16_on_gpu(tiny_qwen25, attn):
     policy = load_policy(tiny_qwen25, device="cuda", dtype="bfloat16", attn_implementation=attn)
     assert policy.dtype == torch.bfloat16
-    out = policy.generate(policy.prepare(_messages(), [IMAGE]), max_new_tokens=8)[0]
+    out = generate(policy, _prompt(), max_new_tokens=8)[0]
     assert 1 <= len(out.token_ids) <= 8
 
 
@@ -202,7 +182,7 @@ def test_qwen3_vl_checkpoint_loads_and_generates(tmp_path):
     assert type(AutoModelForImageTextToText.from_pretrained(path)).__name__ == "Qwen3VLForConditionalGeneration"
     policy = load_policy(path, device="cpu")
     assert policy.family == "qwen3_vl" and policy.coord_convention == "norm1000" and policy.image_factor == 32
-    out = policy.generate(policy.prepare(_messages(), [IMAGE]), max_new_tokens=4)[0]
+    out = generate(policy, _prompt(), max_new_tokens=4)[0]
     assert 1 <= len(out.token_ids) <= 4
 
 

@@ -42,19 +42,22 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from vagent.media import load_image
+    from vagent.media import MediaError
     from vagent.model import load_policy
+    from vagent.rollout import generate
+    from vagent.types import ContentPart, Message
 
     policy = load_policy(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
-    images = [load_image(path) for path in args.image]
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
-    inputs = policy.prepare([{"role": "user", "content": content}], images)
-    generation = policy.generate(inputs, max_new_tokens=args.max_new_tokens, temperature=args.temperature)[0]
+    parts = [ContentPart("image", path=path) for path in args.image] + [ContentPart("text", args.prompt)]
+    try:
+        generation = generate(policy, [Message("user", parts)], max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature)[0]  # fmt: skip
+    except MediaError as e:
+        print(f"vagent generate: {e}", file=sys.stderr)
+        return 2
     print(policy.tokenizer.decode(generation.token_ids, skip_special_tokens=True))
-    print(
-        f"[{len(generation.token_ids)} tokens, stop={generation.stop}, prompt {inputs['input_ids'].shape[1]} tokens]",
-        file=sys.stderr,
-    )
+    print(f"[{len(generation.token_ids)} tokens, stop={generation.stop}, prompt {generation.prompt_tokens} tokens]",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -2,14 +2,18 @@
 
 ``load_policy`` accepts a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint dir (real or built by
 ``vagent.tiny_model``) and returns a ``Policy``: the model, its processor, the family and that
-family's box convention. ``Policy.generate`` samples with stop strings and returns the exact
-token ids; ``token_logprobs`` scores multimodal batches for the trainers.
+family's box convention. ``token_logprobs`` scores multimodal batches for the trainers; sampling lives
+in ``vagent.rollout`` (the engine and its backend; ``vagent.rollout.generate`` for one turn).
 
 Two transformers 5.x pitfalls handled here, both silent if missed:
 * without ``mm_token_type_ids`` the Qwen-VL forward falls back to 1-D positions instead of
   multimodal RoPE, so ``policy_logits`` derives it from the input ids when the caller has none;
-* ``generate`` caches ``rope_deltas`` on the model object, so every scoring forward resets it
-  before running, or a training step after a rollout would reuse another batch's deltas.
+* HF ``generate`` caches ``rope_deltas`` on the model object, so every scoring forward resets it
+  before running, or a training step after an HF generation would reuse another batch's deltas.
+
+One multimodal-RoPE path: ``rope_positions`` (the model's own ``get_rope_index``) gives the positions of
+whole sequences to the rollout backend and to the shared-prefix training forward alike. One shared-prefix
+rule: ``common_prefix_length`` decides how much of a batch's leading text runs once, for both.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +34,11 @@ from vagent.media import resize_to_budget
 
 __all__ = [
     "FAMILIES",
-    "Generation",
+    "MIN_SHARED_PREFIX",
     "Policy",
     "PolicyLoadError",
     "apply_lora",
+    "common_prefix_length",
     "freeze_vision",
     "is_vision_tower",
     "load_policy",
@@ -41,8 +46,10 @@ __all__ = [
     "policy_logits",
     "resolve_attn_implementation",
     "resolve_dtype",
+    "rope_positions",
     "shared_prefix_length",
     "token_logprobs",
+    "vision_token_ids",
 ]
 
 # model_type in config.json -> the coordinate convention its boxes use (see vagent.geometry).
@@ -91,23 +98,6 @@ def resolve_attn_implementation(requested: str | None, device: torch.device) -> 
     if requested not in ("sdpa", "eager", "flash_attention_2"):
         raise PolicyLoadError(f"attn_implementation must be auto, sdpa, eager or flash_attention_2; got {requested!r}")
     return requested
-
-
-@dataclass
-class Generation:
-    """One row's sampled continuation.
-
-    Attributes:
-        token_ids: Sampled ids, up to and including the stop (EOS or the last token of a stop string).
-        logprobs: The policy's log-prob of each sampled id at temperature 1 (what a trainer recomputes). (n,)
-        text: ``token_ids`` decoded, special tokens kept.
-        stop: ``"eos"``, ``"stop_string"`` or ``"length"``.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    stop: str
 
 
 @dataclass
@@ -162,24 +152,15 @@ class Policy:
         return resize_to_budget(image, min_pixels=min_pixels, max_pixels=max_pixels, factor=self.image_factor)
 
     def rope_positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """Multimodal RoPE positions of whole sequences: (B, T) ids + one grid row per image -> (3, B, T).
-
-        Computed explicitly (and passed to every forward) rather than left to the model, which caches
-        ``rope_deltas`` between calls and silently falls back to 1D positions without ``mm_token_type_ids``.
-        """
-        config = self.model.config
-        types = mm_token_type_ids(input_ids, config.image_token_id, config.video_token_id)
-        positions, _ = self.model.model.get_rope_index(
-            input_ids=input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw
-        )
-        return positions
+        """Multimodal RoPE positions of whole sequences: (B, T) ids + one grid row per image -> (3, B, T)
+        (``rope_positions``)."""
+        return rope_positions(self.model, input_ids, image_grid_thw=image_grid_thw)
 
     @property
     def vision_placeholder_ids(self) -> list[int]:
         """Tokens a sampler must never emit: with a vision placeholder the next forward would hold more image
         tokens than images and fail (a random or confused policy would emit them)."""
-        config = self.model.config
-        return [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+        return vision_token_ids(self.model.config)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -192,66 +173,6 @@ class Policy:
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         batch = self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
         return batch.to(self.device)
-
-    @torch.no_grad()
-    def generate(
-        self,
-        inputs: Any,
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop_strings: list[str] | None = None,
-    ) -> list[Generation]:
-        """Sample a continuation for each row of a processed batch (left-padded for batch > 1).
-
-        Args:
-            inputs: Output of the processor (``input_ids``, ``attention_mask``, ``pixel_values``, ...).
-            max_new_tokens: Per-row budget.
-            temperature: 0 means greedy.
-            top_p: Nucleus mass when sampling.
-            stop_strings: Extra stops (e.g. ``</tool_call>``) besides EOS.
-        """
-        reset_rope_deltas(self.model)
-        sampling = {"do_sample": False} if temperature <= 0 else {"do_sample": True, "temperature": temperature}
-        if temperature > 0 and top_p < 1.0:
-            sampling["top_p"] = top_p
-        out = self.model.generate(
-            **inputs,
-            suppress_tokens=self.vision_placeholder_ids,
-            max_new_tokens=max_new_tokens,
-            stop_strings=stop_strings or None,
-            tokenizer=self.tokenizer if stop_strings else None,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=self.tokenizer.pad_token_id,
-            top_k=None,
-            **sampling,
-        )
-        reset_rope_deltas(self.model)
-        prompt_len = inputs["input_ids"].shape[1]
-        new = out.sequences[:, prompt_len:]  # (B, n)
-        # out.logits: n tensors of (B, V), raw (unwarped) scores; gathered step by step so no (B, n, V) fp32 copy exists
-        steps = [
-            torch.log_softmax(step.float(), dim=-1).gather(-1, new[:, i, None]) for i, step in enumerate(out.logits)
-        ]
-        logprobs = torch.cat(steps, dim=1)  # (B, n)
-        return [
-            self._trim(new[i].tolist(), logprobs[i].tolist(), stop_strings or [], max_new_tokens)
-            for i in range(new.shape[0])
-        ]
-
-    def _trim(self, ids: list[int], logprobs: list[float], stop_strings: list[str], budget: int) -> Generation:
-        """Cut a row at its own stop: finished rows are padded while others keep generating."""
-        eos = set(self.eos_token_ids)
-        for i, tok in enumerate(ids):
-            if tok in eos:
-                return Generation(ids[: i + 1], logprobs[: i + 1], self.tokenizer.decode(ids[: i + 1]), "eos")
-            if stop_strings and self.tokenizer.decode([tok]).endswith(">"):
-                text = self.tokenizer.decode(ids[: i + 1])
-                if any(text.endswith(s) for s in stop_strings):
-                    return Generation(ids[: i + 1], logprobs[: i + 1], text, "stop_string")
-        return Generation(ids, logprobs, self.tokenizer.decode(ids), "length" if len(ids) >= budget else "eos")
 
 
 def reset_rope_deltas(model: torch.nn.Module) -> None:
@@ -267,6 +188,50 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     types[input_ids == image_token_id] = 1
     types[input_ids == video_token_id] = 2
     return types
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """The image/video placeholder and vision start/end token ids of a Qwen-VL config."""
+    return [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+
+
+def rope_positions(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Multimodal RoPE positions of whole sequences, as the model's own forward computes them: (B, T) -> (3, B, T).
+
+    Computed explicitly (and passed to every forward that runs part of a sequence: a rollout's prefill and
+    decode steps, the shared-prefix forward) rather than left to the model, which caches ``rope_deltas``
+    between calls and silently falls back to 1-D positions without ``mm_token_type_ids``. Positions of
+    right padding (``attention_mask`` 0) are meaningless. A decoded text token's position is the row's
+    largest position + 1 on all three axes.
+
+    Args:
+        model: A Qwen-VL model (possibly wrapped by peft/DDP/DeepSpeed).
+        input_ids: (B, T).
+        attention_mask: (B, T) 1 = real token, or None (all real).
+        image_grid_thw: (n_images, 3), one row per image in placeholder order; video alike.
+        second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL videos).
+    """
+    config = _unwrap(model).config
+    inner = next(m for m in model.modules() if hasattr(m, "get_rope_index"))
+    types = mm_token_type_ids(input_ids, config.image_token_id, config.video_token_id)
+    extra = {"second_per_grid_ts": second_per_grid_ts} if second_per_grid_ts is not None else {}
+    positions, _ = inner.get_rope_index(
+        input_ids,
+        mm_token_type_ids=types,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        attention_mask=attention_mask,
+        **extra,
+    )
+    return positions
 
 
 def policy_logits(
@@ -347,14 +312,35 @@ def _hidden_states(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 MIN_SHARED_PREFIX = 16  # below this, a second forward call costs more than the tokens it saves
 
 
+def common_prefix_length(rows: Sequence[Sequence[int]], stop_ids: Collection[int]) -> int:
+    """How many leading tokens all ``rows`` share that a model can run once for all of them (0 = none).
+
+    The one rule both shared-prefix forwards use (training's ``policy_logits`` and the rollout backend's
+    prefill): the prefix stops before the first of ``stop_ids`` (the vision tokens: a text prefix's RoPE
+    positions are plain 0..n-1, as in the whole row), leaves every row at least one token of its own, and
+    is 0 below ``MIN_SHARED_PREFIX`` or with fewer than two rows.
+
+    ``common_prefix_length([[1, 2, 3], [1, 2, 4]], ())`` is 0 (2 tokens is below the minimum).
+    """
+    if len(rows) < 2:
+        return 0
+    first = rows[0]
+    limit = min(len(row) for row in rows) - 1
+    stops = set(stop_ids)
+    limit = next((t for t, token in enumerate(first[:limit]) if token in stops), limit)
+    for row in rows[1:]:
+        limit = next((t for t in range(limit) if row[t] != first[t]), limit)
+    return limit if limit >= MIN_SHARED_PREFIX else 0
+
+
 def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
     """How many leading text tokens every row of the batch shares and the model can run once (0 = none).
 
     A Qwen-VL tool prompt puts the same system prompt with its tool schemas, often hundreds of tokens,
-    before every conversation; a tiny model's steps then mostly recompute it. The prefix stops before the
-    first image or video token and leaves every row at least one token of its own. Sharing needs the
-    model called directly: not under DDP, FSDP or DeepSpeed (whose hooks expect one forward per backward), not
-    with gradient checkpointing (which replays the forward), and with SDPA or eager attention.
+    before every conversation; a tiny model's steps then mostly recompute it. The prefix follows
+    ``common_prefix_length`` over the rows' real tokens (right padding only). Sharing needs the model called
+    directly: not under DDP, FSDP or DeepSpeed (whose hooks expect one forward per backward), not with gradient
+    checkpointing (which replays the forward), and with SDPA or eager attention.
     """
     input_ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     if input_ids.shape[0] < 2 or mask is None or "position_ids" in inputs or not _plain_module(model):
@@ -364,17 +350,11 @@ def shared_prefix_length(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
         replays = getattr(model, "is_gradient_checkpointing", False)
     if replays or model.config._attn_implementation not in ("sdpa", "eager"):
         return 0
-    types = inputs.get("mm_token_type_ids")
-    # the shortest real row minus one token; a left-padded batch shares nothing
-    limit = int(mask.sum(dim=1).min()) - 1
-    if limit < MIN_SHARED_PREFIX or not bool(mask[:, :limit].all()):
-        return 0
-    same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(dim=0)
-    if types is not None:
-        same &= (types[:1, :limit] == 0).squeeze(0)
-    differs = (~same).nonzero()
-    prefix = int(differs[0]) if len(differs) else limit
-    return prefix if prefix >= MIN_SHARED_PREFIX else 0
+    lengths = mask.sum(dim=1)
+    if not bool(mask[:, : int(lengths.min())].all()):
+        return 0  # a left-padded batch: the rows' real tokens do not line up
+    rows = [row[:n] for row, n in zip(input_ids.tolist(), lengths.tolist(), strict=True)]
+    return common_prefix_length(rows, vision_token_ids(_unwrap(model).config))
 
 
 def _plain_module(model: torch.nn.Module) -> bool:
@@ -407,7 +387,12 @@ def _prefix_shared_logits(
 
     input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
     batch, width = input_ids.shape
-    positions = _rope_positions(model, inputs)  # (3, B, T)
+    positions = rope_positions(
+        model,
+        input_ids,
+        attention_mask=mask,
+        **{k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")},
+    )  # (3, B, T)
     rest = width - prefix
     keep_rest = min(logits_to_keep, rest) if logits_to_keep else rest
     keep_prefix = (logits_to_keep - rest if logits_to_keep > rest else 0) if logits_to_keep else prefix
@@ -435,29 +420,6 @@ def _prefix_shared_logits(
     if not keep_prefix:
         return tail.logits
     return torch.cat([head.logits.expand(batch, -1, -1), tail.logits], dim=1)
-
-
-def _rope_positions(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """(3, B, T) multimodal RoPE positions of the whole batch, as the model's own forward computes them. The
-    ``rope_deltas`` this leaves on the model are unused (both forwards get positions) and ``policy_logits``
-    resets them."""
-    import inspect
-
-    input_ids, mask = inputs["input_ids"], inputs["attention_mask"]
-    inner = next(m for m in model.modules() if hasattr(m, "compute_3d_position_ids"))
-    offered = {
-        "input_ids": input_ids,
-        "inputs_embeds": None,
-        "attention_mask": mask,
-        "past_key_values": None,  # transformers < 5.24
-        "cache": None,  # its name from transformers 5.24 on
-        **{k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")},
-    }
-    wanted = inspect.signature(inner.compute_3d_position_ids).parameters
-    positions = inner.compute_3d_position_ids(**{k: v for k, v in offered.items() if k in wanted})
-    if positions is None:  # text only: 1-D positions, right padding
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, input_ids.shape[0], -1)
-    return positions
 
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",

@@ -1,5 +1,24 @@
-"""Multi-turn rollouts: a per-episode state machine over the policy and the toolbox."""
+"""Multi-turn rollouts: a per-row state machine over a generation backend and the toolbox."""
 
-from vagent.rollout.engine import RolloutLimits, Task, act, prompt_messages, rollout, run
+from vagent.rollout.backend import GenerationBackend, Sampling, TurnBarrier, TurnRequest, TurnResult
+from vagent.rollout.engine import RolloutLimits, RowState, Task, act, prompt_messages, rollout, run
+from vagent.rollout.generate import Generation, generate
+from vagent.rollout.hf_backend import HFBackend
 
-__all__ = ["RolloutLimits", "Task", "act", "prompt_messages", "rollout", "run"]
+__all__ = [
+    "Generation",
+    "GenerationBackend",
+    "HFBackend",
+    "RolloutLimits",
+    "RowState",
+    "Sampling",
+    "Task",
+    "TurnBarrier",
+    "TurnRequest",
+    "TurnResult",
+    "act",
+    "generate",
+    "prompt_messages",
+    "rollout",
+    "run",
+]

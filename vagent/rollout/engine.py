@@ -10,17 +10,24 @@ is only ever *read* (to parse calls); it is never tokenized back into the row. E
 ``vagent.data.encode`` (the one encoder), so ``encode_messages(trajectory.messages)`` gives back exactly
 ``trajectory.token_ids``.
 
-Concurrency: rows generate together in the backend's batch (``HFBackend``: continuous batching with
-KV-cache reuse across turns). When a row's turn ends with tool calls, the calls run in a thread pool
-(with the encoding of their outputs) while the other rows keep generating; the row rejoins the batch
-when its observations are ready. A tool that does not return within ``tool_timeout_s`` is abandoned:
-the row gets a ``timeout`` error observation and goes on (the stuck thread is left to finish on its
-own; tools with their own limits, like the ``code`` sandbox, never get that far).
+Each row is in exactly one ``RowState`` and the driver loop dispatches on it: GENERATING (its turn request
+is with the backend), TOOLS (its calls run in a thread pool, with the encoding of their outputs) or DONE.
+Rows generate together in a ``GenerationBackend``'s batch (``HFBackend`` by default: continuous batching,
+a KV slot per row kept across turns); a row running tools leaves the batch and rejoins when its
+observations are ready, so the other rows keep generating. A tool that does not return within
+``tool_timeout_s`` is abandoned: the row gets a ``timeout`` error observation and goes on (the stuck thread
+is left to finish on its own; tools with their own limits, like the ``code`` sandbox, never get that far).
+
+The agent protocol (how model text becomes tool calls, how observations are rendered, the prompt, the stop
+strings, call budgets, pre-filled and inline text) is the row's ``vagent.agents`` profile's, read at one call
+site each: ``profile.parse``, ``profile.act``, ``profile.observation_message``, ``prompt_messages`` and
+``profile.stop_strings``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -37,7 +44,8 @@ from vagent.data.encode import encode_message, encode_prompt, template_suffix
 from vagent.data.rows import Row
 from vagent.media import load_image
 from vagent.model import Policy
-from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
+from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
+from vagent.rollout.hf_backend import HFBackend
 from vagent.toolbox import ToolContext
 from vagent.types import ContentPart, Frame, Message, Observation, ToolCall, ToolResult, Trajectory
 
@@ -45,7 +53,7 @@ if TYPE_CHECKING:
     from vagent.toolbox.sandbox import Sandbox
     from vagent.toolbox.search import SearchBackend
 
-__all__ = ["STOP_STRINGS", "RolloutLimits", "Task", "act", "prompt_messages", "rollout", "run"]
+__all__ = ["STOP_STRINGS", "RolloutLimits", "RowState", "Task", "act", "prompt_messages", "rollout", "run"]
 
 STOP_STRINGS = get_profile("vagent").stop_strings  # vagent's own protocol; each profile has its own
 
@@ -106,6 +114,14 @@ def act(parsed: ParsedTurn, context: ToolContext, offered: list[str], agent: str
     return get_profile(agent).act(parsed, context, offered)
 
 
+class RowState(enum.Enum):
+    """Where a row is in its episode; the driver loop's one dispatch."""
+
+    GENERATING = "generating"  # a turn request is with the backend
+    TOOLS = "tools"  # its tool calls run in the pool; it rejoins the batch when they return (or time out)
+    DONE = "done"  # stopped (``stop`` says why); collected as a Trajectory
+
+
 @dataclass
 class _Segment:
     """A forced piece of a row: ids (mask 0) and the model-sized images whose placeholders it holds."""
@@ -137,6 +153,7 @@ class _Row:
     pixel_values: list[torch.Tensor] = field(default_factory=list)  # one (patches, dim) block per image, in order
     grids: list[torch.Tensor] = field(default_factory=list)  # one (1, 3) row per image
     metrics: Counter[str] = field(default_factory=Counter)
+    state: RowState = RowState.GENERATING
     turns: int = 0
     future: Future | None = None
     deadline: float = 0.0
@@ -161,22 +178,14 @@ class _Row:
 class _Engine:
     """Runs rows to completion; see the module docstring."""
 
-    def __init__(self, policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                 on_turn, progress, turn_barrier=False, share_prefix=True, agent="vagent"):  # fmt: skip
-        self.policy, self.limits = policy, limits
+    def __init__(self, policy, limits, backend, search, sandbox, batch_size, tool_workers, tool_timeout_s,
+                 on_turn, progress, agent="vagent"):  # fmt: skip
+        self.policy, self.limits, self.backend = policy, limits, backend
         self.profile = get_profile(agent)
-        self.turn_barrier = turn_barrier
         self.search, self.sandbox = search, sandbox
         self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
         self.on_turn, self.progress = on_turn, progress
-        self.backend = HFBackend(
-            policy,
-            temperature=limits.temperature,
-            top_p=limits.top_p,
-            stop_strings=self.profile.stop_strings,
-            reuse_cache=reuse_cache,
-            share_prefix=share_prefix,
-        )
+        self.sampling = dict(temperature=limits.temperature, top_p=limits.top_p, stop_strings=self.profile.stop_strings)
         self.pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="vagent-tool")
         tokenizer = policy.tokenizer
         self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
@@ -196,21 +205,26 @@ class _Engine:
                 if self.backend.busy:
                     for result in self.backend.step():
                         self._on_turn_end(self.rows[result.key], result)
-                waiting = [r for r in self.rows.values() if r.future is not None]
-                if waiting and not self.backend.busy:  # nothing to generate: sleep until a tool returns
-                    timeout = max(0.0, min(r.deadline for r in waiting) - time.monotonic())
-                    wait([r.future for r in waiting], timeout=timeout, return_when=FIRST_COMPLETED)
-                if self.turn_barrier and (self.backend.busy or not all(r.future.done() for r in waiting)):
-                    continue  # turn-synchronous baseline: observations wait for every row's turn and tools
-                for row in waiting:
-                    if row.future.done() or time.monotonic() >= row.deadline:
-                        self._on_tools_done(row)
-                for key in [k for k, r in self.rows.items() if r.stop is not None]:
-                    done[key] = self._finish(self.rows.pop(key))
+                else:  # nothing to generate: sleep until a tool returns or times out
+                    self._wait_for_tools()
+                for key, row in list(self.rows.items()):
+                    if row.state is RowState.TOOLS and (row.future.done() or time.monotonic() >= row.deadline):
+                        self._on_tools_done(row)  # GENERATING or DONE next
+                    if row.state is RowState.DONE:
+                        done[key] = self._finish(self.rows.pop(key))
+                    # GENERATING: the backend holds the row until its turn ends
         finally:
+            for key in self.rows:  # only after an error: the backend must not keep these rows' slots
+                self.backend.release(key)
             # Abandoned (timed-out) tool threads must not block the caller: do not wait for them.
             self.pool.shutdown(wait=False, cancel_futures=True)
         return done
+
+    def _wait_for_tools(self) -> None:
+        waiting = [r for r in self.rows.values() if r.state is RowState.TOOLS]
+        if waiting:
+            timeout = max(0.0, min(r.deadline for r in waiting) - time.monotonic())
+            wait([r.future for r in waiting], timeout=timeout, return_when=FIRST_COMPLETED)
 
     # -- row life cycle -----------------------------------------------------------------------------
 
@@ -252,11 +266,11 @@ class _Engine:
         """Open the next assistant turn, or stop the row at a limit."""
         limits = self.limits
         if row.turns >= limits.max_turns:
-            row.stop = "max_turns"
+            self._stop(row, "max_turns")
             return
         budget = min(limits.max_new_tokens, limits.max_total_tokens - len(row.ids) - len(self.header))
         if budget <= 0:
-            row.stop = "max_tokens"
+            self._stop(row, "max_tokens")
             return
         row.turns += 1
         row.metrics["turns"] += 1
@@ -274,8 +288,9 @@ class _Engine:
             return
         if row.scripted:
             row.scripted.pop(0)  # a None hole: this turn is sampled
-        request = TurnRequest(row.key, list(row.ids), row.pixel_values, row.grids, max_new_tokens=budget)
-        self.backend.submit(request)
+        row.state = RowState.GENERATING
+        sampling = Sampling(max_new_tokens=budget, **self.sampling)
+        self.backend.submit(TurnRequest(row.key, list(row.ids), list(row.pixel_values), list(row.grids), sampling))
 
     def _on_turn_end(self, row: _Row, result: TurnResult, sampled: bool = True) -> None:
         ids = list(result.token_ids)
@@ -317,20 +332,25 @@ class _Engine:
         else:
             self._emit(row, turn)
         if parsed.answer is not None:
-            row.stop, row.answer = "answered", parsed.answer
+            row.answer = parsed.answer
+            self._stop(row, "answered")
         elif not parsed.actions and row.scripted:
             self._next_turn(row)  # the script goes on
         elif not parsed.actions:
-            row.stop = "max_tokens" if result.stop == "length" else "no_action"
+            self._stop(row, "max_tokens" if result.stop == "length" else "no_action")
         elif over_budget:
-            row.stop = "max_turns"  # the agent's own call budget is spent (e.g. Pixel-Reasoner: 4)
+            self._stop(row, "max_turns")  # the agent's own call budget is spent (e.g. Pixel-Reasoner: 4)
             row.metrics["max_calls_reached"] += 1
         else:
+            row.state = RowState.TOOLS
             row.pending_calls = len(parsed.actions)
             row.pending_actions = list(parsed.actions)
             row.tool_started = time.monotonic()
             row.deadline = time.monotonic() + self.tool_timeout_s
             row.future = self.pool.submit(self._call_tools, parsed, row.context, row.task.tools)
+
+    def _stop(self, row: _Row, reason: str) -> None:
+        row.state, row.stop = RowState.DONE, reason
 
     def _call_tools(self, parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> _ToolOutcome:
         """Worker thread: run the calls and encode their tool turns. Works on a copy of the context, so an
@@ -386,9 +406,9 @@ class _Engine:
                 self._emit(row, message, observation)
         if outcome.out_of_images:
             row.metrics["tool_calls"] += 1
-            row.stop = "max_images"
+            self._stop(row, "max_images")
         elif len(row.ids) >= self.limits.max_total_tokens:
-            row.stop = "max_tokens"
+            self._stop(row, "max_tokens")
         else:
             self._next_turn(row)
 
@@ -469,13 +489,10 @@ def run(
     batch_size: int = 8,
     progress: Callable[[Trajectory], None] | None = None,
     *,
-    reuse_cache: bool = True,
-    share_prefix: bool = True,
+    backend: GenerationBackend | None = None,
     tool_workers: int = 8,
     tool_timeout_s: float = 60.0,
     on_turn: Callable[[Message, Observation | None], None] | None = None,
-    turn_barrier: bool = False,
-    stats: dict[str, float] | None = None,
     agent: str | AgentProfile = "vagent",
 ) -> list[Trajectory]:
     """Run ``n_samples`` episodes per task, ``batch_size`` rows at a time.
@@ -488,16 +505,12 @@ def run(
         search, sandbox: Services of the ``search`` and ``code`` tools.
         batch_size: Rows in flight at once (generating or waiting for tools).
         progress: Called with each trajectory as it finishes.
-        reuse_cache: Keep each row's KV cache across turns (False: re-prefill every turn).
-        share_prefix: Prefill the prompt text that rows starting together share (the system prompt with its tool
-            schemas) once, not once per row (False: the reference, for benchmarks).
+        backend: What generates (default: a new ``HFBackend`` over ``policy``). Pass one to keep its KV storage
+            across calls, to read its ``stats()``, or to run a reference configuration (tests, benchmarks).
         tool_workers: Threads running tool calls.
         tool_timeout_s: A tool turn that takes longer is abandoned with a ``timeout`` observation.
         on_turn: Called with every new assistant/tool message (streaming displays), and for a tool message the
             ``Observation`` it renders (its ``metadata`` has e.g. a crop's box in original pixels), else None.
-        turn_barrier: The turn-synchronous baseline (benchmarks only): no row starts its next turn until
-            every row has finished generating and every tool call has returned.
-        stats: If given, filled with the backend's counters (prefill tokens, forward passes and time).
         agent: The agent profile (``vagent.agents.PROFILES``) or its name: prompt, call syntax, tool mapping,
             observation rendering and answer extraction of a published agent (default: vagent's own).
 
@@ -505,14 +518,11 @@ def run(
         Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).
     """
     limits = limits or RolloutLimits()
+    backend = backend if backend is not None else HFBackend(policy)
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
-    engine = _Engine(policy, limits, search, sandbox, batch_size, reuse_cache, tool_workers, tool_timeout_s,
-                     on_turn, progress, turn_barrier, share_prefix, agent)  # fmt: skip
+    engine = _Engine(policy, limits, backend, search, sandbox, batch_size, tool_workers, tool_timeout_s,
+                     on_turn, progress, agent)  # fmt: skip
     done = engine.run(jobs)
-    if stats is not None:
-        backend = engine.backend
-        stats.update(prefill_tokens=backend.prefill_tokens, decode_tokens=backend.decode_tokens,
-                     forward_passes=backend.forward_passes, forward_s=backend.forward_s)  # fmt: skip
     return [done[key] for key, _ in jobs]
 
 

@@ -3,10 +3,10 @@
 Everything the server needs from ``vagent.rollout`` goes through this module, so a change of the engine's
 backend API (the ``GenerationBackend`` protocol: submit / step / release / stats) touches only this file.
 
-``BatchedGenerator`` keeps one backend per *sampling lane*: requests that share temperature, top-p and stop
-strings generate together in one batch (rows join and leave between steps: continuous batching), and each step
-advances every busy lane by one forward. A request with a ``seed`` gets a lane of its own whose RNG state is
-swapped in around each of its steps, so it samples the same tokens whatever else the server is doing.
+``BatchedGenerator`` keeps one shared backend for every unseeded request: each row carries its own sampling
+settings (temperature, top-p, stop strings), so all of them generate together in one batch (rows join and leave
+between steps: continuous batching). A request with a ``seed`` gets a lane of its own whose RNG state is swapped
+in around each of its steps, so it samples the same tokens whatever else the server is doing.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vagent.model import Policy
-from vagent.rollout import RolloutLimits, Task, run
-from vagent.rollout.hf_backend import HFBackend, TurnRequest, TurnResult
+from vagent.rollout import HFBackend, RolloutLimits, Task, TurnRequest, TurnResult, run
+from vagent.rollout import Sampling as TurnSampling
 from vagent.types import Trajectory
 
 __all__ = ["BatchedGenerator", "Finished", "Sampling", "run_agent"]
@@ -26,7 +26,7 @@ __all__ = ["BatchedGenerator", "Finished", "Sampling", "run_agent"]
 
 @dataclass(frozen=True)
 class Sampling:
-    """What rows must share to generate in one batch.
+    """How a request samples; only ``seed`` decides which lane (batch) it joins.
 
     Attributes:
         temperature: 0 = greedy.
@@ -69,7 +69,7 @@ class BatchedGenerator:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.lanes: dict[Sampling, _Lane] = {}
+        self.lanes: dict[tuple[int, str] | None, _Lane] = {}  # by Sampling.seed; None: the shared lane
 
     @property
     def busy(self) -> bool:
@@ -78,25 +78,23 @@ class BatchedGenerator:
     def submit(self, key: Hashable, sampling: Sampling, encoded: dict[str, torch.Tensor], max_new_tokens: int) -> None:
         """Queue one sample of a prompt encoded by ``vagent.data.encode`` (``input_ids`` ending with the assistant
         header, ``pixel_values`` and ``image_grid_thw`` when it has images)."""
-        lane = self.lanes.get(sampling)
+        lane = self.lanes.get(sampling.seed)
         if lane is None:
-            backend = HFBackend(self.policy, temperature=sampling.temperature, top_p=sampling.top_p,
-                                stop_strings=sampling.stop)  # fmt: skip
-            lane = self.lanes[sampling] = _Lane(
-                backend, rng=self._seeded_state(sampling.seed[0]) if sampling.seed else None
-            )
+            rng = self._seeded_state(sampling.seed[0]) if sampling.seed else None
+            lane = self.lanes[sampling.seed] = _Lane(HFBackend(self.policy), rng=rng)
         ids = encoded["input_ids"].tolist()
         pixels, grids = [], []
         if "pixel_values" in encoded:
             grids = list(encoded["image_grid_thw"].split(1))
             pixels = list(encoded["pixel_values"].split([int(g.prod()) for g in grids]))
-        lane.backend.submit(TurnRequest(key, ids, pixels, grids, max_new_tokens=max_new_tokens))
+        turn = TurnSampling(max_new_tokens, sampling.temperature, sampling.top_p, sampling.stop)
+        lane.backend.submit(TurnRequest(key, ids, pixels, grids, sampling=turn))
         lane.keys.add(key)
 
     def step(self) -> list[Finished]:
         """One forward per busy lane. Returns the samples that finished; their caches are released."""
         finished: list[Finished] = []
-        for sampling, lane in list(self.lanes.items()):
+        for seed, lane in list(self.lanes.items()):
             if not lane.keys:
                 continue
             results = self._step(lane)
@@ -104,14 +102,16 @@ class BatchedGenerator:
                 lane.backend.release(result.key)
                 lane.keys.discard(result.key)
                 finished.append(Finished(result.key, list(result.token_ids), result.stop, list(result.logprobs)))
-            if not lane.keys and sampling.seed is not None:
-                del self.lanes[sampling]  # a seeded lane serves one request
+            if not lane.keys and seed is not None:
+                del self.lanes[seed]  # a seeded lane serves one request
         return finished
 
     def partial(self) -> dict[Hashable, list[int]]:
         """Tokens sampled so far by every row that is mid-turn (for streaming)."""
         # The backend keeps its decode batch private; reading it here keeps that knowledge in this adapter.
-        return {row.key: row.tokens for lane in self.lanes.values() for row in lane.backend._rows}
+        return {
+            row.key: row.tokens for lane in self.lanes.values() for row in lane.backend._rows.values() if row.tokens
+        }
 
     def reset(self) -> None:
         """Drop every lane and its rows (after a failed step: the batch state is not trusted any more)."""

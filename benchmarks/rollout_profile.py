@@ -1,0 +1,208 @@
+"""Where a rollout decode step's time goes: a ``torch.profiler`` breakdown, this code and (optionally) an older one.
+
+    python benchmarks/rollout_profile.py [--workload decode|multiturn] [--size small] [--rows 16]
+                                         [--decode-tokens 32] [--baseline DIR]
+
+Workloads: ``decode`` is ``benchmarks/rollout.py``'s decode timing (every row one sampled turn, EOS off, stop
+strings that no row reaches, so every decode step runs the full batch) and only its decode steps are profiled;
+``multiturn`` is that script's generation-only rollout (rows sample, call an instant tool, rejoin the batch) and
+every backend step is profiled, prefills (where rows join) included. Labels are put on the backend's parts from
+outside (the methods both the old and the new ``HFBackend`` have, plus each one's cache and stop-string code),
+and the steps' time is split into:
+
+* forward: the model forward (``HFBackend._forward``), of which attention (``aten::scaled_dot_product_attention``)
+  and the KV cache update inside the layers (``DynamicLayer.update``'s ``torch.cat`` before,
+  ``SlotCache.update``'s in-place write and read after) are shown apart;
+* cache management outside the forward (before: ``_join``/``_leave`` compaction; after: ``SlotCache.plan``);
+* sampling (``HFBackend._sample``); stop strings (before: ``tokenizer.decode`` of every row's tail; after:
+  ``StopMatcher.matches``);
+* Python and the rest: the step's time outside all of these (bookkeeping, building inputs, masks).
+
+With ``--baseline DIR`` the same profile runs in a subprocess on the vagent at DIR (e.g. a
+``git worktree add /tmp/base afb217c``), on the same checkpoint; both tables are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from vagent.model import load_policy
+from vagent.tiny_model import PRESETS, build_tiny_checkpoint
+
+PARTS = ("forward", "attention", "cache (in forward)", "cache (outside)", "sampling", "stop strings", "python/rest")
+
+
+def _label(owner: object, name: str, label: str, gate: list[bool]) -> None:
+    """Wrap ``owner.name`` so that, inside a decode step (``gate[0]``), it runs under ``record_function(label)``."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        if not gate[0]:
+            return original(*args, **kwargs)
+        with record_function(label):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def _instrument(policy, all_steps: bool) -> list[bool]:
+    from transformers.cache_utils import DynamicLayer
+
+    from vagent.rollout import hf_backend
+
+    gate = [False]
+    backend = hf_backend.HFBackend
+    _label(backend, "_forward", "forward", gate)
+    _label(backend, "_sample", "sampling", gate)
+    for name in ("_join", "_leave"):  # the old backend's batch compaction
+        _label(backend, name, "cache (outside)", gate)
+    _label(DynamicLayer, "update", "cache (in forward)", gate)
+    _label(policy.tokenizer, "decode", "stop strings", gate)  # the old backend decoded every row's tail
+    if importlib.util.find_spec("vagent.rollout.kv_cache"):
+        from vagent.rollout.kv_cache import SlotCache
+        from vagent.rollout.stops import StopMatcher
+
+        _label(SlotCache, "update", "cache (in forward)", gate)
+        for name in ("plan", "reserve", "copy_slot"):
+            _label(SlotCache, name, "cache (outside)", gate)
+        _label(StopMatcher, "matches", "stop strings", gate)
+    step = backend.step
+
+    def decode_step(self):
+        if self._pending and not all_steps:  # a prefill step: not profiled in the decode workload
+            return step(self)
+        gate[0] = True
+        try:
+            with record_function("decode_step"):
+                return step(self)
+        finally:
+            gate[0] = False
+
+    backend.step = decode_step
+    return gate
+
+
+def _breakdown(events) -> dict[str, float]:
+    """Sum each part over the decode steps (ms per step); nested labels are counted once, at the outermost."""
+    totals = dict.fromkeys(PARTS, 0.0)
+    steps = [e for e in events if e.name == "decode_step"]
+
+    def walk(event, inside_forward: bool) -> float:
+        """Adds the labelled parts under ``event``; returns the time of labelled parts directly under it."""
+        covered = 0.0
+        for child in event.cpu_children:
+            name = child.name
+            ms = child.cpu_time_total / 1000
+            if name == "aten::scaled_dot_product_attention":
+                totals["attention"] += ms
+                covered += ms
+            elif name in totals:
+                totals[name] += ms
+                covered += ms
+                walk(child, inside_forward or name == "forward")
+            else:
+                covered += walk(child, inside_forward)
+        return covered
+
+    for step in steps:
+        walk(step, False)
+    step_ms = sum(e.cpu_time_total for e in steps) / 1000
+    outside = totals["forward"] + totals["cache (outside)"] + totals["sampling"] + totals["stop strings"]
+    totals["python/rest"] = step_ms - outside
+    per_step = {k: v / len(steps) for k, v in totals.items()}
+    per_step["step"] = step_ms / len(steps)
+    per_step["steps"] = len(steps)
+    return per_step
+
+
+def profile_decode(path: str, args: argparse.Namespace) -> dict[str, float]:
+    spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("rollout.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    policy = load_policy(path, device=args.device, dtype=args.dtype)
+    if args.workload == "decode":
+        bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
+        _instrument(policy, all_steps=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False)  # only the full batch
+        return _breakdown(prof.events())
+    from vagent import toolbox
+    from vagent.rollout import RolloutLimits, run
+
+    toolbox.TOOLS["sleep"] = bench.sleep_tool(0.0)
+    limits = RolloutLimits(max_turns=16, max_new_tokens=args.decode_tokens, max_total_tokens=8192, temperature=0.0)
+    work = bench.tasks(args.rows)
+    run(policy, work[:2], limits=limits, batch_size=2)  # warm-up
+    _instrument(policy, all_steps=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("rollout"):
+            run(policy, work, limits=limits, batch_size=len(work))
+    out = _breakdown(prof.events())
+    total = next(e for e in prof.events() if e.name == "rollout").cpu_time_total / 1000
+    out["engine outside steps (ms per run)"] = total - out["step"] * out["steps"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--model", help="A checkpoint dir instead of a tiny random one.")
+    parser.add_argument("--workload", default="decode", choices=["decode", "multiturn"])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--baseline", help="A checkout of another vagent to profile too, side by side.")
+    parser.add_argument("--json", action="store_true", help="Print this code's breakdown as JSON (baseline runs).")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU 1 avoids spin-waiting).")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model:
+        path = args.model
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-profile-"))
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        path = str(build_tiny_checkpoint(scratch / "ckpt", size=args.size))
+    if args.json:
+        print(json.dumps(profile_decode(path, args)))
+        return
+    before = None
+    if args.baseline:
+        env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
+        command = [sys.executable, __file__, "--json", "--model", path, "--rows", str(args.rows),
+                   "--decode-tokens", str(args.decode_tokens), "--workload", args.workload, "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        before = json.loads(out.strip().splitlines()[-1])
+    after = profile_decode(path, args)
+    kind = "decode step" if args.workload == "decode" else "backend step of a multi-turn rollout"
+    print(f"# {kind} at {args.rows} rows, {args.decode_tokens} tokens per turn, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; ms per step (share of the step)")  # fmt: skip
+    print(f"| part | this code | {'baseline ' + args.baseline if before else ''} |\n|---|---:|---:|")
+    for part in ("step", *PARTS):
+        cells = [f"{t[part]:.2f} ({t[part] / t['step']:.0%})" if t else "" for t in (after, before)]
+        print(f"| {part} | {cells[0]} | {cells[1]} |")
+    print(f"| steps | {after['steps']} | {before['steps'] if before else ''} |")
+    if args.workload == "multiturn":
+        key = "engine outside steps (ms per run)"
+        print(f"| {key} | {after[key]:.0f} | {f'{before[key]:.0f}' if before else ''} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The generation backend under the engine: slot KV storage, stop strings on token ids, one-turn generate,
+the turn-barrier reference."""
+
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from vagent.rollout import GenerationBackend, HFBackend, RolloutLimits, Task, TurnBarrier, generate, run
+from vagent.rollout.kv_cache import SlotCache
+from vagent.rollout.stops import StopMatcher
+from vagent.types import ContentPart, Message
+
+IMAGE = Image.new("RGB", (320, 240), (30, 140, 200))
+STOPS = ("</tool_call>", "</answer>")
+
+
+def _prompt(text="What color is this?"):
+    return [Message("user", [ContentPart("image", image=IMAGE), ContentPart("text", text)])]
+
+
+def test_hf_backend_is_a_generation_backend(policy):
+    assert isinstance(HFBackend(policy), GenerationBackend)
+    assert isinstance(TurnBarrier(HFBackend(policy)), GenerationBackend)
+
+
+def test_generate_respects_budget_and_never_samples_vision_tokens(policy):
+    greedy = generate(policy, _prompt(), max_new_tokens=12)[0]
+    assert 1 <= len(greedy.token_ids) <= 12 and len(greedy.logprobs) == len(greedy.token_ids)
+    assert all(lp <= 0 for lp in greedy.logprobs)
+    assert generate(policy, _prompt(), max_new_tokens=12)[0].token_ids == greedy.token_ids  # greedy is deterministic
+    torch.manual_seed(0)
+    backend = HFBackend(policy)
+    samples = generate(policy, _prompt(), max_new_tokens=40, temperature=1.0, stop_strings=STOPS, n=4, backend=backend)
+    placeholders = set(policy.vision_placeholder_ids)
+    assert all(not placeholders & set(s.token_ids) for s in samples), "vision placeholders must never be sampled"
+    assert backend.stats().prefill_tokens == samples[0].prompt_tokens  # 4 samples, one prefill
+    for sample in samples:
+        if sample.stop == "stop_string":
+            assert any(sample.text.endswith(s) for s in STOPS)
+        else:
+            assert not any(s in sample.text for s in STOPS)
+
+
+def test_generate_stops_at_a_stop_string_the_model_writes(policy):
+    """A hook on the head makes the greedy turn write 'ab</answer>cd' token by token: it ends at the stop."""
+    tok = policy.tokenizer
+    forced = tok.encode("ab</answer>cd", add_special_tokens=False)
+    step = iter(forced)
+
+    def force(_module, _inputs, output):
+        out = torch.full_like(output, -1e4)
+        out[..., next(step)] = 0
+        return out
+
+    handle = policy.model.lm_head.register_forward_hook(force)
+    try:
+        out = generate(policy, _prompt(), max_new_tokens=20, stop_strings=STOPS)[0]
+    finally:
+        handle.remove()
+    # the turn ends with the token that completes the stop (here one that runs past it, '>c'), not later
+    end = next(i for i in range(len(forced)) if "</answer>" in tok.decode(forced[: i + 1])) + 1
+    assert out.stop == "stop_string" and out.token_ids == forced[:end] and end < len(forced)
+
+
+def _naive_stop(tok, tokens, stops):
+    return any(s in tok.decode(tokens[-24:]) for s in stops)
+
+
+def test_stop_matcher_agrees_with_decoding_the_tail_every_step(policy):
+    """On random token streams built from pieces of the stop strings, the id matcher stops exactly where the
+    old check (decode the last 24 tokens every step) first fires, and decodes far less."""
+    tok = policy.tokenizer
+    vocab = ["</", "tool", "_call", ">", "answer", "</answer>", "</tool_call>", " the", "x", ">\n", "{", '"', "a"]
+    pieces = [ids for text in vocab for ids in [tok.encode(text, add_special_tokens=False)] if ids]
+    rng = random.Random(0)
+    matcher = StopMatcher(tok, STOPS)
+    steps = fired = 0
+    for _ in range(300):
+        tokens: list[int] = []
+        for _ in range(12):
+            for token in rng.choice(pieces):
+                tokens.append(token)
+                steps += 1
+                expected = _naive_stop(tok, tokens, STOPS)
+                assert matcher.matches(tokens) == expected, tok.decode(tokens)
+                if expected:
+                    break
+            else:
+                continue
+            fired += 1
+            break
+    assert fired > 50  # the streams did hit the stops, by several spellings
+    assert matcher.decodes < steps / 2
+
+
+def test_stop_matcher_fast_path_decodes_nothing(policy):
+    tok = policy.tokenizer
+    matcher = StopMatcher(tok, STOPS)
+    ids = tok.encode('<tool_call>{"name": "crop"}</tool_call>', add_special_tokens=False)
+    assert [matcher.matches(ids[: i + 1]) for i in range(len(ids))] == [False] * (len(ids) - 1) + [True]
+    assert matcher.decodes == 0  # '</tool_call>' is its own token: matched on ids alone
+    assert not StopMatcher(tok, ()).matches(ids)
+
+
+def test_slot_cache_writes_in_place_and_reads_a_view_or_one_gather():
+    cache = SlotCache(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    cache.reserve(4, 8)
+    storage = cache.keys[0].data_ptr()
+    keys = torch.randn(2, 2, 3, 4)
+    cache.plan([1, 2], [0, 2], 3, 5)  # consecutive slots: the returned keys are a view of the storage
+    k, v = cache.update(keys, keys + 1, layer_idx=0)
+    assert v.data_ptr() == cache.values[0][1].data_ptr()
+    assert k.shape == (2, 2, 5, 4) and k.data_ptr() == cache.keys[0][1].data_ptr()
+    torch.testing.assert_close(cache.keys[0][1, :, :3], keys[0])
+    torch.testing.assert_close(cache.keys[0][2, :, 2:5], keys[1])
+    torch.testing.assert_close(cache.values[0][2, :, 2:5], keys[1] + 1)
+    cache.plan([3, 1], [0, 3], 1, 4)  # not consecutive: one gather, in the batch's order
+    new = torch.randn(2, 2, 1, 4)
+    k, _ = cache.update(new, new, layer_idx=1)
+    torch.testing.assert_close(k[0, :, 0], new[0, :, 0])
+    torch.testing.assert_close(k[1, :, 3], new[1, :, 0])
+    cache.copy_slot(2, 0, 5)
+    torch.testing.assert_close(cache.keys[0][0, :, :5], cache.keys[0][2, :, :5])
+    assert cache.keys[0].data_ptr() == storage and cache.growths == 1
+    cache.reserve(4, 200)  # room was allocated in steps of 256 tokens: no growth
+    assert cache.capacity == 256 and cache.growths == 1
+    cache.reserve(5, 300)  # growth (at least doubling) keeps what is stored
+    torch.testing.assert_close(cache.keys[0][2, :, 2:5], keys[1])
+    assert (cache.slots, cache.capacity, cache.growths) == (5, 512, 2)
+    with pytest.raises(ValueError, match="reserve"):
+        cache.plan([5], [0], 1, 1)
+
+
+def _tasks():
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [10, 20, 120, 90]}}</tool_call>'
+    return [
+        Task(id="a", question="Where?", images=[IMAGE], scripted_turns=[None, crop, None]),
+        Task(id="b", question="What?", images=[IMAGE], scripted_turns=[crop]),
+        Task(id="c", question="Tell me.", images=[IMAGE]),
+        Task(id="d", question="And?", images=[IMAGE], scripted_turns=[None, None, crop]),
+    ]
+
+
+def test_rows_keep_their_slots_and_the_storage_is_not_copied_when_rows_join_and_leave(policy):
+    """Rows join and leave the decode batch at every turn and tool call: with room reserved, the storage is
+    the same tensor from the first step to the last, and each row stays in one slot for its episode."""
+    backend = HFBackend(policy)
+    backend.cache.reserve(4, 4096)
+    storage = [t.data_ptr() for t in backend.cache.keys]
+    slots: dict[object, set[int]] = {}
+    step = backend.step
+
+    def watch():
+        out = step()
+        for key, row in backend._rows.items():
+            slots.setdefault(key, set()).add(row.slot)
+        return out
+
+    backend.step = watch
+    limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)
+    out = run(policy, _tasks(), limits=limits, batch_size=4, backend=backend)
+    assert [t.token_ids for t in out] == [t.token_ids for t in run(policy, _tasks(), limits=limits, batch_size=1)]
+    assert [t.data_ptr() for t in backend.cache.keys] == storage and backend.stats().cache_growths == 1
+    assert all(len(s) == 1 for s in slots.values()) and len(slots) == 4
+    assert backend._rows == {} and sorted(backend._free) == [0, 1, 2, 3]  # every slot back on the free list
+    stats = backend.stats()
+    assert stats.decode_steps > 0 and stats.decode_tokens >= stats.decode_steps
+
+
+def test_the_turn_barrier_reference_generates_the_same_tokens(policy):
+    limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)
+    barrier = TurnBarrier(HFBackend(policy))
+    synced = run(policy, _tasks(), limits=limits, batch_size=4, backend=barrier)
+    assert [t.token_ids for t in synced] == [t.token_ids for t in run(policy, _tasks(), limits=limits, batch_size=4)]
+    assert barrier.stats().forward_passes > 0
+
+
+def test_a_turn_request_must_extend_its_row(policy):
+    from vagent.rollout import Sampling, TurnRequest
+
+    backend = HFBackend(policy)
+    ids = policy.tokenizer.encode("hello there, a plain text prompt")
+    backend.submit(TurnRequest("r", ids, [], [], Sampling(max_new_tokens=2, temperature=0.0)))
+    while backend.busy:
+        backend.step()
+    backend.submit(TurnRequest("r", ids[:3], [], [], Sampling(max_new_tokens=2)))
+    with pytest.raises(ValueError, match="must extend"):
+        backend.step()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        backend.submit(TurnRequest("s", ids, [], [], Sampling(max_new_tokens=0)))
+    backend.release("r")
+    assert not backend.busy and backend._free == [0]
+
+
+def test_under_autocast_the_cache_stores_what_the_layers_make(policy):
+    """The GRPO recipe rolls out under bf16 autocast: keys are stored in bf16, and the rollout still runs."""
+    backend = HFBackend(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(policy, _tasks()[:2], limits=RolloutLimits(max_turns=2, max_new_tokens=6), backend=backend)
+    assert backend.cache.dtype == torch.bfloat16 and all(t.metrics["sampled_tokens"] > 0 for t in out)
+    assert all(len(t.token_ids) == len(t.logprobs) == len(t.loss_mask) for t in out)

@@ -1,0 +1,157 @@
+"""The contract between the rollout engine and a generation backend.
+
+The engine owns episodes (turns, tools, limits); a backend owns the model and its KV cache. The engine
+submits one *turn request* per assistant turn (the row's whole token sequence so far, its images, and how
+to sample), calls ``step()`` while the backend has work, and gets each turn back as it finishes; when an
+episode ends it releases the row. Any object with these methods is a backend (``HFBackend`` is the one
+implementation today), so a second backend needs no engine change.
+
+``TurnBarrier`` wraps a backend into the turn-synchronous baseline the benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["BackendStats", "GenerationBackend", "Sampling", "TurnBarrier", "TurnRequest", "TurnResult"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample one turn.
+
+    Attributes:
+        max_new_tokens: Budget of the turn.
+        temperature: 0 = greedy.
+        top_p: Nucleus mass (1 = off).
+        stop_strings: The turn ends when its text contains one of these (or at EOS).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class TurnRequest:
+    """Generate one assistant turn for a row.
+
+    Attributes:
+        key: The row's identity; the backend may keep state (its KV cache) under it until ``release``.
+        ids: The row's whole sequence so far, ending with the assistant header of this turn.
+        pixel_values: Patches of every image of the row, in order (prompt images, then tool outputs).
+        image_grid_thw: One (1, 3) grid row per image.
+        sampling: How to sample the turn.
+    """
+
+    key: Hashable
+    ids: list[int]
+    pixel_values: list[torch.Tensor]
+    image_grid_thw: list[torch.Tensor]
+    sampling: Sampling
+
+
+@dataclass
+class TurnResult:
+    """A finished turn: sampled ids, their log-probs (temperature 1, unwarped), and why it stopped."""
+
+    key: Hashable
+    token_ids: list[int]
+    logprobs: list[float]
+    stop: str  # "eos" | "stop_string" | "length"
+
+
+@dataclass
+class BackendStats:
+    """Counters since the backend was made (benchmarks and tests read them).
+
+    Attributes:
+        prefill_tokens: Tokens run through prefill forwards (new tokens only, shared prefixes once).
+        decode_tokens: Tokens run through decode forwards (one per active row per step).
+        forward_passes: Model forwards.
+        forward_s: Wall time inside model forwards (synchronized on CUDA).
+        decode_steps: Decode forwards (a subset of ``forward_passes``).
+        stop_decodes: Tail decodes the stop-string fallback needed (``StopMatcher``).
+        cache_growths: Times the KV storage was reallocated to hold more rows or tokens.
+    """
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    forward_passes: int = 0
+    forward_s: float = 0.0
+    decode_steps: int = 0
+    stop_decodes: int = 0
+    cache_growths: int = 0
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the engine needs from a generation backend."""
+
+    def submit(self, request: TurnRequest) -> None:
+        """Queue a turn; it starts at a later ``step``."""
+        ...
+
+    def step(self) -> list[TurnResult]:
+        """Advance the queued and running turns; return the turns that finished (possibly none)."""
+        ...
+
+    def release(self, key: Hashable) -> None:
+        """Forget a row (its episode ended): free whatever the backend keeps for it."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """Whether ``step`` has work to do now."""
+        ...
+
+    def stats(self) -> BackendStats:
+        """Counters since the backend was made."""
+        ...
+
+
+class TurnBarrier:
+    """The turn-synchronous baseline (benchmarks only): a wrapper that holds every submitted turn until no row
+    is generating and every row whose turn ended has either submitted its next turn (its tools returned) or
+    been released. So rows move turn by turn in lock step, as in a rollout without tool/generation overlap.
+
+    Args:
+        backend: The backend that generates.
+    """
+
+    def __init__(self, backend: GenerationBackend) -> None:
+        self.backend = backend
+        self._held: list[TurnRequest] = []
+        self._open: set[Hashable] = set()  # rows whose turn ended and that have not come back yet
+
+    def submit(self, request: TurnRequest) -> None:
+        self._open.discard(request.key)
+        self._held.append(request)
+
+    def step(self) -> list[TurnResult]:
+        if self._held and self._ready():
+            for request in self._held:
+                self.backend.submit(request)
+            self._held = []
+        results = self.backend.step() if self.backend.busy else []
+        self._open.update(result.key for result in results)
+        return results
+
+    def release(self, key: Hashable) -> None:
+        self._open.discard(key)
+        self.backend.release(key)
+
+    @property
+    def busy(self) -> bool:
+        return self.backend.busy or bool(self._held and self._ready())
+
+    def stats(self) -> BackendStats:
+        return self.backend.stats()
+
+    def _ready(self) -> bool:
+        return not self.backend.busy and not self._open

@@ -1,0 +1,132 @@
+"""KV storage where every row owns a preallocated slot: joining and leaving the batch copy nothing.
+
+Per layer, keys and values live in one static tensor ``(slots, kv_heads, capacity, head_dim)``. A row
+gets a slot when it starts and keeps it for its whole episode (through its tool calls), its tokens stored
+hole-free at ``[0, length)``. A forward writes its new keys in place at each row's own positions
+(``index_put_``), so a row joining or leaving the decode batch is bookkeeping, and a turn that resumes after
+a tool call prefills only its new tokens into the same slot. Compare the ``DynamicCache`` per batch this
+replaces: every join or leave concatenated and copied the whole batch's cache (O(batch x sequence)), and
+every decode step copied it again (``torch.cat`` in ``DynamicLayer.update``).
+
+The cache plugs into transformers' attention through the one call the Qwen-VL attention makes,
+``cache.update(key_states, value_states, layer_idx)``, which must return the keys and values to attend
+over. Here that is the batch's slots up to the longest row: a view when the batch's slots are consecutive
+(``rows[a:b]``, no copy), else one gather of those rows. The backend passes a matching boolean
+``(B, 1, query, keys)`` mask (each row sees its own ``[0, length)`` plus causal new tokens), which
+transformers returns as-is to SDPA.
+
+On a GPU this is where other kernels would take over (not done here: there is no GPU to test on):
+flash-attn's ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+cache_batch_idx=slots)`` does the in-place write and the attention over each row's valid length in one
+kernel, with no gather and no dense mask (registered through transformers' ``AttentionInterface``, reading
+the same plan). The storage is also what CUDA graphs need: fixed addresses; a captured decode step at a few
+batch-size buckets would take its slot indices, write positions and mask as static input buffers
+(``plan`` would copy into them instead of making new tensors). Neither is implemented or claimed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SlotCache"]
+
+_GROW_TOKENS = 256  # capacity grows in multiples of this (and at least doubles), so growth is rare
+
+
+class SlotCache:
+    """Slot-indexed static KV storage for every layer of a decoder (see the module docstring).
+
+    Args:
+        layers: Decoder layers.
+        kv_heads: Key/value heads per layer.
+        head_dim: Size of one head.
+        dtype, device: Of the stored keys and values.
+    """
+
+    is_compileable = False  # transformers asks; compiling it is the CUDA-graph hook above, not done
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = self.capacity = 0
+        self.growths = 0
+        self._allocate(0, 0)
+        # The plan of the next forward (set by ``plan``): which slots, where each row's new tokens go, how far
+        # attention reads.
+        self._slot_index = torch.zeros(0, dtype=torch.long)
+        self._positions = torch.zeros(0, 0, dtype=torch.long)
+        self._window: slice | None = None
+        self._key_length = 0
+
+    # -- storage ------------------------------------------------------------------------------------
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Make room for ``slots`` rows of ``capacity`` tokens; grows (one copy of what is stored) if needed."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        new_slots = max(slots, self.slots)
+        new_capacity = self.capacity
+        if capacity > self.capacity:
+            new_capacity = max(capacity, 2 * self.capacity)
+            new_capacity = -(-new_capacity // _GROW_TOKENS) * _GROW_TOKENS
+        self._allocate(new_slots, new_capacity)
+        self.growths += 1
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        old_keys, old_values = self.keys, self.values
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for old, new in zip(old_keys + old_values, self.keys + self.values, strict=False):
+            new[: old.shape[0], :, : old.shape[2]] = old
+        self.slots, self.capacity = slots, capacity
+
+    def ensure_dtype(self, dtype: torch.dtype) -> None:
+        """Store keys/values in ``dtype`` from now on (converts what is stored, once, if it differs)."""
+        if dtype != self.dtype:
+            self.keys = [t.to(dtype) for t in self.keys]
+            self.values = [t.to(dtype) for t in self.values]
+            self.dtype = dtype
+            self.growths += 1
+
+    def copy_slot(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` tokens of one slot into another (a shared prefix, a twin's prefill): O(row)."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[target, :, :length] = layer[source, :, :length]
+
+    # -- one forward --------------------------------------------------------------------------------
+
+    def plan(self, slots: list[int], starts: list[int], width: int, key_length: int) -> None:
+        """Set up the next forward: row ``b`` of the batch is slot ``slots[b]``; its ``width`` new tokens are
+        written at ``starts[b] + 0 .. width - 1``; attention reads positions ``[0, key_length)`` of each slot."""
+        if max(starts) + width > self.capacity or max(slots) >= self.slots:
+            raise ValueError("SlotCache.plan: reserve() room for these rows first")
+        self._slot_index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        self._positions = starts_t[:, None] + torch.arange(width, device=self.device)  # (B, width)
+        first = slots[0]
+        consecutive = slots == list(range(first, first + len(slots)))
+        self._window = slice(first, first + len(slots)) if consecutive else None
+        self._key_length = key_length
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a forward's new (B, kv_heads, width, head_dim) keys/values into their slots; return the batch's
+        keys/values over ``[0, key_length)``: (B, kv_heads, key_length, head_dim)."""
+        out = []
+        for store, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            # advanced indices around a slice put the indexed dims first: the target is (B, width, heads, dim)
+            store[self._slot_index[:, None], :, self._positions] = new.transpose(1, 2).to(store.dtype)
+            if self._window is not None:
+                out.append(store[self._window, :, : self._key_length])  # a view: no copy
+            else:
+                out.append(store[:, :, : self._key_length].index_select(0, self._slot_index))
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The key length of the planned forward (transformers asks; positions and masks are given explicitly)."""
+        return self._key_length
