@@ -355,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_quickstart)
 
+    from vagent.recipes import memory
+
+    p = sub.add_parser("memory", help="Per-rank memory plan of an SFT or GRPO config (no model is loaded).")
+    memory.build_parser(p).set_defaults(func=memory.run)
+
     p = sub.add_parser("sft", help="SFT cold start on gold trajectories (one process, or under torchrun).")
     p.add_argument("--config", help="YAML with SFTConfig fields (configs/sft/).")
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")

@@ -381,6 +381,16 @@ class TrainConfig:
         "Run the text prefix every row of a micro-batch shares (system prompt, tool schemas) once, not per row: "
         "same loss and gradients. Taken where exact: one process or no wrapper, SDPA/eager, no gradient checkpointing.",
     )
+    lm_head_chunk: int = option(
+        1024,
+        "Positions per chunk of the language-model head in SFT's loss and GRPO's log-probs: the (positions x "
+        "vocabulary) logits are never whole, in forward or backward (same values and gradients). 0 = whole logits.",
+    )
+    lm_head_kernel: Literal["chunked", "liger"] = option(
+        "chunked",
+        "chunked: the portable chunked head; liger: liger-kernel's fused linear cross-entropy for SFT's loss (CUDA, "
+        "pip install liger-kernel; GRPO's per-token log-probs stay chunked).",
+    )
     lora: LoraConfig = option(LoraConfig(), "LoRA adapters through peft.")
     deepspeed: str | None = option(
         None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."
@@ -403,6 +413,8 @@ class TrainConfig:
             raise ValueError(f"max_steps must be positive, got {self.max_steps}")
         if min(self.log_every, self.keep_last) <= 0 or min(self.eval_every, self.save_every) < 0:
             raise ValueError("log_every and keep_last must be positive; eval_every and save_every >= 0")
+        if self.lm_head_chunk < 0:
+            raise ValueError(f"lm_head_chunk must be >= 0 (0 = whole logits), got {self.lm_head_chunk}")
         if self.lora.enabled and self.deepspeed and "zero3" in Path(self.deepspeed).name:
             raise ValueError("LoRA with ZeRO-3 is not supported; use ZeRO-2 (adapters are small) or full fine-tuning")
 
@@ -514,6 +526,8 @@ class GRPOConfig:
     toolbox: ToolboxConfig = option(ToolboxConfig(), "Services of the search and code tools.")
 
     def validate(self) -> None:
+        if self.train.lm_head_kernel == "liger":
+            raise ValueError("train.lm_head_kernel=liger is for SFT's loss; GRPO's per-token log-probs use chunked")
         if self.train.deepspeed:
             raise ValueError(
                 "GRPO trains with DDP (train.deepspeed must be null): rollouts need whole weights on every rank, "

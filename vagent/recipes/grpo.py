@@ -53,7 +53,7 @@ from vagent.algorithms import aggregate, group_advantages, informative_groups, k
 from vagent.config import ConfigError, GRPOConfig, config_to_dict
 from vagent.data import Row, encode_messages, load_rows, write_rows
 from vagent.data.batching import collate
-from vagent.model import Policy, load_policy, policy_logits
+from vagent.model import Policy, load_policy, masked_token_logprobs, policy_logits
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
@@ -317,11 +317,14 @@ def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed:
 
 
 def _scored_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], share_prefix: bool = True
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], share_prefix: bool = True, chunk_size: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampled_logprobs`` with logits only from the position that predicts the batch's first sampled token
-    on: the prompt (system, images, question) needs no language-model head. Returns (B, T) log-probs."""
+    """(B, T) log-probs of the sampled tokens and their summed entropy. With ``chunk_size`` the head runs on the
+    sampled positions, that many at a time (``masked_token_logprobs``); with 0, ``sampled_logprobs`` over whole
+    logits from the position that predicts the batch's first sampled token on (the prompt needs no head)."""
     mask = batch["loss_mask"]
+    if chunk_size:
+        return masked_token_logprobs(model, batch, mask, chunk_size=chunk_size, share_prefix=share_prefix)
     width = mask.shape[1]
     first = int(mask.float().argmax(dim=1).min()) if mask.any() else width - 1  # earliest sampled token
     start = max(first - 1, 0)  # position start predicts token start + 1
@@ -351,6 +354,7 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
         encoded.append(enc)
     pad_id = policy.tokenizer.pad_token_id or 0
     module = backend.module
+    head = (cfg.train.share_prefix, cfg.train.lm_head_chunk)  # how _scored_logprobs runs the LM head
     policy.model.train()
 
     def batches(order: list[int]):
@@ -368,13 +372,13 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
     sampler_gap, sampled_total = 0.0, 0
     with torch.no_grad(), autocast(env.device, bf16):
         for idx, batch in batches([] if on_policy else list(range(len(encoded)))):
-            lp, _ = _scored_logprobs(module, batch, cfg.train.share_prefix)
+            lp, _ = _scored_logprobs(module, batch, *head)
             ref_lp = None
             if reference is not None:
-                ref_lp, _ = _scored_logprobs(reference, batch, cfg.train.share_prefix)
+                ref_lp, _ = _scored_logprobs(reference, batch, *head)
             elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
                 with policy.model.disable_adapter():
-                    ref_lp, _ = _scored_logprobs(policy.model, batch, cfg.train.share_prefix)
+                    ref_lp, _ = _scored_logprobs(policy.model, batch, *head)
             for row, i in enumerate(idx):
                 n = len(encoded[i].input_ids)
                 old[i] = lp[row, :n].detach()
@@ -404,7 +408,7 @@ def _update(cfg: GRPOConfig, policy: Policy, backend, reference, kept, env: Dist
                 width = mask.shape[1]
                 adv = advantages[idx].to(env.device)
                 with backend.accumulating(last=k == len(micro) - 1):
-                    lp, entropy = _scored_logprobs(module, batch, cfg.train.share_prefix)
+                    lp, entropy = _scored_logprobs(module, batch, *head)
                     if on_policy:
                         for row, i in enumerate(idx):
                             old[i] = lp[row, : len(encoded[i].input_ids)].detach()

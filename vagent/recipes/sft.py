@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 from vagent.algorithms import token_nll_sum, trained_positions, trained_token_count
-from vagent.config import SFTConfig, config_to_dict
+from vagent.config import SFTConfig, TrainConfig, config_to_dict
 from vagent.data import load_rows
-from vagent.model import Policy, policy_logits
+from vagent.model import Policy, liger_token_nll_sum, masked_token_logprobs, policy_logits
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
@@ -128,9 +128,7 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
         loss_sum = torch.zeros((), device=env.device)
         for k, batch in enumerate(micro):
             with backend.accumulating(last=k == accum - 1):
-                logits = policy_logits(backend.module, batch, share_prefix=cfg.train.share_prefix,
-                                       positions=trained_positions(batch["loss_mask"]))  # fmt: skip
-                nll = token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
+                nll = _nll_sum(backend.module, batch, cfg.train)
                 backend.backward(nll / n_trained)
             loss_sum += nll.detach()
         grad_norm = backend.step()
@@ -147,14 +145,14 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
                 "epoch": done * world * accum / train_set.batches_per_epoch, "peak_mem_gb": peak_memory_gb(env),
             })  # fmt: skip
         if val_set is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total_steps:
-            logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env, cfg.train.share_prefix)})
+            logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env, cfg.train)})
         if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
             save_checkpoint(backend, policy.processor, root, done, fingerprint, env, cfg.train.keep_last)
     bar.close()
 
     # -- final eval and save -------------------------------------------------------------------------------
     if val_set is not None:
-        eval_loss = _eval_loss(backend, val_set, env, cfg.train.share_prefix)
+        eval_loss = _eval_loss(backend, val_set, env, cfg.train)
         logger.log(total_steps, {"eval_loss": eval_loss})
         say(env, f"eval loss {eval_loss:.4f}")
     final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
@@ -183,7 +181,21 @@ def _data_paths(cfg: SFTConfig, env: DistEnv, out: Path, policy: Policy) -> tupl
     return str(synthetic / "train.jsonl"), str(synthetic / "val.jsonl")
 
 
-def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_prefix: bool = True) -> float:
+def _nll_sum(module: torch.nn.Module, batch: dict[str, torch.Tensor], train: TrainConfig) -> torch.Tensor:
+    """Summed NLL of the micro-batch's trained tokens: the chunked head (``train.lm_head_chunk``), liger-kernel's
+    fused kernel, or (chunk 0) the head on the trained positions whole."""
+    mask = batch["loss_mask"]
+    if train.lm_head_kernel == "liger":
+        return liger_token_nll_sum(module, batch, mask, share_prefix=train.share_prefix)
+    if train.lm_head_chunk:
+        logprobs, _ = masked_token_logprobs(module, batch, mask, chunk_size=train.lm_head_chunk,
+                                            share_prefix=train.share_prefix)  # fmt: skip
+        return -logprobs.sum()
+    logits = policy_logits(module, batch, share_prefix=train.share_prefix, positions=trained_positions(mask))
+    return token_nll_sum(logits, batch["input_ids"], mask)
+
+
+def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, train: TrainConfig) -> float:
     """Token-mean loss over every val conversation once (micro-batches split over ranks)."""
     backend.module.eval()
     sums = torch.zeros(2, device=env.device)
@@ -191,9 +203,7 @@ def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_p
         for g in range(env.rank, val_set.batches_per_epoch, env.world_size):
             batch = to_device(val_set[g], env.device)
             with backend.accumulating(last=True):
-                logits = policy_logits(backend.module, batch, share_prefix=share_prefix,
-                                       positions=trained_positions(batch["loss_mask"]))  # fmt: skip
-                sums[0] += token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
+                sums[0] += _nll_sum(backend.module, batch, train)
             sums[1] += trained_token_count(batch["loss_mask"])
     backend.module.train()
     all_reduce_sum(sums)
