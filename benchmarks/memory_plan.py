@@ -4,7 +4,8 @@
 
 For each preset (on Qwen's 151,936-row vocabulary) and stage, the shipped tiny CPU config with the shape's
 overrides is planned (``vagent.recipes.memory``, ``--device cpu --images 0``: the measured batches are text) and
-one step is measured in a fresh process: the recipe's own loss path (``masked_token_logprobs`` for SFT's summed
+one step of two micro-batches (gradient accumulation, as the configs run) is measured in a fresh process: the
+recipe's own loss path (``masked_token_logprobs`` for SFT's summed
 NLL, ``_scored_logprobs`` + PPO-clip for GRPO), backward, gradient clipping and the fused AdamW step, fp32.
 Batches are ``micro_batch x seq_len`` random token ids, the second row left-padded by 10% (so attention runs
 masked, as real batches do), the loss on the last half of each row (``--trained-fraction 0.5``).
@@ -70,15 +71,16 @@ def worker(spec: dict) -> dict:
     batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": mask}
 
     def step() -> None:
-        if spec["stage"] == "sft":
-            lp, _ = masked_token_logprobs(model, batch, mask, chunk_size=cfg.train.lm_head_chunk)
-            loss = -lp.sum() / mask.sum()
-        else:
-            lp, _ = _scored_logprobs(model, batch, True, cfg.train.lm_head_chunk)
-            per_token, _ = policy_loss(lp, lp.detach() - 0.01, torch.linspace(-1, 1, micro), mask)
-            loss = aggregate(per_token, mask, "token", float(mask.sum()))
-        loss.backward()
-        del lp, loss
+        for _ in range(2):  # two micro-batches: from the second on, the gradients exist while the head runs
+            if spec["stage"] == "sft":
+                lp, _ = masked_token_logprobs(model, batch, mask, chunk_size=cfg.train.lm_head_chunk)
+                loss = -lp.sum() / mask.sum()
+            else:
+                lp, _ = _scored_logprobs(model, batch, True, cfg.train.lm_head_chunk)
+                per_token, _ = policy_loss(lp, lp.detach() - 0.01, torch.linspace(-1, 1, micro), mask)
+                loss = aggregate(per_token, mask, "token", float(mask.sum()))
+            loss.backward()
+            del lp, loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # as the training backend does

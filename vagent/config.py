@@ -391,6 +391,9 @@ class TrainConfig:
         "chunked: the portable chunked head; liger: liger-kernel's fused linear cross-entropy for SFT's loss (CUDA, "
         "pip install liger-kernel; GRPO's per-token log-probs stay chunked).",
     )
+    sharding: Literal["ddp", "fsdp"] = option(
+        "ddp", "ddp: whole model and optimizer on every rank; fsdp: FSDP2 sharding of weights, gradients, optimizer."
+    )
     lora: LoraConfig = option(LoraConfig(), "LoRA adapters through peft.")
     deepspeed: str | None = option(
         None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."

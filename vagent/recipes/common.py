@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, load_config
+from vagent.config import ConfigError, ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, load_config
 from vagent.model import Policy, apply_lora, freeze_vision, load_policy
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
@@ -194,6 +194,8 @@ def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module
                   total_steps: int, micro_batch_size: int, grad_accum: int, bf16: bool,
                   find_unused: bool) -> TrainBackend:  # fmt: skip
     """AdamW + warmup/cosine over ``model``'s trainable parameters, under DDP or DeepSpeed (``train.deepspeed``)."""
+    if train.sharding != "ddp":  # the FSDP2 backend lands on its own branch; never train unsharded silently
+        raise ConfigError(f"train.sharding={train.sharding} is not available in this build; use train.sharding=ddp")
     optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                                 eps=optim.eps, vision_lr_scale=optim.vision_lr_scale,
                                 fused=not train.deepspeed)  # fmt: skip

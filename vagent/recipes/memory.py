@@ -75,8 +75,8 @@ def model_shape(cfg: Any, shape: str | None) -> ModelShape:
 def _sharding(cfg: Any, given: str | None) -> str:
     if given:
         return given
-    configured = getattr(cfg.train, "sharding", None)  # the FSDP branch's train.sharding: ddp | fsdp
-    if configured:
+    configured = getattr(cfg.train, "sharding", "ddp")  # train.sharding: ddp | fsdp (DeepSpeed has its own key)
+    if configured != "ddp":
         return configured
     if cfg.train.deepspeed:
         return "zero3" if "zero3" in Path(cfg.train.deepspeed).name else "zero2"

@@ -230,8 +230,8 @@ def _activations(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
     h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
     per_layer_token = (12 * h + 4 * kv + 4 * i) * a
     attention = 0.0
-    if s.device == "cpu":  # the masked SDPA math kernel keeps the probabilities (and their softmax input)
-        attention = 2 * s.micro_batch * shape.heads * s.seq_len**2 * 4
+    if s.device == "cpu":  # the masked SDPA math kernel keeps its softmax output for backward
+        attention = s.micro_batch * shape.heads * s.seq_len**2 * 4
     full = shape.layers * (per_layer_token * tokens + attention)
     if s.gradient_checkpointing:
         kept = shape.layers * h * tokens * a + per_layer_token * tokens + attention  # inputs + 1 recomputed layer
