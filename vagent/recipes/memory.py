@@ -67,7 +67,10 @@ def model_shape(cfg: Any, shape: str | None) -> ModelShape:
         if not (Path(cfg.model.path) / "config.json").is_file():
             raise ConfigError(f"model.path {cfg.model.path} has no config.json: pass --shape "
                               f"({', '.join(sorted(named_shapes()))}) to plan without the checkpoint")  # fmt: skip
-        return shape_from_config_json(cfg.model.path)
+        try:
+            return shape_from_config_json(cfg.model.path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     tiny = cfg.model.tiny
     return tiny_shape(tiny.size, QWEN_VOCAB_ROWS if tiny.vocab == "qwen" else tiny.vocab_size + 16)
 
