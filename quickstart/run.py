@@ -131,8 +131,9 @@ def tiny_checkpoint(cfg: QuickstartConfig, out: Path) -> Path:
         return Path(cfg.model.path)
     tiny = cfg.tiny
     target = out / f"tiny-{tiny.family}-{tiny.size}"
-    recipe = {"family": tiny.family, "size": tiny.size, "vocab_size": tiny.vocab_size, "seed": tiny.seed,
-              "rope_theta": tiny.rope_theta, "min_pixels": cfg.model.min_pixels, "max_pixels": cfg.model.max_pixels}  # fmt: skip
+    recipe = {"family": tiny.family, "size": tiny.size, "vocab": tiny.vocab, "vocab_size": tiny.vocab_size,
+              "seed": tiny.seed, "rope_theta": tiny.rope_theta, "min_pixels": cfg.model.min_pixels,
+              "max_pixels": cfg.model.max_pixels}  # fmt: skip
     marker = target / "vagent_tiny.json"
     if not (marker.is_file() and json.loads(marker.read_text()) == recipe):
         from vagent.tiny_model import build_tiny_checkpoint

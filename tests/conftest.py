@@ -29,27 +29,54 @@ def tiny_qwen2(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2_vl", family="qwen2_vl", size="nano")
 
 
+# Integration tests that must also hold on Qwen's real vocabulary (151,936 rows, the real special-token ids) take
+# `@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)` (or the same on `checkpoint`).
+BOTH_VOCABS = ["trained_vocab", "qwen_vocab"]
+
+
 @pytest.fixture(scope="session")
-def policy(tiny_qwen25):
+def tiny_qwen25_qwen_vocab(tmp_path_factory):
+    """A random Qwen2.5-VL checkpoint dir on Qwen's real vocabulary, nano preset (hidden 32: the 151,936-row
+    head stays cheap on CPU). Built once per session, about 8 s."""
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "qwen2_5_vl_qwen_vocab", family="qwen2_5_vl", size="nano", vocab="qwen"
+    )
+
+
+@pytest.fixture(scope="session")
+def checkpoint(request, tiny_qwen25):
+    """``tiny_qwen25``, or with ``indirect`` parametrization on "qwen_vocab" the real-vocabulary checkpoint."""
+    if getattr(request, "param", "trained_vocab") == "qwen_vocab":
+        return request.getfixturevalue("tiny_qwen25_qwen_vocab")
+    return tiny_qwen25
+
+
+@pytest.fixture(scope="session")
+def policy(request, tiny_qwen25):
+    """The tiny checkpoint loaded on CPU; with ``indirect`` parametrization on "qwen_vocab" the real-vocabulary one."""
     from vagent.model import load_policy
 
+    if getattr(request, "param", "trained_vocab") == "qwen_vocab":
+        return load_policy(request.getfixturevalue("tiny_qwen25_qwen_vocab"), device="cpu")
     return load_policy(tiny_qwen25, device="cpu")
 
 
 @pytest.fixture(scope="session")
-def zoom_rows_file(tmp_path_factory, policy):
+def zoom_rows_file(tmp_path_factory, tiny_qwen25):
     """Synthetic zoom rows (gold crop-then-answer trajectories) in the tiny Qwen2.5-VL's frame: ``(n, seed) ->
     path`` of a JSONL, each written once. The production recipes take data only from ``data.train``."""
     from data_pipelines.synthetic.zoom import zoom_rows
     from vagent.data import write_rows
+    from vagent.model import load_policy
 
+    frame = load_policy(tiny_qwen25, device="cpu").frame  # not the `policy` fixture: that one is parametrized
     root = tmp_path_factory.mktemp("zoom")
     made = {}
 
     def make(n: int = 16, seed: int = 0):
         if (n, seed) not in made:
             out = root / f"{n}-{seed}"
-            made[n, seed] = write_rows(zoom_rows(out, n, seed=seed, **policy.frame), out / "rows.jsonl")
+            made[n, seed] = write_rows(zoom_rows(out, n, seed=seed, **frame), out / "rows.jsonl")
         return made[n, seed]
 
     return make

@@ -59,9 +59,10 @@ def test_unknown_agent_is_a_usage_error(bench, tiny_qwen25, capsys):
 def test_training_configs_name_the_agent_profile():
     from vagent.config import GRPOConfig, SFTConfig, load_config
 
-    assert load_config(GRPOConfig, None, ["rollout.agent=deepeyes"]).rollout.agent == "deepeyes"
-    assert load_config(SFTConfig, None, ["data.agent=pixel-reasoner"]).data.agent == "pixel-reasoner"
-    assert load_config(GRPOConfig, None, []).rollout.agent == "vagent"  # today's protocol unless asked
+    paths = ["model.path=m", "data.train=rows.jsonl"]  # required by the recipes; nothing is loaded here
+    assert load_config(GRPOConfig, None, [*paths, "rollout.agent=deepeyes"]).rollout.agent == "deepeyes"
+    assert load_config(SFTConfig, None, [*paths, "data.agent=pixel-reasoner"]).data.agent == "pixel-reasoner"
+    assert load_config(GRPOConfig, None, paths).rollout.agent == "vagent"  # today's protocol unless asked
 
 
 def test_demo_streams_an_episode_under_a_profile(tiny_qwen25):

@@ -33,6 +33,7 @@ def test_only_working_subcommands_are_listed():
         "generate",
         "grpo",
         "make-tiny-model",
+        "memory",
         "quickstart",
         "rollout",
         "serve",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BOTH_VOCABS
 
 from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
 from vagent.config import ConfigError, GRPOConfig, load_config
@@ -133,13 +134,11 @@ def _overrides(out_dir, model, rows):
             "train.tensorboard=false", f"data.train={rows}"]  # fmt: skip
 
 
-def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, tiny_qwen25, zoom_rows_file):
-    before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
-    model_dir = grpo.train(
-        load_config(
-            GRPOConfig, CONFIG, [*_overrides(tmp_path, tiny_qwen25, zoom_rows_file(16, 1000)), "grpo.inner_updates=2"]
-        )
-    )
+@pytest.mark.parametrize("checkpoint", BOTH_VOCABS, indirect=True)
+def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, checkpoint, zoom_rows_file):
+    before = {k: v.clone() for k, v in load_policy(checkpoint, device="cpu").model.state_dict().items()}
+    overrides = [*_overrides(tmp_path, checkpoint, zoom_rows_file(16, 1000)), "grpo.inner_updates=2"]
+    model_dir = grpo.train(load_config(GRPOConfig, CONFIG, overrides))
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     updated = [r for r in records if "ratio_check" in r]

@@ -1,4 +1,6 @@
+import pytest
 import torch
+from conftest import BOTH_VOCABS
 from PIL import Image
 from videos import write_video
 
@@ -13,6 +15,7 @@ CROP = (
 )
 
 
+@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)
 def test_scripted_episode_tokens_equal_the_chat_template_rendering(policy):
     """Segment-by-segment tokenization must give exactly what rendering the whole conversation gives."""
     task = Task(id="t", question="What is here?", images=[IMAGE], scripted_turns=[CROP, "<answer>grey</answer>"])
@@ -154,6 +157,7 @@ def _limits(**kw):
     return RolloutLimits(**{"max_turns": 4, "max_new_tokens": 12, "temperature": 0.0, **kw})
 
 
+@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)
 def test_the_one_encoder_gives_back_the_engine_ids_masks_and_images(policy):
     from vagent.data.encode import encode_messages
 
@@ -169,6 +173,7 @@ def test_the_one_encoder_gives_back_the_engine_ids_masks_and_images(policy):
         assert pads * 4 == int(enc.image_grid_thw.prod(-1).sum()) == enc.pixel_values.shape[0]
 
 
+@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)
 def test_recorded_logprobs_match_a_full_forward_over_the_whole_sequence(policy):
     """The cache, batching and multimodal RoPE positions are right iff a fresh full forward scores the
     sampled tokens exactly as the sampler did."""
@@ -190,6 +195,7 @@ def test_recorded_logprobs_match_a_full_forward_over_the_whole_sequence(policy):
         assert torch.allclose(full[sampled], torch.tensor(traj.logprobs)[sampled], atol=1e-4)
 
 
+@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)
 def test_greedy_with_cache_reuse_and_batching_equals_recomputing_every_turn(policy):
     reused = run(policy, _tasks(), limits=_limits(), batch_size=3)
     recomputed = run(policy, _tasks(), limits=_limits(), batch_size=1, backend=HFBackend(policy, reuse_cache=False))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BOTH_VOCABS
 
 from data_pipelines.synthetic.zoom import zoom_rows
 from vagent.algorithms import token_nll_sum
@@ -49,9 +50,10 @@ def _losses(out_dir):
     return [r["loss"] for r in read_metrics(Path(out_dir) / "metrics.jsonl") if "loss" in r]
 
 
-def test_loss_decreases_and_parameters_change(tmp_path, tiny_qwen25, rows_file):
-    before = {k: v.clone() for k, v in load_policy(tiny_qwen25, device="cpu").model.state_dict().items()}
-    model_dir = sft.train(load_config(SFTConfig, None, _overrides(tmp_path, tiny_qwen25, rows_file)))
+@pytest.mark.parametrize("checkpoint", BOTH_VOCABS, indirect=True)
+def test_loss_decreases_and_parameters_change(tmp_path, checkpoint, rows_file):
+    before = {k: v.clone() for k, v in load_policy(checkpoint, device="cpu").model.state_dict().items()}
+    model_dir = sft.train(load_config(SFTConfig, None, _overrides(tmp_path, checkpoint, rows_file)))
     losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
     after = load_policy(model_dir, device="cpu").model.state_dict()  # the final dir loads with load_policy

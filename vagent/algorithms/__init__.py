@@ -8,10 +8,12 @@ from vagent.algorithms.grpo import (
     policy_loss,
     sampled_logprobs,
 )
+from vagent.algorithms.lm_head import chunked_token_logprobs
 from vagent.algorithms.sft import token_nll_sum, trained_positions, trained_token_count
 
 __all__ = [
     "aggregate",
+    "chunked_token_logprobs",
     "group_advantages",
     "informative_groups",
     "kl_k3",

@@ -41,7 +41,7 @@ __all__ = [
 # Keys that may change between a checkpoint and its resume without changing what is trained.
 FREE_KEYS = {"out_dir", "train.resume", "train.allow_changes", "train.log_every", "train.eval_every",
              "train.save_every", "train.keep_last", "train.tensorboard", "train.wandb_project",
-             "data.num_workers", "model.device"}  # fmt: skip
+             "data.num_workers", "model.device", "train.lm_head_chunk", "train.lm_head_kernel"}  # fmt: skip
 
 
 def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:

@@ -60,7 +60,7 @@ from vagent.config import ConfigError, GRPOConfig, config_to_dict
 from vagent.data import Row, encode_messages, load_rows
 from vagent.data.batching import collate
 from vagent.data.encode import Encoded
-from vagent.model import Policy, load_policy, policy_logits
+from vagent.model import Policy, load_policy, masked_token_logprobs, policy_logits
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
@@ -365,19 +365,20 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, timer: dict[str, float]) -> 
     timer["adv"] = time.perf_counter() - t0
     on_policy = algo.inner_updates == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
     n = len(encoded)
+    head = (cfg.train.share_prefix, cfg.train.lm_head_chunk)  # how _scored_logprobs runs the LM head
     scored = _Scored(trajectories=groups.trajectories, encoded=encoded, advantages=advantages,
                      old=[torch.empty(0)] * n, ref=[torch.empty(0)] * n, on_policy=on_policy)  # fmt: skip
     policy.model.train()
     t0 = time.perf_counter()
     with torch.no_grad(), ctx.backend.accumulating(last=True):  # the update's precision: autocast or FSDP's policy
         for idx, batch in _micro_batches(ctx, encoded, [] if on_policy else list(range(n))):
-            lp, _ = _scored_logprobs(ctx.backend.module, batch, cfg.train.share_prefix)
+            lp, _ = _scored_logprobs(ctx.backend.module, batch, *head)
             ref_lp = None
             if ctx.reference is not None:
-                ref_lp, _ = _scored_logprobs(ctx.reference, batch, cfg.train.share_prefix)
+                ref_lp, _ = _scored_logprobs(ctx.reference, batch, *head)
             elif algo.kl_coef > 0:  # LoRA: the reference is the base model, adapters disabled
                 with policy.model.disable_adapter():
-                    ref_lp, _ = _scored_logprobs(policy.model, batch, cfg.train.share_prefix)
+                    ref_lp, _ = _scored_logprobs(policy.model, batch, *head)
             for row, i in enumerate(idx):
                 scored.old[i] = lp[row, : len(encoded[i].input_ids)].detach()
                 scored.ref[i] = ref_lp[row, : len(encoded[i].input_ids)] if ref_lp is not None else scored.old[i]
@@ -445,7 +446,9 @@ def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[st
     algo = ctx.cfg.grpo
     mask = batch["loss_mask"]  # (B, T) 1 = sampled
     width = mask.shape[1]
-    lp, entropy = _scored_logprobs(ctx.backend.module, batch, ctx.cfg.train.share_prefix)  # (B, T)
+    lp, entropy = _scored_logprobs(
+        ctx.backend.module, batch, ctx.cfg.train.share_prefix, ctx.cfg.train.lm_head_chunk
+    )  # (B, T)
     if scored.on_policy:
         for row, i in enumerate(idx):
             scored.old[i] = lp[row, : len(scored.encoded[i].input_ids)].detach()
@@ -612,11 +615,14 @@ def _rows_for(rows: list[Row], consumed: int, env: DistEnv, per_rank: int, seed:
 
 
 def _scored_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], share_prefix: bool = True
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], share_prefix: bool = True, chunk_size: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sampled_logprobs`` with logits only from the position that predicts the batch's first sampled token
-    on: the prompt (system, images, question) needs no language-model head. Returns (B, T) log-probs."""
+    """(B, T) log-probs of the sampled tokens and their summed entropy. With ``chunk_size`` the head runs on the
+    sampled positions, that many at a time (``masked_token_logprobs``); with 0, ``sampled_logprobs`` over whole
+    logits from the position that predicts the batch's first sampled token on (the prompt needs no head)."""
     mask = batch["loss_mask"]
+    if chunk_size:
+        return masked_token_logprobs(model, batch, mask, chunk_size=chunk_size, share_prefix=share_prefix)
     width = mask.shape[1]
     first = int(mask.float().argmax(dim=1).min()) if mask.any() else width - 1  # earliest sampled token
     start = max(first - 1, 0)  # position start predicts token start + 1

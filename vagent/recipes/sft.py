@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 from vagent.algorithms import token_nll_sum, trained_positions, trained_token_count
-from vagent.config import SFTConfig, config_to_dict
+from vagent.config import SFTConfig, TrainConfig, config_to_dict
 from vagent.data import load_rows
-from vagent.model import Policy, policy_logits
+from vagent.model import Policy, liger_token_nll_sum, masked_token_logprobs, policy_logits
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
@@ -101,7 +101,7 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
     for step in range(start_step, total_steps):
         if before_step is not None:
             before_step(step, total_steps)
-        record = _step(backend, batches, accum, env, cfg.train.share_prefix)
+        record = _step(backend, batches, accum, env, cfg.train)
         done = step + 1
         record["epoch"] = done * world * accum / train_set.batches_per_epoch
         bar.update(1)
@@ -109,14 +109,14 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
         if done % cfg.train.log_every == 0 or done == total_steps:
             logger.log(done, {**record, "peak_mem_gb": peak_memory_gb(env)})
         if val_set is not None and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total_steps:
-            logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env, cfg.train.share_prefix)})
+            logger.log(done, {"eval_loss": _eval_loss(backend, val_set, env, cfg.train)})
         if cfg.train.save_every and done % cfg.train.save_every == 0 and done != total_steps:
             save_checkpoint(backend, policy.processor, root, done, fingerprint, env, cfg.train.keep_last)
     bar.close()
 
     # -- final eval and save -------------------------------------------------------------------------------
     if val_set is not None:
-        eval_loss = _eval_loss(backend, val_set, env, cfg.train.share_prefix)
+        eval_loss = _eval_loss(backend, val_set, env, cfg.train)
         logger.log(total_steps, {"eval_loss": eval_loss})
         say(env, f"eval loss {eval_loss:.4f}")
     final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
@@ -149,7 +149,7 @@ def _setup_data(cfg: SFTConfig, env: DistEnv, out: Path,
 
 
 def _step(backend: TrainBackend, batches: Iterator[dict[str, torch.Tensor]], accum: int, env: DistEnv,
-          share_prefix: bool) -> dict[str, float]:  # fmt: skip
+          train: TrainConfig) -> dict[str, float]:  # fmt: skip
     """One optimizer step over this rank's next ``accum`` micro-batches: each backpropagates its share of the step's
     token-mean loss over all micro-batches on all ranks. Returns the step's log record."""
     t0 = time.perf_counter()
@@ -164,9 +164,7 @@ def _step(backend: TrainBackend, batches: Iterator[dict[str, torch.Tensor]], acc
     loss_sum = torch.zeros((), device=env.device)
     for k, batch in enumerate(micro):
         with backend.accumulating(last=k == len(micro) - 1):
-            logits = policy_logits(backend.module, batch, share_prefix=share_prefix,
-                                   positions=trained_positions(batch["loss_mask"]))  # fmt: skip
-            nll = token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
+            nll = _nll_sum(backend.module, batch, train)
             backend.backward(nll / n_trained)
         loss_sum += nll.detach()
     grad_norm = backend.step()
@@ -179,7 +177,21 @@ def _step(backend: TrainBackend, batches: Iterator[dict[str, torch.Tensor]], acc
     }  # fmt: skip
 
 
-def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_prefix: bool = True) -> float:
+def _nll_sum(module: torch.nn.Module, batch: dict[str, torch.Tensor], train: TrainConfig) -> torch.Tensor:
+    """Summed NLL of the micro-batch's trained tokens: the chunked head (``train.lm_head_chunk``), liger-kernel's
+    fused kernel, or (chunk 0) the head on the trained positions whole."""
+    mask = batch["loss_mask"]
+    if train.lm_head_kernel == "liger":
+        return liger_token_nll_sum(module, batch, mask, share_prefix=train.share_prefix)
+    if train.lm_head_chunk:
+        logprobs, _ = masked_token_logprobs(module, batch, mask, chunk_size=train.lm_head_chunk,
+                                            share_prefix=train.share_prefix)  # fmt: skip
+        return -logprobs.sum()
+    logits = policy_logits(module, batch, share_prefix=train.share_prefix, positions=trained_positions(mask))
+    return token_nll_sum(logits, batch["input_ids"], mask)
+
+
+def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, train: TrainConfig) -> float:
     """Token-mean loss over every val conversation once (micro-batches split over ranks)."""
     backend.module.eval()
     sums = torch.zeros(2, device=env.device)
@@ -190,10 +202,8 @@ def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, share_p
         for g in range(env.rank, math.ceil(n / env.world_size) * env.world_size, env.world_size):
             batch = to_device(val_set[min(g, n - 1)], env.device)
             with backend.accumulating(last=True):
-                logits = policy_logits(backend.module, batch, share_prefix=share_prefix,
-                                       positions=trained_positions(batch["loss_mask"]))  # fmt: skip
                 if g < n:
-                    sums[0] += token_nll_sum(logits, batch["input_ids"], batch["loss_mask"])
+                    sums[0] += _nll_sum(backend.module, batch, train)
             if g < n:
                 sums[1] += trained_token_count(batch["loss_mask"])
     backend.module.train()

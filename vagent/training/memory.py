@@ -1,0 +1,291 @@
+"""A memory plan per rank for SFT and GRPO: arithmetic over the model's shape, no model built.
+
+``plan(shape, setup)`` adds up what one rank holds at its peak: the weights (fp32 masters, sharded or not, and
+the bf16 copies compute reads), gradients, AdamW's two fp32 moments, the activations autograd keeps for one
+micro-batch at the config's token limit (with or without gradient checkpointing), the language-model head's
+buffers (chunked or whole logits) and, for GRPO, the rollout's KV cache and the whole weights generation needs.
+``vagent memory --config ...`` prints it; ``benchmarks/memory_plan.py`` checks it against measured peaks.
+
+What it counts, per parameter (P all, T trainable, N ranks):
+
+| sharding | weights | gradients | AdamW | working set |
+|---|---|---|---|---|
+| ddp   | 4P fp32 (+2T bf16 autocast copies) | 4T (+4T DDP buckets, N > 1) | 8T | - |
+| zero2 | 2P bf16 + 4T/N fp32 masters | 4T/N (+ reduce buckets) | 8T/N | - |
+| zero3 | 2P/N bf16 + 4T/N fp32 masters | 4T/N | 8T/N | bf16 unit gathers |
+| fsdp  | 4P/N fp32 shards | 4T/N | 8T/N | bf16 unit gathers, fp32 unit gradients |
+
+FSDP2 (``fully_shard`` per decoder layer and vision block, the rest in the root unit) gathers the root unit for
+the whole forward/backward and two layer units at a time (the current one and the prefetched next); a unit's
+gradient exists unsharded in fp32 until its reduce-scatter. Activations per token and layer follow what autograd
+saves in a Qwen2 decoder layer (norm inputs and outputs, q/k/v, rotary copies, the repeated GQA keys/values,
+attention output, MLP gate/up/activation/product): about 12H + 4·kv + 4I elements; with gradient checkpointing
+only the layer input (H) per layer, plus one layer recomputed in backward. Attention is flash/memory-efficient
+(no T² matrix) on CUDA; on CPU the masked SDPA kernel keeps heads x T x T probabilities per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["SHAPES", "MemoryPlan", "ModelShape", "Setup", "fits", "plan", "shape_from_config_json"]
+
+GiB = 2**30
+Sharding = Literal["ddp", "fsdp", "zero2", "zero3"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the plan needs (Qwen2.5-VL layout: GQA decoder with q/k/v biases, SwiGLU MLPs, 2x2 patch merger)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tied: bool
+    vision_hidden: int
+    vision_depth: int
+    vision_intermediate: int
+    vision_heads: int
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    source: str = ""
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.hidden // self.heads)
+
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        return h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * self.intermediate + 2 * h
+
+    def vision_block_params(self) -> int:
+        v, i = self.vision_hidden, self.vision_intermediate
+        return 2 * v + (3 * v * v + 3 * v) + (v * v + v) + 2 * (v * i + i) + (i * v + v)
+
+    def merger_params(self) -> int:
+        """The 2x2 patch merger: the projection into the language model (it trains even with a frozen tower)."""
+        merged = self.vision_hidden * self.merge**2
+        return self.vision_hidden + (merged * merged + merged) + (merged * self.hidden + self.hidden)
+
+    def vision_params(self) -> int:
+        """Patch embedding, blocks and the merger."""
+        patch = 3 * self.temporal_patch * self.patch**2 * self.vision_hidden
+        return patch + self.vision_depth * self.vision_block_params() + self.merger_params()
+
+    def text_params(self) -> int:
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden + head
+
+    def params(self) -> int:
+        return self.text_params() + self.vision_params()
+
+
+# The released checkpoints' config.json (huggingface.co/Qwen/Qwen2.5-VL-{3B,7B}-Instruct): text and vision_config.
+SHAPES: dict[str, ModelShape] = {
+    "qwen2.5-vl-3b": ModelShape(vocab=151936, hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
+                                tied=True, vision_hidden=1280, vision_depth=32, vision_intermediate=3420,
+                                vision_heads=16, source="Qwen/Qwen2.5-VL-3B-Instruct config.json"),
+    "qwen2.5-vl-7b": ModelShape(vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944,
+                                tied=False, vision_hidden=1280, vision_depth=32, vision_intermediate=3420,
+                                vision_heads=16, source="Qwen/Qwen2.5-VL-7B-Instruct config.json"),
+}  # fmt: skip
+
+
+def shape_from_config_json(path: str | Path) -> ModelShape:
+    """The shape of an HF Qwen-VL checkpoint dir (or its config.json).
+
+    Raises:
+        ValueError: no readable config.json, or one without the text/vision sizes.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    text, vision = cfg.get("text_config") or cfg, cfg.get("vision_config") or {}
+    try:
+        vision_hidden = vision.get("embed_dim") or vision["hidden_size"]  # Qwen2-VL names it embed_dim
+        return ModelShape(
+            vocab=text["vocab_size"], hidden=text["hidden_size"], layers=text["num_hidden_layers"],
+            heads=text["num_attention_heads"], kv_heads=text.get("num_key_value_heads", text["num_attention_heads"]),
+            intermediate=text["intermediate_size"],
+            tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            vision_hidden=vision_hidden, vision_depth=vision["depth"],
+            vision_intermediate=vision.get("intermediate_size") or vision_hidden * vision.get("mlp_ratio", 4),
+            vision_heads=vision["num_heads"], patch=vision.get("patch_size", 14),
+            temporal_patch=vision.get("temporal_patch_size", 2), merge=vision.get("spatial_merge_size", 2),
+            source=str(file),
+        )  # fmt: skip
+    except KeyError as e:
+        raise ValueError(f"{file} has no {e.args[0]!r}: not a Qwen-VL config") from None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the model is trained, from a config (``vagent memory`` builds it)."""
+
+    stage: Literal["sft", "grpo"]
+    world_size: int = 1
+    sharding: Sharding = "ddp"
+    bf16: bool = True
+    device: Literal["cuda", "cpu"] = "cuda"
+    gradient_checkpointing: bool = True
+    freeze_vision: bool = False
+    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    micro_batch: int = 1
+    seq_len: int = 4096  # tokens per sequence at the config's limit (images included)
+    images: int = 1  # images per sequence (their patches run through the vision tower)
+    image_tokens: int = 256  # language-model tokens per image (patches / merge^2)
+    trained_fraction: float = 0.5  # share of a sequence's tokens the loss reads (SFT: answers; GRPO: sampled)
+    lm_head_chunk: int = 1024  # 0 = whole logits
+    reference_model: bool = False  # GRPO with kl_coef > 0 and full fine-tuning keeps a frozen copy
+    rollout_batch: int = 0  # GRPO: sequences generated at once
+    rollout_len: int = 0  # GRPO: tokens per generated sequence (prompt + all turns)
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank by component; ``peak`` is the larger of the update and (GRPO) the rollout phase."""
+
+    lines: list[tuple[str, float, str]] = field(default_factory=list)  # (what, bytes, how)
+    state: float = 0.0
+    update: float = 0.0
+    rollout: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return self.state + max(self.update, self.rollout)
+
+    def render(self) -> str:
+        width = max(len(name) for name, _, _ in self.lines)
+        out = [f"  {name:<{width}}  {value / GiB:8.2f} GiB  {how}" for name, value, how in self.lines]
+        return "\n".join([*out, f"peak per rank: {self.peak / GiB:.2f} GiB"])
+
+
+def _lora_params(shape: ModelShape, setup: Setup) -> int:
+    h, kv, i, r = shape.hidden, shape.kv_dim, shape.intermediate, setup.lora_rank
+    sizes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+    return shape.layers * sum(r * (a + b) for name, (a, b) in sizes.items() if name in setup.lora_targets)
+
+
+def _state(shape: ModelShape, s: Setup, p: MemoryPlan) -> tuple[int, int]:
+    """Weights, gradients, optimizer; returns (all parameters, trainable parameters)."""
+    n, total = s.world_size, shape.params()
+    if s.lora_rank:
+        adapters = _lora_params(shape, s)
+        total, trainable = total + adapters, adapters
+    else:
+        tower = shape.vision_params() - shape.merger_params()  # freeze_vision leaves the merger training
+        trainable = total - (tower if s.freeze_vision else 0)
+    if s.sharding == "ddp":
+        weights = 4 * total + (2 * trainable if s.bf16 else 0)  # autocast caches a bf16 copy of trained weights
+        grads = 4 * trainable + (4 * trainable if n > 1 else 0)  # DDP's reduce buckets hold a second copy
+        how = "fp32 masters" + (" + bf16 autocast copies" if s.bf16 else "")
+    elif s.sharding == "fsdp":
+        weights, grads, how = 4 * total / n, 4 * trainable / n, f"fp32 shards (1/{n})"
+    elif s.sharding == "zero2":
+        weights = 2 * total + 4 * trainable / n
+        grads = 4 * trainable / n + 2 * min(trainable, 5e8)  # + reduce bucket (5e8 elements, bf16)
+        how = f"bf16 whole + fp32 masters (1/{n})"
+    else:  # zero3
+        weights, grads, how = 2 * total / n + 4 * trainable / n, 4 * trainable / n, f"bf16 + fp32 masters (1/{n})"
+    optim = 8 * trainable / (1 if s.sharding == "ddp" else n)
+    p.lines += [("parameters", weights, f"{total / 1e9:.3f}B params, {how}"),
+                ("gradients", grads, f"{trainable / 1e9:.3f}B trainable, fp32"
+                 + (f" (1/{n})" if s.sharding != "ddp" else "")),
+                ("optimizer states", optim, "AdamW: 2 fp32 moments per trainable param"
+                 + (f" (1/{n})" if s.sharding != "ddp" else ""))]  # fmt: skip
+    p.state += weights + grads + optim
+    if s.reference_model:  # frozen copy for the KL term, bf16 on GPU (fp32 on CPU), sharded like the weights
+        ref = (2 if s.bf16 else 4) * total / (n if s.sharding in ("fsdp", "zero3") else 1)
+        p.lines.append(("reference model", ref, "frozen copy for the KL term"))
+        p.state += ref
+    if s.sharding in ("fsdp", "zero3"):
+        root = (
+            shape.vocab * shape.hidden * (1 if shape.tied else 2)
+            + shape.vision_params()
+            - shape.vision_depth * (shape.vision_block_params())
+        )  # embeddings, head, patch embed, merger: the root unit
+        unit = max(shape.layer_params(), shape.vision_block_params())
+        gathered = 2 * (root + 2 * unit) + 4 * min(trainable, root + unit)  # bf16 gathers, fp32 unsharded grads
+        p.lines.append(("gathered units", gathered, "bf16 root + 2 layers, fp32 grads of one unit before reduce"))
+        p.update += gathered
+    return total, trainable
+
+
+def _activations(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
+    a = 2 if s.bf16 else 4
+    tokens = s.micro_batch * s.seq_len
+    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
+    per_layer_token = (12 * h + 4 * kv + 4 * i) * a
+    attention = 0.0
+    if s.device == "cpu":  # the masked SDPA math kernel keeps its softmax output for backward
+        attention = s.micro_batch * shape.heads * s.seq_len**2 * 4
+    full = shape.layers * (per_layer_token * tokens + attention)
+    if s.gradient_checkpointing:
+        kept = shape.layers * h * tokens * a + per_layer_token * tokens + attention  # inputs + 1 recomputed layer
+        how = f"checkpointed: layer inputs + 1 layer recomputed (without: {full / GiB:.2f} GiB)"
+    else:
+        kept = full
+        ckpt = shape.layers * h * tokens * a + per_layer_token * tokens + attention
+        how = f"{shape.layers} layers kept (with gradient checkpointing: {ckpt / GiB:.2f} GiB)"
+    p.lines.append(("activations", kept, f"{s.micro_batch} x {s.seq_len} tokens, {how}"))
+    p.update += kept
+    if s.images and not s.freeze_vision:  # a frozen tower gets no gradient: nothing of it is kept
+        patches = s.micro_batch * s.images * s.image_tokens * shape.merge**2
+        v, vi = shape.vision_hidden, shape.vision_intermediate
+        per_block = (12 * v + 4 * vi) * a * patches
+        kept = (shape.vision_depth * v * patches * a + per_block) if s.gradient_checkpointing else (
+            shape.vision_depth * per_block)  # fmt: skip
+        p.lines.append(("vision activations", kept, f"{patches:,} patches"))
+        p.update += kept
+    # the loss's tokens: their fp32 logits, softmax and gradient, whole or one chunk at a time
+    rows = int(s.micro_batch * s.seq_len * s.trained_fraction)
+    width = min(s.lm_head_chunk, rows) if s.lm_head_chunk else rows
+    # log-softmax output + its gradient + gather's gradient (fp32), the compute-dtype logits under bf16, and the
+    # head weight's gradient of one chunk before autograd adds it to the others
+    head = width * shape.vocab * (3 * 4 + (a if s.bf16 else 0)) + shape.vocab * shape.hidden * (
+        4 + (a if s.bf16 else 0)
+    )
+    how = f"chunks of {width:,} positions" if s.lm_head_chunk else f"whole logits of {rows:,} positions"
+    p.lines.append(("LM head / log-prob buffers", head, f"{how} x {shape.vocab:,} rows (log-softmax, 2 gradients)"))
+    p.update += head
+
+
+def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
+    a = 2 if s.bf16 else 4
+    kv = 2 * shape.layers * shape.kv_dim * s.rollout_len * s.rollout_batch * a
+    p.lines.append(("rollout KV cache", kv, f"{s.rollout_batch} sequences x {s.rollout_len} tokens"))
+    gathered = 0.0
+    if s.sharding in ("fsdp", "zero3"):
+        gathered = 2 * total  # generation reads whole weights: one bf16 copy gathered for the rollout
+        p.lines.append(("rollout gathered weights", gathered, "whole bf16 copy for generation"))
+    logits = s.rollout_batch * shape.vocab * 4 * 2  # last position's logits and the sampler's softmax
+    p.rollout = kv + gathered + logits
+
+
+def plan(shape: ModelShape, setup: Setup) -> MemoryPlan:
+    """The per-rank memory of ``setup`` on ``shape`` (see the module docstring for what is counted)."""
+    if setup.world_size < 1 or setup.micro_batch < 1 or setup.seq_len < 1:
+        raise ValueError("world_size, micro_batch and seq_len must be positive")
+    p = MemoryPlan()
+    total, _ = _state(shape, setup, p)
+    _activations(shape, setup, p)
+    if setup.stage == "grpo":
+        _rollout(shape, setup, total, p)
+    return p
+
+
+def fits(p: MemoryPlan, gpu_gib: float) -> bool:
+    return p.peak <= gpu_gib * GiB and math.isfinite(p.peak)
