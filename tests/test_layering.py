@@ -125,3 +125,30 @@ def test_the_leaf_check_catches_data_pipelines_and_private_recipe_helpers(tmp_pa
         "recipes/grpo.py imports the leaf quickstart.run",
         "recipes/sft.py imports the private vagent.recipes.grpo._collect",
     ]
+
+
+# A function longer than this is split into named steps (torchtune's recipes, verl's timed stages): the library,
+# its recipes and the quickstart read top to bottom in pieces that fit on a screen.
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(roots: list[Path]) -> list[str]:
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_in_the_library_or_the_quickstart_is_longer_than_a_screen():
+    assert _long_functions([PACKAGE, PACKAGE.parent / "quickstart"]) == []
+
+
+def test_the_length_check_catches_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def long():\n{body}")
+    assert _long_functions([tmp_path]) == [f"{tmp_path.name}/long.py:1 long ({MAX_FUNCTION_LINES + 1} lines)"]

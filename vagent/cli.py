@@ -364,7 +364,66 @@ class UsageError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vagent", description="Train vision-language models to think with images.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny_model(sub)
+    _add_generate(sub)
+    from vagent.serve import add_arguments as serve_arguments
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint (needs the serve extra).")
+    serve_arguments(p)
+    p.set_defaults(func=_serve)
+    _add_stage(sub, "quickstart", "The default job: tiny model, generated image, one multi-turn rollout.",
+               "QuickstartConfig", _quickstart)  # fmt: skip
+    from vagent.recipes import memory
+
+    p = sub.add_parser("memory", help="Per-rank memory plan of an SFT or GRPO config (no model is loaded).")
+    memory.build_parser(p).set_defaults(func=memory.run)
+    _add_stage(sub, "sft", "SFT cold start on gold trajectories (one process, or under torchrun).", "SFTConfig", _sft)
+    _add_stage(sub, "grpo", "GRPO with verifiable rewards (one process, or under torchrun).", "GRPOConfig", _grpo)
+    _add_eval(sub)
+    p = sub.add_parser("eval-report", help="Side-by-side table and bar chart of several eval runs.")
+    p.add_argument("runs", nargs="+", help="Eval run dirs (each with metrics.json).")
+    p.add_argument("--out", help="Write comparison.md and comparison.png here.")
+    p.set_defaults(func=_eval_report)
+    _add_rollout(sub)
+    # `vagent demo ...` is handed to demo/app.py whole (see main); this entry lists it in --help.
+    sub.add_parser(
+        "demo", help="Gradio demo: watch the model think with images (needs the demo extra).", add_help=False
+    )
+    _add_tools(sub)
+    return parser
+
+
+def _add_stage(sub, name: str, help: str, config_class: str, func) -> None:
+    """A stage run from a YAML config plus ``key=value`` overrides."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--config", help=f"YAML with {config_class} fields (configs/{name}/).")
+    p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
+    p.set_defaults(func=func)
+
+
+def _add_loading(p: argparse.ArgumentParser) -> None:
+    """How a checkpoint is loaded: device, weights dtype, attention kernel."""
+    p.add_argument("--device")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+
+
+def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:
+    """The agent profile, the episode limits and sampling of a rollout or an evaluation."""
+    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
+    p.add_argument("--max-turns", type=_positive, default=None, help="Assistant turns per episode (default: the "
+                   "agent profile's own limit; 4 for vagent).")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens, help="Tokens sampled per turn.")
+    p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
+    p.add_argument("--max-images", type=_positive, default=None,
+                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s).")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")
+    p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
+
+
+def _add_make_tiny_model(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="Build a random-weight Qwen-VL checkpoint dir with a fresh tokenizer.")
     p.add_argument("--out", required=True, help="Checkpoint dir to write.")
     p.add_argument("--config", help="YAML with TinyModelConfig fields (configs/tiny/).")
@@ -380,43 +439,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pixels", type=int, default=28 * 28 * 256, help="Processor's maximum image size in pixels.")
     p.set_defaults(func=_make_tiny_model)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="Generate text for an image prompt with a checkpoint dir.")
     p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).")
     p.add_argument("--image", action="append", default=[], help="Image path; repeat for several.")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
-    p.add_argument("--device")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_loading(p)
     p.set_defaults(func=_generate)
 
-    from vagent.serve import add_arguments as serve_arguments
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint (needs the serve extra).")
-    serve_arguments(p)
-    p.set_defaults(func=_serve)
-
-    p = sub.add_parser("quickstart", help="The default job: tiny model, generated image, one multi-turn rollout.")
-    p.add_argument("--config", help="YAML with QuickstartConfig fields (configs/quickstart/).")
-    p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
-    p.set_defaults(func=_quickstart)
-
-    from vagent.recipes import memory
-
-    p = sub.add_parser("memory", help="Per-rank memory plan of an SFT or GRPO config (no model is loaded).")
-    memory.build_parser(p).set_defaults(func=memory.run)
-
-    p = sub.add_parser("sft", help="SFT cold start on gold trajectories (one process, or under torchrun).")
-    p.add_argument("--config", help="YAML with SFTConfig fields (configs/sft/).")
-    p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
-    p.set_defaults(func=_sft)
-
-    p = sub.add_parser("grpo", help="GRPO with verifiable rewards (one process, or under torchrun).")
-    p.add_argument("--config", help="YAML with GRPOConfig fields (configs/grpo/).")
-    p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides.")
-    p.set_defaults(func=_grpo)
-
+def _add_eval(sub) -> None:
     from vagent.eval.benchmarks import BENCHMARKS
 
     p = sub.add_parser("eval", help="Evaluate a checkpoint on a benchmark (resumable; torchrun splits the rows).")
@@ -428,37 +463,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", type=_tool_names, default=None,
                    help="Comma-separated tools, or 'none' for the no-tool baseline. Default: the benchmark's.")  # fmt: skip
     p.add_argument("--samples", type=_positive, default=1, help="Samples per record (pass@k with temperature > 0).")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
-    p.add_argument("--max-turns", type=_positive, default=None, help="Assistant turns per episode (default: the "
-                   "agent profile's own limit; 4 for vagent).")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=_positive, default=512)
-    p.add_argument("--max-total-tokens", type=_positive, default=8192)
-    p.add_argument("--max-images", type=_positive, default=None,
-                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
-    p.add_argument("--batch-size", type=_positive, default=8)
+    _add_episode(p, max_new_tokens=512, temperature=0.0)
     p.add_argument("--limit", type=_positive, help="Only the first K records.")
     p.add_argument("--skip-bad", action="store_true", help="Report bad records and go on (default: fail the run).")
     p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool (mat-search).")
     p.add_argument("--search-url", help="HTTP search endpoint for `search`.")
     p.add_argument("--unsandboxed", action="store_true", help="Run `code` without bubblewrap (trusted input only).")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--judge", help="OpenAI-compatible API root of a judge model: adds judged accuracy to the metrics.")
     p.add_argument("--judge-model", help="Model id at --judge (default: the first one it lists).")
     p.add_argument("--judge-mode", default="correct", choices=["correct", "score"], help="1/0 or a 0-10 grade.")
     p.add_argument("--judge-concurrency", type=_positive, default=8)
     p.add_argument("--judge-api-key-env", help="Environment variable holding the judge's API key.")
-    p.add_argument("--device")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_loading(p)
     p.set_defaults(func=_eval)
 
-    p = sub.add_parser("eval-report", help="Side-by-side table and bar chart of several eval runs.")
-    p.add_argument("runs", nargs="+", help="Eval run dirs (each with metrics.json).")
-    p.add_argument("--out", help="Write comparison.md and comparison.png here.")
-    p.set_defaults(func=_eval_report)
 
+def _add_rollout(sub) -> None:
     p = sub.add_parser("rollout", help="Run the policy on canonical rows with tools; write trajectories (JSONL, HTML).")
     p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).")
     p.add_argument("--data", required=True, help="Canonical rows (JSONL; paths relative to the file).")
@@ -468,30 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive, help="Only the first K rows.")
     p.add_argument("--tools", type=_tool_names, default=["crop"],
                    help="Comma-separated tools offered to rows without their own `tools`, or 'none'. Default: crop.")  # fmt: skip
-    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
-    p.add_argument("--max-turns", type=_positive, default=None, help="Assistant turns per episode (default: the "
-                   "agent profile's own limit; 4 for vagent).")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=_positive, default=256, help="Tokens sampled per turn (%(default)s).")
-    p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
-    p.add_argument("--max-images", type=_positive, default=None,
-                   help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy.")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")
-    p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
-    p.add_argument("--device")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_episode(p, max_new_tokens=256, temperature=1.0)
+    _add_loading(p)
     p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool.")
     p.add_argument("--unsandboxed", action="store_true",
                    help="Run `code` without bubblewrap when it is missing (trusted input only; logs a warning).")  # fmt: skip
     p.set_defaults(func=_rollout)
 
-    # `vagent demo ...` is handed to demo/app.py whole (see main); this entry lists it in --help.
-    sub.add_parser(
-        "demo", help="Gradio demo: watch the model think with images (needs the demo extra).", add_help=False
-    )
 
+def _add_tools(sub) -> None:
     tools = sub.add_parser("tools", help="Inspect and run the agent's tools by hand.")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
     p = tools_sub.add_parser("list", help="Tool names, arguments and descriptions.")
@@ -518,7 +523,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = tools_sub.add_parser("parse", help='Parse model outputs: stdin JSONL {"text": ...} -> one JSON line each.')
     p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
     p.set_defaults(func=_tools_parse)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -278,24 +278,7 @@ def build_tiny_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    import shutil
-    import tempfile
-
     import torch
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
 
     if family not in TINY_FAMILIES:
         raise ValueError(f"family must be one of {list(TINY_FAMILIES)}, got {family!r}")
@@ -306,79 +289,15 @@ def build_tiny_checkpoint(
     p = PRESETS[size]
     tokenizer = qwen_tokenizer() if vocab == "qwen" else train_tokenizer(vocab_size, seed)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    head_dim = p.hidden // p.heads
-    text_config = dict(
-        vocab_size=QWEN_VOCAB_ROWS if vocab == "qwen" else len(tokenizer),
-        hidden_size=p.hidden,
-        intermediate_size=p.intermediate,
-        num_hidden_layers=p.layers,
-        num_attention_heads=p.heads,
-        num_key_value_heads=p.kv_heads,
-        max_position_embeddings=32768,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": float(rope_theta),
-            "mrope_section": _mrope_section(head_dim),
-        },
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-    )
-    token_ids = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    patch, video_processor_cls = 14, Qwen2VLVideoProcessor
-    # Vision fields Qwen2.5-VL and Qwen3-VL share (Qwen2-VL names them differently).
-    vision_common = dict(
-        depth=p.vision_depth,
-        hidden_size=p.vision_hidden,
-        intermediate_size=2 * p.vision_hidden,
-        num_heads=p.vision_heads,
-        out_hidden_size=p.hidden,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-    )
-    if family == "qwen2_5_vl":
-        vision_config = dict(
-            **vision_common,
-            fullatt_block_indexes=[p.vision_depth - 1],  # last block full attention, the rest windowed
-            window_size=112,
-            patch_size=patch,
-        )
-        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
-        model_cls, processor_cls = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
-    elif family == "qwen2_vl":
-        vision_config = dict(
-            depth=p.vision_depth,
-            embed_dim=p.vision_hidden,
-            hidden_size=p.hidden,
-            num_heads=p.vision_heads,
-            mlp_ratio=2,
-            patch_size=patch,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        )
-        config = Qwen2VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
-        model_cls, processor_cls = Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-    else:  # Qwen3-VL: 16-pixel patches, learned position embeddings, deepstack features, interleaved mRoPE
-        patch = 16
-        text_config["head_dim"] = head_dim
-        text_config["rope_parameters"]["mrope_interleaved"] = True
-        vision_config = dict(
-            **vision_common, num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=patch
-        )
-        config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
-        model_cls, processor_cls = Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-        video_processor_cls = Qwen3VLVideoProcessor
-
+    rows = QWEN_VOCAB_ROWS if vocab == "qwen" else len(tokenizer)
+    config, model_cls, processor_cls, video_processor_cls, patch = _family_classes(family, p, rows, ids, rope_theta)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.do_sample = False
+    from transformers import Qwen2VLImageProcessor
+
     processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(patch_size=patch, min_pixels=min_pixels, max_pixels=max_pixels),
         tokenizer=tokenizer,
@@ -387,28 +306,73 @@ def build_tiny_checkpoint(
         ),
         chat_template=CHAT_TEMPLATE,
     )
+    recipe = {"family": family, "size": size, "vocab": vocab, "vocab_size": vocab_size, "seed": seed,
+              "rope_theta": rope_theta, "min_pixels": min_pixels, "max_pixels": max_pixels}  # fmt: skip
+    return _write_atomically(Path(out_dir), model, processor, recipe)
 
-    out_dir = Path(out_dir)
+
+def _family_classes(family: str, p: TinyPreset, rows: int, ids: dict[str, int], rope_theta: float):
+    """The HF config of a random ``family`` checkpoint of preset ``p`` with ``rows`` embedding rows, and the classes
+    that build it: (config, model class, processor class, video processor class, patch size)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    head_dim = p.hidden // p.heads
+    text_config = dict(
+        vocab_size=rows, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
+        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta),
+                         "mrope_section": _mrope_section(head_dim)},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )  # fmt: skip
+    token_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                     vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+    # Vision fields Qwen2.5-VL and Qwen3-VL share (Qwen2-VL names them differently).
+    vision_common = dict(depth=p.vision_depth, hidden_size=p.vision_hidden, intermediate_size=2 * p.vision_hidden,
+                         num_heads=p.vision_heads, out_hidden_size=p.hidden, spatial_merge_size=2,
+                         temporal_patch_size=2)  # fmt: skip
+    if family == "qwen2_5_vl":
+        vision_config = dict(**vision_common, fullatt_block_indexes=[p.vision_depth - 1],  # the rest windowed
+                             window_size=112, patch_size=14)  # fmt: skip
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        return config, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor, 14
+    if family == "qwen2_vl":
+        vision_config = dict(depth=p.vision_depth, embed_dim=p.vision_hidden, hidden_size=p.hidden,
+                             num_heads=p.vision_heads, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                             temporal_patch_size=2)  # fmt: skip
+        config = Qwen2VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        return config, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, Qwen2VLVideoProcessor, 14
+    # Qwen3-VL: 16-pixel patches, learned position embeddings, deepstack features, interleaved mRoPE
+    text_config["head_dim"] = head_dim
+    text_config["rope_parameters"]["mrope_interleaved"] = True
+    vision_config = dict(**vision_common, num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=16)
+    config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+    return config, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor, 16
+
+
+def _write_atomically(out_dir: Path, model, processor, recipe: dict) -> Path:
+    """Save the checkpoint and its recipe (``vagent_tiny.json``) through a temp dir renamed into place, so
+    ``out_dir`` is never half-written."""
+    import shutil
+    import tempfile
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        (tmp / "vagent_tiny.json").write_text(
-            json.dumps(
-                {
-                    "family": family,
-                    "size": size,
-                    "vocab": vocab,
-                    "vocab_size": vocab_size,
-                    "seed": seed,
-                    "rope_theta": rope_theta,
-                    "min_pixels": min_pixels,
-                    "max_pixels": max_pixels,
-                },
-                indent=2,
-            )
-        )
+        (tmp / "vagent_tiny.json").write_text(json.dumps(recipe, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

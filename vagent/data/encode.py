@@ -153,7 +153,6 @@ def encode_messages(
     tokenizer = processor.tokenizer
     header_text = template_suffix(processor, [], add_generation_prompt=True)  # "<|im_start|>assistant\n"
     header = tokenizer.encode(header_text)
-    newline = tokenizer.encode("\n")
     ids: list[torch.Tensor] = []
     mask: list[torch.Tensor] = []
     pixels, grids = [], []
@@ -180,18 +179,9 @@ def encode_messages(
             turn = torch.tensor(message.token_ids, dtype=torch.long)
             sampled = message.sampled if message.sampled is not None else [1] * len(message.token_ids)
             add({"input_ids": turn}, torch.tensor(sampled, dtype=torch.long))
-        else:  # gold text: train on the content and its <|im_end|>, not on the newline the template adds after
-            body = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
-            if not body.startswith(header_text):
-                raise ValueError("the chat template renders assistant turns with a different header")
-            content = body[len(header_text) :]
+        else:
             spans = forced_spans(message.plain_text, turn_number) if forced_spans and message.trained else []
-            turn = torch.tensor(tokenizer.encode(content), dtype=torch.long)
-            trained = torch.full_like(turn, int(message.trained))
-            if spans:
-                trained *= _outside(tokenizer, content, spans, len(turn))
-            if turn[-len(newline) :].tolist() == newline:
-                trained[-len(newline) :] = 0
+            turn, trained = _gold_turn(processor, message, header_text, spans)
             add({"input_ids": turn}, trained)
     input_ids = torch.cat(ids).long()
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -208,6 +198,26 @@ def encode_messages(
         mm_token_type_ids=types,
         logprobs=lp,
     )
+
+
+def _gold_turn(processor: Any, message: Message, header_text: str,
+               spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A gold assistant turn's ids as the template renders them after the header, and their loss mask: 1 on the
+    content and its ``<|im_end|>`` (0 for an untrained turn and inside the forced ``spans``), 0 on the newline the
+    template adds after it."""
+    tokenizer = processor.tokenizer
+    body = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
+    if not body.startswith(header_text):
+        raise ValueError("the chat template renders assistant turns with a different header")
+    content = body[len(header_text) :]
+    turn = torch.tensor(tokenizer.encode(content), dtype=torch.long)
+    trained = torch.full_like(turn, int(message.trained))
+    if spans:
+        trained *= _outside(tokenizer, content, spans, len(turn))
+    newline = tokenizer.encode("\n")
+    if turn[-len(newline) :].tolist() == newline:
+        trained[-len(newline) :] = 0
+    return turn, trained
 
 
 def _outside(tokenizer: Any, text: str, spans: list[tuple[int, int]], n: int) -> torch.Tensor:
