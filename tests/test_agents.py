@@ -355,3 +355,16 @@ def test_tools_parse_names_the_vagent_tool_of_a_native_call(monkeypatch, capsys)
     assert second["answer"] == "C" and second["tool_calls"] == [] and second["error_kinds"] == []
     with pytest.raises(SystemExit):
         main(["tools", "parse", "--agent", "nope"])
+
+
+def test_rewards_read_a_native_call_as_the_vagent_tool_it_ran(policy):
+    """Grounding rewards look for crop/zoom and video tools by vagent's names: a DeepEyes zoom must count as a crop
+    (``ToolResult.name``), with the agent's own name kept beside it (``native``)."""
+    from vagent.data import Evidence, Row
+    from vagent.rewards import REWARDS
+
+    task = Task(id="d", question="q", images=[ORIGINAL], scripted_turns=[DE_CALL, "<answer>A</answer>"])
+    traj = rollout(policy, task, RolloutLimits(max_turns=3), agent="deepeyes")
+    assert (traj.tool_results[0].name, traj.tool_results[0].native) == ("crop", "image_zoom_in_tool")
+    row = Row(id="d", question="q", answer="A", answer_type="exact", evidence=Evidence(boxes=[[100, 50, 400, 300]]))
+    assert REWARDS["crop_iou"]([traj], [row]) == [1.0]  # the zoom's box is the evidence box

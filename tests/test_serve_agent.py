@@ -57,3 +57,23 @@ def test_agent_mode_refuses_what_it_cannot_do(client):
     assert "not offered" in info.value.body["message"]
     ok = client.chat.completions.create(model="tiny", messages=[_question(image)], max_tokens=4, n=2, seed=1)
     assert len(ok.choices) == 2 and all("trajectory" in c.model_extra for c in ok.choices)
+
+
+def test_agent_mode_speaks_a_published_agents_protocol(tiny_qwen25, tmp_path):
+    """`--agent-profile deepeyes`: DeepEyes' own tool call runs vagent's crop, and its observation comes back as
+    DeepEyes renders it (a user turn wrapped in <tool_response>), not as vagent's tool turn."""
+    process, url = start_server(tiny_qwen25, "--served-model-name", "tiny", "--agent", "--agent-profile", "deepeyes",
+                                "--max-turns", "2", log=tmp_path / "serve.log")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        zoom = '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 160, 120]}}</tool_call>'
+        response = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+            _question(Image.new("RGB", (320, 240))), {"role": "assistant", "content": zoom}])  # fmt: skip
+    finally:
+        stop_server(process)
+    trajectory = response.choices[0].model_extra["trajectory"]
+    assert trajectory["tool_results"][0]["name"] == "crop" and trajectory["tool_results"][0]["error"] is None
+    assert trajectory["tool_results"][0]["metadata"]["box_original"] == [0, 0, 160, 120]  # DeepEyes: original pixels
+    assert trajectory["tool_results"][0]["native"] == "image_zoom_in_tool"  # what the model wrote
+    observation = trajectory["messages"][3]
+    assert observation["role"] == "user" and observation["content"][0]["text"].startswith("<tool_response>")

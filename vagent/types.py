@@ -105,17 +105,21 @@ class ToolResult:
     """One tool call of an episode as rewards, metrics and viewers read it (the images stay in ``messages``).
 
     Attributes:
-        name: The tool called; None for a call that could not be parsed.
+        name: The vagent tool called; None for a call that could not be parsed (or a native call with no
+            vagent equivalent: see ``native``).
         arguments: Its arguments as the tool received them; None for an unparsed call.
         error: The Observation's error kind, None on success.
         metadata: The Observation's metadata, e.g. a crop's ``box_original`` and ``image_index``, a video tool's
             ``span``: grounding rewards read what the policy looked at from here.
+        native: Under a published agent's profile, the agent's own name for the call (``image_zoom_in_tool``);
+            ``name`` is then the vagent tool it ran (``crop``), so rewards read every profile alike.
     """
 
     name: str | None
     arguments: dict[str, Any] | None
     error: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    native: str | None = None
 
     @property
     def ok(self) -> bool:

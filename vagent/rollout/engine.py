@@ -394,9 +394,7 @@ class _Engine:
             row.metrics["tool_calls"] += 1
             if observation.error:
                 row.metrics[f"tool_error/{observation.error}"] += 1
-            call = action if isinstance(action, ToolCall) else None
-            row.tool_results.append(ToolResult(call and call.name, call and call.arguments, observation.error,
-                                               observation.metadata))  # fmt: skip
+            row.tool_results.append(self._tool_result(action, observation))
         for message, segment, observation in zip(outcome.messages, outcome.segments, outcome.observations, strict=True):
             row.force(segment)
             if row.open_turn is not None:  # an inline result: forced text inside the open assistant turn
@@ -411,6 +409,14 @@ class _Engine:
             self._stop(row, "max_tokens")
         else:
             self._next_turn(row)
+
+    def _tool_result(self, action: ToolCall | ParseError, observation: Observation) -> ToolResult:
+        """What rewards and metrics read of one call: named by the vagent tool it ran under every profile."""
+        if not isinstance(action, ToolCall):
+            return ToolResult(None, None, observation.error, observation.metadata)
+        native = None if self.profile.name == "vagent" else action.name
+        return ToolResult(self.profile.tool_for(action) if native else action.name, action.arguments,
+                          observation.error, observation.metadata, native=native)  # fmt: skip
 
     def _emit(self, row: _Row, message: Message, observation: Observation | None = None) -> None:
         row.messages.append(message)

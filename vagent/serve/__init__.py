@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--agent", action="store_true",
                    help="Run vagent's tool loop server-side; answers carry the trajectory.")  # fmt: skip
+    p.add_argument("--agent-profile", default="vagent",
+                   help="With --agent: the protocol the loop speaks (vagent.agents.PROFILES: vagent, deepeyes, "
+                   "pixel-reasoner, ...): its prompt, call syntax, tool mapping and observations.")  # fmt: skip
     p.add_argument("--tools", default="crop", help="Comma-separated tools agent mode offers (%(default)s).")
     p.add_argument("--max-turns", type=int, default=4, help="Assistant turns per agent episode (%(default)s).")
     p.add_argument("--allowed-media-root", action="append", default=[], type=Path,
@@ -52,6 +55,12 @@ def main(args: argparse.Namespace) -> int:
     from vagent.toolbox import TOOLS
 
     tools = [t for t in args.tools.split(",") if t]
+    from vagent.agents import PROFILES
+
+    if args.agent_profile not in PROFILES:
+        raise SystemExit(
+            f"vagent serve: error: unknown --agent-profile {args.agent_profile!r}; known: {sorted(PROFILES)}"
+        )
     if unknown := sorted(set(tools) - set(TOOLS)):
         raise SystemExit(f"vagent serve: error: unknown tools {unknown}; available: {sorted(TOOLS)}")
     if args.threads:
@@ -68,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len or positions,
         default_max_tokens=args.default_max_tokens,
         agent=args.agent,
+        agent_profile=args.agent_profile,
         tools=tools,
         max_turns=args.max_turns,
     )

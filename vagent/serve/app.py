@@ -76,13 +76,14 @@ class ServerOptions:
     default_max_tokens: int = 1024
     max_request_bytes: int = 64 * 2**20
     agent: bool = False
+    agent_profile: str = "vagent"  # the protocol agent mode speaks (vagent.agents.PROFILES)
     tools: list[str] = field(default_factory=lambda: ["crop"])
     max_turns: int = 4
 
 
 def create_app(policy: Policy, options: ServerOptions) -> FastAPI:
     """The FastAPI app serving ``policy``; its model thread starts now and stops with the app."""
-    scheduler = Scheduler(policy)
+    scheduler = Scheduler(policy, agent_profile=options.agent_profile)
     header = policy.tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
     admitted = [0]  # requests in the server; touched only on the event loop, so no lock
 

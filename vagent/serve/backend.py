@@ -137,12 +137,19 @@ class BatchedGenerator:
 
 
 def run_agent(
-    policy: Policy, tasks: list[Task], limits: RolloutLimits, *, seed: int | None = None, batch_size: int = 16
+    policy: Policy,
+    tasks: list[Task],
+    limits: RolloutLimits,
+    *,
+    seed: int | None = None,
+    batch_size: int = 16,
+    agent: str = "vagent",
 ) -> list[Trajectory]:
-    """Run the engine's tool loop on ``tasks`` (one sample each) as one batch; ``seed`` fixes the sampling."""
+    """Run the engine's tool loop on ``tasks`` (one sample each) as one batch under the ``agent`` profile;
+    ``seed`` fixes the sampling."""
     if seed is None:
-        return run(policy, tasks, 1, limits, batch_size=batch_size)
+        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent)
     cuda = policy.device.type == "cuda"
     with torch.random.fork_rng(devices=[policy.device] if cuda else [], device_type="cuda"):
         torch.manual_seed(seed)
-        return run(policy, tasks, 1, limits, batch_size=batch_size)
+        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent)

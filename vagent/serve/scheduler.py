@@ -78,8 +78,8 @@ class Scheduler:
         agent_batch_size: Episodes the tool loop runs at once.
     """
 
-    def __init__(self, policy: Policy, agent_batch_size: int = 16) -> None:
-        self.policy = policy
+    def __init__(self, policy: Policy, agent_batch_size: int = 16, agent_profile: str = "vagent") -> None:
+        self.policy, self.agent_profile = policy, agent_profile
         self.generator = BatchedGenerator(policy)
         self.agent_batch_size = agent_batch_size
         self._inbox: deque[Job] = deque()
@@ -164,7 +164,7 @@ class Scheduler:
             tasks = [task for job in group for task in job.tasks]
             try:
                 trajectories = run_agent(self.policy, tasks, group[0].limits, seed=seed,
-                                         batch_size=self.agent_batch_size)  # fmt: skip
+                                         batch_size=self.agent_batch_size, agent=self.agent_profile)  # fmt: skip
             except Exception as e:
                 log.exception("agent rollout failed")
                 for job in group:
