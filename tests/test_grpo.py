@@ -290,6 +290,7 @@ def _even_tokens(trajectories, rows):
     return out
 
 
+@pytest.mark.slow  # about 45 s on 2 cores
 def test_grpo_raises_the_mean_reward_on_a_toy_task(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch):
     import vagent.rewards as rewards
 
