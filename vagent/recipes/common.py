@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, load_config
-from vagent.model import Policy, apply_lora, freeze_vision, load_policy
+from vagent.model import Policy, load_policy
 from vagent.training import checkpoint as ckpt
+from vagent.training.adapters import apply_lora, freeze_vision
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
 from vagent.training.distributed import DistEnv, barrier, broadcast_object
 from vagent.training.fsdp import FSDPBackend, shard_model
