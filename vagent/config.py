@@ -148,13 +148,18 @@ def _build(cls: type[T], data: dict[str, Any], source: str, prefix: str = "") ->
                 data[f.name] = _merge(dataclasses.asdict(f.default_factory()), data[f.name])
     kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
     obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
+    _validate(obj, source, prefix)
+    return obj
+
+
+def _validate(section: Any, source: str, prefix: str) -> None:
+    """Run the section's own ``validate`` (if it has one); its ValueError becomes a ConfigError naming where."""
+    validate = getattr(section, "validate", None)
     if callable(validate):
         try:
             validate()
         except ValueError as e:
             raise ConfigError(f"{source}: {prefix[:-1] + ': ' if prefix else ''}{e}") from None
-    return obj
 
 
 def _set_override(data: dict[str, Any], override: str) -> None:
@@ -223,12 +228,7 @@ def check_config(cfg: T) -> T:
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
                 visit(value, f"{prefix}{f.name}.")
-        validate = getattr(obj, "validate", None)
-        if callable(validate):
-            try:
-                validate()
-            except ValueError as e:
-                raise ConfigError(f"<code>: {prefix[:-1] + ': ' if prefix else ''}{e}") from None
+        _validate(obj, "<code>", prefix)
 
     visit(cfg, "")
     return cfg
