@@ -29,7 +29,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from vagent.model import is_vision_tower
 from vagent.training.distributed import DistEnv
 
-__all__ = ["DDPBackend", "DeepSpeedBackend", "TrainBackend", "autocast", "build_optimizer", "warmup_cosine"]
+__all__ = [
+    "DDPBackend",
+    "DeepSpeedBackend",
+    "TrainBackend",
+    "autocast",
+    "build_optimizer",
+    "clip_and_step",
+    "warmup_cosine",
+]
 
 
 def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[None]:
@@ -150,13 +158,7 @@ class DDPBackend:
 
     def step(self) -> float:
         """Clip, step, advance the schedule, zero the gradients. Returns the pre-clip global grad norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -255,3 +257,16 @@ def load_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum
     if "optimizer" in config or "scheduler" in config:
         raise ValueError(f"{path}: leave out 'optimizer' and 'scheduler'; vagent passes its AdamW and schedule")
     return config
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+                  max_grad_norm: float) -> float:  # fmt: skip
+    """Clip the trainable parameters' gradients (0 = no clipping), step the optimizer and the schedule, zero the
+    gradients. Returns the pre-clip global grad norm (over every rank's shard when the parameters are DTensors,
+    as under FSDP2)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2

@@ -45,6 +45,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from vagent.training.backend import clip_and_step
 from vagent.training.distributed import DistEnv
 
 __all__ = ["FSDPBackend", "InferenceCopy", "shard_model"]
@@ -188,13 +189,7 @@ class FSDPBackend:
 
     def step(self) -> float:
         """Clip (the norm of the sharded gradients is reduced over ranks), step, advance the schedule."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.max_grad_norm)
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
