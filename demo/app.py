@@ -44,7 +44,7 @@ from demo.episode import (
 from vagent.agents import PROFILES
 from vagent.model import Policy, PolicyLoadError, load_policy
 from vagent.rollout.export import save_png_once
-from vagent.toolbox import TOOLS
+from vagent.toolbox import TOOLS, ToolServices
 
 logger = logging.getLogger("vagent.demo")
 
@@ -65,7 +65,7 @@ class Served:
     model_dir: Path
     note: str
     tools: list[str]
-    services: dict[str, Any] = field(default_factory=dict)
+    services: ToolServices = field(default_factory=ToolServices)
     limits: DemoLimits = field(default_factory=DemoLimits)
     examples: list[list[Any]] = field(default_factory=list)
     agent: str = "vagent"  # the protocol the policy speaks (vagent.agents.PROFILES)
@@ -108,7 +108,7 @@ def make_examples(policy: Policy, out: Path) -> list[list[Any]]:
     return [[(row.images or row.videos)[0], row.question, row.tools] for row in rows]
 
 
-def services_for(search_corpus: str | None) -> tuple[list[str], dict[str, Any]]:
+def services_for(search_corpus: str | None) -> tuple[list[str], ToolServices]:
     """The tools this server can offer, and the search backend and code sandbox behind them."""
     from vagent.toolbox.sandbox import Sandbox
 
@@ -124,7 +124,7 @@ def services_for(search_corpus: str | None) -> tuple[list[str], dict[str, Any]]:
         logger.warning("bubblewrap is not available: the `code` tool is not offered")
     if search is None:
         tools.remove("search")
-    return tools, {"search": search, "sandbox": sandbox}
+    return tools, ToolServices(search=search, sandbox=sandbox)
 
 
 # -- the request handler ------------------------------------------------------------------------------------

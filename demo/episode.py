@@ -25,6 +25,7 @@ from vagent.agents import get_profile
 from vagent.media import MediaError, load_image, probe_video, read_frames, uniform_timestamps
 from vagent.model import Policy
 from vagent.rollout import RolloutLimits, Task, rollout
+from vagent.toolbox import ToolServices
 from vagent.types import Message, Observation, Trajectory
 
 __all__ = ["DemoLimits", "Event", "Upload", "UploadError", "annotate", "check_upload", "render_turn", "stream_episode"]
@@ -139,7 +140,7 @@ class Event:
 _POLICY_LOCK = threading.Lock()  # one episode on the model at a time, whatever the server's concurrency
 
 
-def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: dict[str, Any] | None = None,
+def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: ToolServices | None = None,
                    seed: int | None = None, agent: str = "vagent") -> Iterator[Event]:  # fmt: skip
     """Run ``task`` on a worker thread and yield its turns as they happen, then ``done`` (or ``error``).
     ``agent`` names the protocol the policy speaks (``vagent.agents.PROFILES``)."""
@@ -153,7 +154,7 @@ def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: 
 
                     torch.manual_seed(seed)
                 trajectory = rollout(policy, task, limits, on_turn=lambda m, o: events.put(("turn", m, o)),
-                                     agent=agent, **(services or {}))  # fmt: skip
+                                     agent=agent, services=services)  # fmt: skip
             events.put(("done", trajectory, None))
         except Exception as e:  # the user sees what failed; the server keeps serving
             events.put(("error", f"{type(e).__name__}: {e}", None))

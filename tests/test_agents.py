@@ -21,7 +21,7 @@ from vagent.agents import pixel_reasoner as pr
 from vagent.data.encode import encode_messages
 from vagent.media import smart_resize
 from vagent.rollout import RolloutLimits, Task, rollout, run
-from vagent.toolbox import ToolContext
+from vagent.toolbox import ToolContext, ToolServices
 
 # 1000x800 original: the context's model view is half size, so a box read in the wrong frame lands elsewhere.
 ORIGINAL = Image.new("RGB", (1000, 800), (90, 140, 200))
@@ -331,7 +331,14 @@ def test_a_multi_turn_rollout_reencodes_to_its_ids_under_every_profile(policy, c
     """Scripted call, then sampled turns: the one encoder (told the profile) gives back the engine's ids and mask."""
     torch.manual_seed(0)
     limits = RolloutLimits(max_turns=3, max_new_tokens=12, temperature=1.0, max_images=16)
-    for traj in run(policy, [_profile_task(name, clip)], n_samples=2, limits=limits, agent=name, search=_Hits()):
+    for traj in run(
+        policy,
+        [_profile_task(name, clip)],
+        n_samples=2,
+        limits=limits,
+        agent=name,
+        services=ToolServices(search=_Hits()),
+    ):
         assert traj.metrics["tool_calls"] == 1 and sum(traj.loss_mask) > 0
         assert not any(r.error for r in traj.tool_results), traj.tool_results
         enc = encode_messages(traj.messages, policy.processor, min_pixels=policy.pixel_budget[0],

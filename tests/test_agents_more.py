@@ -16,6 +16,7 @@ from vagent.agents import tool_star as ts
 from vagent.agents import visual_arft as va
 from vagent.data.encode import encode_messages
 from vagent.rollout import RolloutLimits, Task, rollout
+from vagent.toolbox import ToolServices
 from vagent.toolbox.sandbox import Sandbox
 from vagent.toolbox.search import SearchResult
 
@@ -81,7 +82,7 @@ def test_deepeyesv2_search_calls_and_errors():
 def test_deepeyesv2_prefills_think_after_each_tool_turn(policy):
     task = Task(id="d", question="Who built it?", images=[ORIGINAL],
                 scripted_turns=['<tool_call>{"name": "search", "arguments": {"query": "tower"}}</tool_call>', None])  # fmt: skip
-    traj = rollout(policy, task, RolloutLimits(max_turns=2, max_new_tokens=6, temperature=1.0), search=FakeSearch(),
+    traj = rollout(policy, task, RolloutLimits(max_turns=2, max_new_tokens=6, temperature=1.0), services=ToolServices(search=FakeSearch()),
                    agent="deepeyesv2")  # fmt: skip
     between = _between_turns(policy, traj)
     assert between.startswith("\n<|im_start|>user\n<tool_response>\nA Google search for 'tower' found 2 results")
@@ -107,7 +108,9 @@ def test_tool_star_results_continue_the_same_assistant_turn(policy):
     search = "<think> I need the year. </think> <search> Eiffel Tower completion year </search>"
     final = " <think> It was 1889. </think> <answer> The final answer is \\[ \\boxed{1889} \\] </answer>"
     task = Task(id="t", question="When was it finished?", images=[ORIGINAL], scripted_turns=[search, final])
-    traj = rollout(policy, task, RolloutLimits(max_turns=3), search=FakeSearch(), agent="tool-star")
+    traj = rollout(
+        policy, task, RolloutLimits(max_turns=3), services=ToolServices(search=FakeSearch()), agent="tool-star"
+    )
     assert traj.answer == "1889" and traj.stop_reason == "answered"
     assert [m.role for m in traj.messages] == ["system", "user", "assistant"]  # one assistant turn
     turn = _decode(policy, traj.messages[2].token_ids)
@@ -135,7 +138,9 @@ def test_tool_star_python_and_the_call_budget(policy):
     assert err.error and "ZeroDivisionError" in err.text
     call = "<search> q </search>"
     task = Task(id="t", question="Q?", scripted_turns=[call] * 5)
-    traj = rollout(policy, task, RolloutLimits(max_turns=8), search=FakeSearch(), agent="tool-star")
+    traj = rollout(
+        policy, task, RolloutLimits(max_turns=8), services=ToolServices(search=FakeSearch()), agent="tool-star"
+    )
     assert traj.metrics["tool_calls"] == ts.MAX_CALLS and traj.metrics["max_calls_reached"] == 1
     assert [m.role for m in traj.messages] == ["system", "user", "assistant"]
     assert _decode(policy, traj.token_ids).endswith("<|im_end|>\n")

@@ -119,7 +119,7 @@ def _tools_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tool_services(args: argparse.Namespace) -> dict:
+def _tool_services(args: argparse.Namespace):
     """The search backend and code sandbox of ``--search-corpus``/``--search-url``/``--unsandboxed``, built
     the way every recipe builds them (``recipes.common.tool_services``)."""
     from vagent.config import ToolboxConfig
@@ -159,7 +159,8 @@ def _tools_context(args: argparse.Namespace):
         max_pixels=args.max_pixels,
         image_factor=args.factor,
         videos=list(args.video),
-        **services,
+        search=services.search,
+        sandbox=services.sandbox,
     )
 
 
@@ -300,7 +301,7 @@ def _rollout(args: argparse.Namespace) -> int:
     rows = load_rows(args.data, known_tools=TOOLS)[: args.limit]
     tasks = [Task.from_row(row, args.tools) for row in rows]
     services = _tool_services(args)
-    if services["search"] is None and any("search" in task.tools for task in tasks):
+    if services.search is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
     limits = RolloutLimits(
         max_turns=args.max_turns or get_profile(args.agent).limits.max_turns,
@@ -328,7 +329,7 @@ def _rollout(args: argparse.Namespace) -> int:
             tasks,
             n_samples=args.samples,
             limits=limits,
-            **services,
+            services=services,
             batch_size=args.batch_size,
             progress=progress,
             agent=args.agent,

@@ -115,6 +115,11 @@ PRESETS: dict[str, TinyPreset] = {
     # Qwen2.5-VL-3B's shapes (text 2048x36, GQA 16/2, vision 1280x32) with the tiny vocabulary: for GPU
     # throughput and memory measurements only (about 3.7B random parameters, 7 GB in bf16).
     "3b": TinyPreset(2048, 36, 16, 2, 11008, 1280, 32, 16),
+    # Qwen2.5-VL-7B's text model thinned 14x in width and deepened 14x (hidden 3584/14 = 256 with head_dim 128,
+    # 28 x 14 = 392 layers, MLP 18944/14): the vocabulary's share of the weights (14% with an untied 151,936-row
+    # head) and the activation bytes per token (hidden x layers) stay the 7B's, so at 1/14 of its tokens every
+    # training-memory term is about 1/14 of the 7B's. For CPU memory measurements (benchmarks/vocab.py).
+    "7b-thin": TinyPreset(256, 392, 2, 1, 1354, 32, 1, 2),
 }
 
 

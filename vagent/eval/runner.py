@@ -29,6 +29,7 @@ from vagent.model import Policy
 from vagent.rewards.answer import gold_answers
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
+from vagent.toolbox import ToolServices
 from vagent.training.distributed import DistEnv, barrier
 from vagent.training.metrics import read_metrics
 
@@ -41,7 +42,7 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
 
 
 def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,
-             limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: dict[str, Any] | None = None,
+             limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: ToolServices | None = None,
              env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
              progress: bool = True, agent: str = "vagent") -> dict[str, Any]:  # fmt: skip
     """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
@@ -100,7 +101,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         chunk = max(1, batch_size)
         for start in range(0, len(todo), chunk):
             run(policy, [task(r) for r in todo[start : start + chunk]], n_samples, limits, batch_size=batch_size,
-                progress=finished, agent=agent, **(services or {}))  # fmt: skip
+                progress=finished, agent=agent, services=services)  # fmt: skip
     bar.close()
     barrier()
     if rank != 0:

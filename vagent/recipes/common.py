@@ -14,6 +14,7 @@ import torch
 
 from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, load_config
 from vagent.model import Policy, load_policy
+from vagent.toolbox import ToolServices
 from vagent.training import checkpoint as ckpt
 from vagent.training.adapters import apply_lora, freeze_vision
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
@@ -45,8 +46,8 @@ FREE_KEYS = {"out_dir", "train.resume", "train.allow_changes", "train.log_every"
              "data.num_workers", "model.device", "train.lm_head_chunk", "train.lm_head_kernel"}  # fmt: skip
 
 
-def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:
-    """The ``search`` backend and ``code`` sandbox a rollout needs, as keyword arguments of ``rollout``/``run``."""
+def tool_services(cfg: ToolboxConfig) -> ToolServices:
+    """The ``search`` backend and ``code`` sandbox a rollout needs (``services`` of ``rollout``/``run``)."""
     from vagent.toolbox.sandbox import Sandbox
     from vagent.toolbox.search import BM25Backend, HTTPBackend
 
@@ -58,7 +59,7 @@ def tool_services(cfg: ToolboxConfig) -> dict[str, Any]:
     sandbox = Sandbox(
         timeout_s=cfg.code_timeout_s, memory_mb=cfg.code_memory_mb, allow_unsandboxed=cfg.allow_unsandboxed_code
     )
-    return {"search": search, "sandbox": sandbox}
+    return ToolServices(search=search, sandbox=sandbox)
 
 
 def say(env: DistEnv, message: str) -> None:

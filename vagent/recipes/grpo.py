@@ -80,7 +80,7 @@ from vagent.recipes.judged import JudgedRewards
 from vagent.rewards import REWARDS
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
-from vagent.toolbox import TOOLS
+from vagent.toolbox import TOOLS, ToolServices
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import TrainBackend, autocast
 from vagent.training.distributed import DistEnv, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
@@ -121,7 +121,7 @@ class _Run:
     reference: torch.nn.Module | None
     rows: list[Row]
     limits: RolloutLimits
-    services: dict[str, Any]
+    services: ToolServices
     judged: JudgedRewards  # the weighted rewards, calling the judge endpoint when ``judge`` is weighted
     bf16: bool
     total_steps: int
@@ -329,7 +329,7 @@ def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: d
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
         trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
-                           agent=ctx.cfg.rollout.agent, **ctx.services)  # fmt: skip
+                           agent=ctx.cfg.rollout.agent, services=ctx.services)  # fmt: skip
     timer["gen"] += time.perf_counter() - t0
     timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
     t0 = time.perf_counter()
@@ -528,7 +528,7 @@ class _Validation:
     """
 
     def __init__(self, cfg: GRPOConfig, env: DistEnv, out: Path, rows: list[Row], limits: RolloutLimits,
-                 services: dict[str, Any], bf16: bool) -> None:  # fmt: skip
+                 services: ToolServices, bf16: bool) -> None:  # fmt: skip
         self.cfg, self.env, self.out, self.rows, self.services, self.bf16 = cfg, env, out, rows, services, bf16
         self.limits = dataclasses.replace(limits, temperature=0.0)
         self.judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)
@@ -561,7 +561,7 @@ class _Validation:
         with torch.no_grad(), autocast(env.device, self.bf16), torch.random.fork_rng(devices=devices):
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
             trajectories = run(policy, tasks, 1, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
-                               agent=self.cfg.rollout.agent, **self.services)  # fmt: skip
+                               agent=self.cfg.rollout.agent, services=self.services)  # fmt: skip
         totals, parts = self.judged.combine(trajectories, mine, 1)
         correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, mine)
         sums = all_reduce_sum(torch.tensor([sum(correct), sum(totals), sum(t.stop_reason == "answered" for t in

@@ -33,7 +33,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -46,12 +45,8 @@ from vagent.media import load_image
 from vagent.model import Policy
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
 from vagent.rollout.hf_backend import HFBackend
-from vagent.toolbox import ToolContext
+from vagent.toolbox import ToolContext, ToolServices
 from vagent.types import ContentPart, Frame, Message, Observation, ToolCall, ToolResult, Trajectory
-
-if TYPE_CHECKING:
-    from vagent.toolbox.sandbox import Sandbox
-    from vagent.toolbox.search import SearchBackend
 
 __all__ = ["STOP_STRINGS", "RolloutLimits", "RowState", "Task", "act", "prompt_messages", "rollout", "run"]
 
@@ -178,11 +173,11 @@ class _Row:
 class _Engine:
     """Runs rows to completion; see the module docstring."""
 
-    def __init__(self, policy, limits, backend, search, sandbox, batch_size, tool_workers, tool_timeout_s,
-                 on_turn, progress, agent="vagent"):  # fmt: skip
+    def __init__(self, policy, limits, backend, services, batch_size, tool_workers, tool_timeout_s, on_turn,
+                 progress, agent="vagent"):  # fmt: skip
         self.policy, self.limits, self.backend = policy, limits, backend
         self.profile = get_profile(agent)
-        self.search, self.sandbox = search, sandbox
+        self.services = services
         self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
         self.on_turn, self.progress = on_turn, progress
         self.sampling = dict(temperature=limits.temperature, top_p=limits.top_p, stop_strings=self.profile.stop_strings)
@@ -253,8 +248,8 @@ class _Engine:
             max_pixels=max_pixels,
             image_factor=policy.image_factor,
             videos=list(task.videos),
-            search=self.search,
-            sandbox=self.sandbox,
+            search=self.services.search,
+            sandbox=self.services.sandbox,
         )
         row = _Row(key=key, task=task, context=context, messages=messages, scripted=list(task.scripted_turns))
         row.frames = [Frame(o.size, v.size, policy.coord_convention) for o, v in zip(originals, shown, strict=True)]
@@ -490,8 +485,7 @@ def run(
     tasks: list[Task],
     n_samples: int = 1,
     limits: RolloutLimits | None = None,
-    search: SearchBackend | None = None,
-    sandbox: Sandbox | None = None,
+    services: ToolServices | None = None,
     batch_size: int = 8,
     progress: Callable[[Trajectory], None] | None = None,
     *,
@@ -508,7 +502,7 @@ def run(
         tasks: Episodes to run.
         n_samples: Samples per task (a GRPO group).
         limits: Turn/token/image limits and sampling settings.
-        search, sandbox: Services of the ``search`` and ``code`` tools.
+        services: The ``search`` backend and ``code`` sandbox (default: no search, the default sandbox).
         batch_size: Rows in flight at once (generating or waiting for tools).
         progress: Called with each trajectory as it finishes.
         backend: What generates (default: a new ``HFBackend`` over ``policy``). Pass one to keep its KV storage
@@ -526,7 +520,7 @@ def run(
     limits = limits or RolloutLimits()
     backend = backend if backend is not None else HFBackend(policy)
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
-    engine = _Engine(policy, limits, backend, search, sandbox, batch_size, tool_workers, tool_timeout_s,
+    engine = _Engine(policy, limits, backend, services or ToolServices(), batch_size, tool_workers, tool_timeout_s,
                      on_turn, progress, agent)  # fmt: skip
     done = engine.run(jobs)
     return [done[key] for key, _ in jobs]
@@ -537,10 +531,9 @@ def rollout(
     task: Task,
     limits: RolloutLimits,
     on_turn: Callable[[Message, Observation | None], None] | None = None,
-    search: SearchBackend | None = None,
-    sandbox: Sandbox | None = None,
+    services: ToolServices | None = None,
     agent: str | AgentProfile = "vagent",
 ) -> Trajectory:
     """Run one episode of ``task``. Tool failures become observations; nothing raises for model output.
     ``on_turn`` is called with each new message and, for tool messages, its observation (see ``run``)."""
-    return run(policy, [task], 1, limits, search, sandbox, batch_size=1, on_turn=on_turn, agent=agent)[0]
+    return run(policy, [task], 1, limits, services, batch_size=1, on_turn=on_turn, agent=agent)[0]

@@ -14,10 +14,10 @@ from typing import Any, Protocol, runtime_checkable
 import jsonschema
 
 from vagent.toolbox import code, crop, crop_clip, draw, enhance, flip, rotate, sample_frames, search, zoom_in
-from vagent.toolbox.context import ToolContext
+from vagent.toolbox.context import ToolContext, ToolServices
 from vagent.types import Observation, ToolCall
 
-__all__ = ["TOOLS", "Tool", "ToolContext", "call_tool", "check_arguments", "check_call", "tool_schemas"]
+__all__ = ["TOOLS", "Tool", "ToolContext", "ToolServices", "call_tool", "check_arguments", "check_call", "tool_schemas"]
 
 
 @runtime_checkable

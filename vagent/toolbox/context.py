@@ -14,7 +14,20 @@ if TYPE_CHECKING:
     from vagent.toolbox.sandbox import Sandbox
     from vagent.toolbox.search import SearchBackend
 
-__all__ = ["ToolContext"]
+__all__ = ["ToolContext", "ToolServices"]
+
+
+@dataclass(frozen=True)
+class ToolServices:
+    """The long-lived services behind some tools, built once per run and shared by every episode.
+
+    Attributes:
+        search: Backend of the ``search`` tool; ``None`` means search is not available.
+        sandbox: Runner of the ``code`` tool; ``None`` means the default bubblewrap sandbox.
+    """
+
+    search: SearchBackend | None = None
+    sandbox: Sandbox | None = None
 
 
 @dataclass
