@@ -1,6 +1,6 @@
 """Rollout engine efficiency, measured side by side in one run on one tiny random checkpoint.
 
-    python benchmarks/rollout.py [--size small] [--rows 8] [--new-tokens 48] [--device cpu|cuda]
+    python benchmarks/rollout.py [--size small] [--vocab trained|qwen] [--rows 8] [--new-tokens 48] [--device cpu|cuda]
                                  [--decode-rows 16 64] [--baseline DIR]
 
 Workload: ``--rows`` rows, row i scripted as (i % 4) sampled turns, then (tool call, sampled turn) x 2,
@@ -152,6 +152,12 @@ def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=sorted(PRESETS))
+    parser.add_argument(
+        "--vocab",
+        default="trained",
+        choices=["trained", "qwen"],
+        help="The tiny checkpoint's vocabulary: the small BPE, or Qwen's 151,936 rows.",
+    )
     parser.add_argument("--model", help="A checkpoint dir instead of a tiny random one.")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -175,7 +181,7 @@ def main() -> None:
     else:
         scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-rollout-"))
         atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-        path = str(build_tiny_checkpoint(scratch / "ckpt", size=args.size))
+        path = str(build_tiny_checkpoint(scratch / "ckpt", size=args.size, vocab=args.vocab))
     if args.decode_only:
         print(json.dumps(decode_table(path, args)))
         return

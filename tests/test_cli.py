@@ -216,7 +216,7 @@ def test_the_default_quickstart_learns_to_look_closer(tmp_path):
                 (("tool", with_tool), ("baseline", baseline))}  # fmt: skip
     assert accuracy["tool"] > accuracy["baseline"], accuracy
     assert statistics.median(s["crop_iou"] for s in with_tool) >= 0.3
-    assert all(s["tool_calls"] == 0 for s in baseline)
+    assert not any(s["tool_calls"] for s in baseline)  # a list of calls per sample
     report = (tmp_path / "report.md").read_text()
     assert f"| sft + crop | 192 | {accuracy['tool']:.3f} |" in report
     targets = report.split("## Targets")[1].split("##")[0]
