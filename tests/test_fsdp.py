@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from data_pipelines.synthetic.zoom import zoom_rows
-from vagent.algorithms import token_nll_sum
+from vagent.algorithms import token_nll_sum, trained_token_count
 from vagent.config import ConfigError, GRPOConfig, SFTConfig, load_config
 from vagent.data import write_rows
 from vagent.data.batching import collate
@@ -112,6 +112,34 @@ def test_bf16_mixed_precision_trains_on_cpu_gloo_and_text_only_batches_still_run
         assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())  # fp32 AdamW state
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])]
     assert len(changed) > 0.5 * len(before)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sft_eval_runs_as_many_forwards_on_every_rank(monkeypatch, rank):
+    """3 val micro-batches over 2 ranks: both ranks run 2 forwards (FSDP gathers weights in lockstep, so a rank that
+    skipped one would hang the other); rank 1's second is a repeat that counts nothing."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from vagent.recipes import sft
+
+    forwards = []
+
+    def nll_sum(module, batch, train):
+        forwards.append(int(batch["loss_mask"].sum()))
+        return torch.tensor(float(batch["loss_mask"].sum()))
+
+    monkeypatch.setattr(sft, "_nll_sum", nll_sum)
+    batches = [{"loss_mask": torch.ones(1, k)} for k in (3, 5, 7)]
+    val_set = type("Val", (), {"batches_per_epoch": 3, "__getitem__": lambda self, i: batches[i]})()
+    backend = SimpleNamespace(module=torch.nn.Linear(1, 1), accumulating=lambda last: nullcontext())
+    env = DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    loss = sft._eval_loss(backend, val_set, env, train=None)
+    assert forwards == ([3, 7] if rank == 0 else [5, 7])
+    counted = [batches[0], batches[2]] if rank == 0 else [batches[1]]  # rank 1's repeat of batch 2 is not counted
+    nll, tokens = (sum(float(b["loss_mask"].sum()) for b in counted),
+                   sum(int(trained_token_count(b["loss_mask"])) for b in counted))  # fmt: skip
+    assert loss == pytest.approx(nll / tokens)  # one process: no all-reduce
 
 
 def test_the_inference_copy_holds_the_whole_current_weights(sharded):

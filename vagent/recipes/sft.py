@@ -202,9 +202,9 @@ def _eval_loss(backend: TrainBackend, val_set: SFTDataset, env: DistEnv, train: 
         for g in range(env.rank, math.ceil(n / env.world_size) * env.world_size, env.world_size):
             batch = to_device(val_set[min(g, n - 1)], env.device)
             with backend.accumulating(last=True):
-                if g < n:
-                    sums[0] += _nll_sum(backend.module, batch, train)
+                nll = _nll_sum(backend.module, batch, train)  # every rank runs it: FSDP gathers in lockstep
             if g < n:
+                sums[0] += nll
                 sums[1] += trained_token_count(batch["loss_mask"])
     backend.module.train()
     all_reduce_sum(sums)
