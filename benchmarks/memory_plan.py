@@ -1,6 +1,6 @@
 """``vagent memory``'s plan against the measured peak of one SFT and one GRPO step on CPU, tiny and small shapes.
 
-    python benchmarks/memory_plan.py [--sizes tiny,small] [--seq-len 1024] [--out results.json]
+    python benchmarks/memory_plan.py [--sizes tiny,small] [--seq-len 1024] [--out results.json] [--doc]
 
 For each preset (on Qwen's 151,936-row vocabulary) and stage, the shipped tiny CPU config with the shape's
 overrides is planned (``vagent.recipes.memory``, ``--device cpu --images 0``: the measured batches are text) and
@@ -107,6 +107,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--show-plans", action="store_true", help="Print each plan's lines too.")
     parser.add_argument("--out")
+    parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -132,13 +133,15 @@ def main() -> int:
             rows.append({"size": size, "stage": stage, "plan_gib": planned, "measured_gib": measured})
             print(f"{size:>6} {stage:>4}: plan {planned:.3f} GiB, measured {measured:.3f} GiB "
                   f"({(planned - measured) / measured:+.1%})", flush=True)  # fmt: skip
-    print(f"\n{args.micro_batch} x {args.seq_len} tokens per micro-batch, Qwen's 151,936-row vocabulary, fp32, CPU")
-    print("| shape | stage | plan | measured | plan vs measured |\n|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['size']} | {r['stage']} | {r['plan_gib']:.3f} GiB | {r['measured_gib']:.3f} GiB | "
-            f"{(r['plan_gib'] - r['measured_gib']) / r['measured_gib']:+.1%} |"
-        )
+    summary = f"{args.micro_batch} x {args.seq_len} tokens per micro-batch, Qwen's 151,936-row vocabulary, fp32, CPU"
+    table = ["| shape | stage | plan | measured | plan vs measured |", "|---|---|---:|---:|---:|"]
+    table += [f"| {r['size']} | {r['stage']} | {r['plan_gib']:.3f} GiB | {r['measured_gib']:.3f} GiB | "
+              f"{(r['plan_gib'] - r['measured_gib']) / r['measured_gib']:+.1%} |" for r in rows]  # fmt: skip
+    print(f"\n{summary}\n" + "\n".join(table))
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        write_section("memory-plan", f"{summary}.\n\n" + "\n".join(table), invocation(), "cpu")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0
