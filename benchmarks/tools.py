@@ -1,11 +1,11 @@
 """Latency of the agent's tools: p50/p99 per call, measured side by side in one run.
 
-    python benchmarks/tools.py [--repeat 50] [--markdown]
+    python benchmarks/tools.py [--repeat 50] [--markdown] [--doc]
 
 Each row times ``call_tool`` end to end (argument check, the tool, resizing its output), which is
 what a rollout pays per call. ``sample_frames`` is compared with a naive OpenCV loop (open, seek,
 read per frame) on the same generated video, and ``code`` is a cold call: a fresh sandbox process
-per call, as in a rollout. Results go to docs/benchmarks.md.
+per call, as in a rollout. ``--doc`` writes the table into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def opencv_seek_frames(path: str, timestamps: list[float]) -> list[Image.Image]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=50)
-    parser.add_argument("--markdown", action="store_true", help="Print a markdown table for docs/benchmarks.md.")
+    parser.add_argument("--markdown", action="store_true", help="Print the results as a markdown table.")
+    parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="vagent-bench-"))
@@ -140,13 +141,13 @@ def main() -> None:
             "8 frames of a 60 s 640x360 clip (decord)",
             tool("sample_frames", {"start": 10, "end": 50, "num_frames": 8}),
         ),
-        ("opencv seek loop", "same 8 frames, open + seek + read each", lambda: opencv_seek_frames(str(video), stamps)),
+        ("OpenCV seek loop", "same 8 frames, open + seek + read each", lambda: opencv_seek_frames(str(video), stamps)),
         (
             "sample_frames",
             "32 frames of the same clip (decord)",
             tool("sample_frames", {"start": 10, "end": 50, "num_frames": 32}),
         ),
-        ("opencv seek loop", "same 32 frames", lambda: opencv_seek_frames(str(video), stamps32)),
+        ("OpenCV seek loop", "same 32 frames", lambda: opencv_seek_frames(str(video), stamps32)),
         ("code", "cold call, `print(1)`, no images", lambda: call_tool(ToolCall("code", {"code": "print(1)"}), bare)),
         (
             "code",
@@ -168,17 +169,22 @@ def main() -> None:
         results.append((name, what, statistics.median(ms), percentile(ms, 99)))
 
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, repeat={args.repeat}")
-    if args.markdown:
-        print("| tool | what | p50 ms | p99 ms |\n|---|---|---:|---:|")
-        for name, what, p50, p99 in results:
-            print(f"| {name} | {what} | {p50:.1f} | {p99:.1f} |")
+    table = ["| tool | what | p50 ms | p99 ms |", "|---|---|---:|---:|"]
+    table += [f"| {name} | {what} | {p50:.1f} | {p99:.1f} |" for name, what, p50, p99 in results]
+    if args.markdown or args.doc:
+        print("\n".join(table))
     else:
         for name, what, p50, p99 in results:
             print(f"{name:18s} p50 {p50:8.1f} ms   p99 {p99:8.1f} ms   ({what})")
     decord = [r[2] for r in results if r[0] == "sample_frames"]
-    opencv = [r[2] for r in results if r[0] == "opencv seek loop"]
-    for n, a, b in zip((8, 32), decord, opencv, strict=False):
-        print(f"{n} frames: OpenCV seek loop / decord sample_frames = {b / a:.2f} (p50; >1 means decord is faster)")
+    opencv = [r[2] for r in results if r[0] == "OpenCV seek loop"]
+    ratios = [f"{n} frames: the OpenCV seek loop takes {b / a:.2f}x decord's `sample_frames` (p50)"
+              for n, a, b in zip((8, 32), decord, opencv, strict=False)]  # fmt: skip
+    print("\n".join(ratios))
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        write_section("tools", "\n".join(table) + "\n\n" + "; ".join(ratios) + ".", invocation())
 
 
 if __name__ == "__main__":
