@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cpu_memory import reset_peak, status_kib
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"sft": ROOT / "configs/sft/qwen2_5_vl_tiny_cpu.yaml", "grpo": ROOT / "configs/grpo/qwen2_5_vl_tiny_cpu.yaml"}
 
@@ -36,13 +38,6 @@ def overrides(stage: str, model: Path, micro_batch: int, seq_len: int) -> list[s
     if stage == "sft":
         return [*common, f"data.micro_batch_size={micro_batch}", f"data.max_length={seq_len}"]
     return [*common, f"grpo.micro_batch_size={micro_batch}", f"rollout.max_total_tokens={seq_len}"]
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def worker(spec: dict) -> dict:
@@ -59,7 +54,7 @@ def worker(spec: dict) -> dict:
     cfg = load_config(SCHEMAS[spec["stage"]], spec["config"], spec["overrides"])
     micro, length = spec["micro_batch"], spec["seq_len"]
     torch.manual_seed(0)
-    base = _kib("VmRSS")
+    base = status_kib("VmRSS")
     model = AutoModelForImageTextToText.from_pretrained(spec["model"], dtype=torch.float32).train()
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -87,9 +82,9 @@ def worker(spec: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)  # as the training backend does
 
     step()
-    Path("/proc/self/clear_refs").write_text("5")
+    reset_peak()
     step()
-    return {"measured_gib": (_kib("VmHWM") - base) / 2**20}
+    return {"measured_gib": (status_kib("VmHWM") - base) / 2**20}
 
 
 def plan_gib(stage: str, args: argparse.Namespace, model: Path) -> tuple[float, str]:
@@ -141,7 +136,7 @@ def main() -> int:
     if args.doc:
         from doc_table import invocation, write_section
 
-        write_section("memory-plan", f"{summary}.\n\n" + "\n".join(table), invocation(), "cpu")
+        write_section("memory-plan", f"{summary}.\n\n" + "\n".join(table), invocation())
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

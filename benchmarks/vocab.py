@@ -43,14 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpu_memory import reset_peak, status_kib
+
 from vagent.tiny_model import QWEN_VOCAB_ROWS
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def worker(spec: dict) -> dict:
@@ -65,7 +60,7 @@ def worker(spec: dict) -> dict:
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
-    base_kib = _rss_kib("VmRSS")
+    base_kib = status_kib("VmRSS")
     model = load_policy(spec["model"], device=device, dtype="float32").model.train()
     if spec["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -95,14 +90,14 @@ def worker(spec: dict) -> dict:
         state = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
-        state = (_rss_kib("VmRSS") - base_kib) * 1024
+        reset_peak()
+        state = (status_kib("VmRSS") - base_kib) * 1024
     t0 = time.perf_counter()
     update()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) if cuda else (_rss_kib("VmHWM") - base_kib) * 1024
+    peak = torch.cuda.max_memory_allocated(device) if cuda else (status_kib("VmHWM") - base_kib) * 1024
     rows = model.get_output_embeddings().weight.shape[0]
     return {"rows": rows, "chunk": spec["chunk"], "state_mib": state / 2**20, "step_mib": (peak - state) / 2**20,
             "peak_mib": peak / 2**20, "seconds": seconds, "tokens": tokens}  # fmt: skip
@@ -132,7 +127,12 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=4, help="Sequences per micro-batch.")
     parser.add_argument("--prompt", type=int, default=96, help="Forced (prompt) tokens per sequence.")
     parser.add_argument("--response", type=int, default=96, help="Sampled tokens per sequence.")
-    parser.add_argument("--chunks", default="73", help="Chunk sizes of the chunked head to measure.")
+    parser.add_argument(
+        "--chunks",
+        default=[73],
+        type=lambda s: [int(c) for c in s.split(",")],
+        help="Chunk sizes of the chunked head to measure, comma-separated.",
+    )
     parser.add_argument(
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
@@ -153,7 +153,7 @@ def main() -> int:
         results = _measure(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # two checkpoints of up to a few GB
-    table = _table(results, [int(c) for c in args.chunks.split(",")])
+    table = _table(results, args.chunks)
     sampled = results[0]["tokens"]
     summary = (f"One GRPO update: {args.micro_batches} x {args.micro_batch} sequences of {args.prompt} + "
                f"{args.response} tokens ({sampled:,} sampled), preset `{args.size}`, fp32 on {args.device}, gradient "
@@ -182,7 +182,7 @@ def _measure(args: argparse.Namespace, root: Path) -> list[dict]:
                  gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
     results = []
     for rows, model in models.items():
-        for chunk in [0, *[int(c) for c in args.chunks.split(",")]]:
+        for chunk in [0, *args.chunks]:
             spec = {**shape, "model": str(model), "chunk": chunk}
             done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
                                   text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip

@@ -82,8 +82,8 @@ def test_deepeyesv2_search_calls_and_errors():
 def test_deepeyesv2_prefills_think_after_each_tool_turn(policy):
     task = Task(id="d", question="Who built it?", images=[ORIGINAL],
                 scripted_turns=['<tool_call>{"name": "search", "arguments": {"query": "tower"}}</tool_call>', None])  # fmt: skip
-    traj = rollout(policy, task, RolloutLimits(max_turns=2, max_new_tokens=6, temperature=1.0), services=ToolServices(search=FakeSearch()),
-                   agent="deepeyesv2")  # fmt: skip
+    limits = RolloutLimits(max_turns=2, max_new_tokens=6, temperature=1.0)
+    traj = rollout(policy, task, limits, services=ToolServices(search=FakeSearch()), agent="deepeyesv2")
     between = _between_turns(policy, traj)
     assert between.startswith("\n<|im_start|>user\n<tool_response>\nA Google search for 'tower' found 2 results")
     assert between.endswith("</tool_response><|im_end|>\n")

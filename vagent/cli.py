@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from vagent.tiny_model import PRESETS, TINY_FAMILIES  # cheap: transformers is imported only when building
+
+if TYPE_CHECKING:
+    from vagent.toolbox import ToolServices
 
 __all__ = ["main"]
 
@@ -119,7 +123,7 @@ def _tools_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tool_services(args: argparse.Namespace):
+def _tool_services(args: argparse.Namespace) -> ToolServices:
     """The search backend and code sandbox of ``--search-corpus``/``--search-url``/``--unsandboxed``, built
     the way every recipe builds them (``recipes.common.tool_services``)."""
     from vagent.config import ToolboxConfig
