@@ -30,24 +30,21 @@ Reported:
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 import torch
+from checkpoint_args import add_checkpoint_arguments, checkpoint_path
 from PIL import Image
 
 from vagent import toolbox
 from vagent.model import load_policy
 from vagent.rollout import RolloutLimits, Task, run
-from vagent.tiny_model import PRESETS, build_tiny_checkpoint
 from vagent.types import Observation
 
 SLEEP_CALL = '<tool_call>{"name": "sleep", "arguments": {}}</tool_call>'
@@ -151,14 +148,7 @@ def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="small", choices=sorted(PRESETS))
-    parser.add_argument(
-        "--vocab",
-        default="trained",
-        choices=["trained", "qwen"],
-        help="The tiny checkpoint's vocabulary: the small BPE, or Qwen's 151,936 rows.",
-    )
-    parser.add_argument("--model", help="A checkpoint dir instead of a tiny random one.")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--tool-s", type=float, default=0.2)
@@ -169,19 +159,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="Tokens each row decodes in the decode timing.")
     parser.add_argument("--baseline", help="A checkout of another vagent to time decode steps on, side by side.")
     parser.add_argument("--decode-only", action="store_true", help="Only the decode timing, as JSON (baseline runs).")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU 1 avoids spin-waiting).")
-    parser.add_argument("--device")
-    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    if args.model:
-        path = args.model
-    else:
-        scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-rollout-"))
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-        path = str(build_tiny_checkpoint(scratch / "ckpt", size=args.size, vocab=args.vocab))
+    path = checkpoint_path(args)
     if args.decode_only:
         print(json.dumps(decode_table(path, args)))
         return

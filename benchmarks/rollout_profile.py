@@ -1,6 +1,6 @@
 """Where a rollout decode step's time goes: a ``torch.profiler`` breakdown, this code and (optionally) an older one.
 
-    python benchmarks/rollout_profile.py [--workload decode|multiturn] [--size small] [--rows 16]
+    python benchmarks/rollout_profile.py [--workload decode|multiturn] [--size small] [--vocab trained|qwen] [--rows 16]
                                          [--decode-tokens 32] [--baseline DIR]
 
 Workloads: ``decode`` is ``benchmarks/rollout.py``'s decode timing (every row one sampled turn, EOS off, stop
@@ -25,22 +25,19 @@ With ``--baseline DIR`` the same profile runs in a subprocess on the vagent at D
 from __future__ import annotations
 
 import argparse
-import atexit
 import functools
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from checkpoint_args import add_checkpoint_arguments, checkpoint_path
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from vagent.model import load_policy
-from vagent.tiny_model import PRESETS, build_tiny_checkpoint
 
 PARTS = ("forward", "attention", "cache (in forward)", "cache (outside)", "sampling", "stop strings", "python/rest")
 
@@ -161,25 +158,14 @@ def profile_decode(path: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--model", help="A checkpoint dir instead of a tiny random one.")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--workload", default="decode", choices=["decode", "multiturn"])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--baseline", help="A checkout of another vagent to profile too, side by side.")
     parser.add_argument("--json", action="store_true", help="Print this code's breakdown as JSON (baseline runs).")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU 1 avoids spin-waiting).")
-    parser.add_argument("--device")
-    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.model:
-        path = args.model
-    else:
-        scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-profile-"))
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-        path = str(build_tiny_checkpoint(scratch / "ckpt", size=args.size))
+    path = checkpoint_path(args)
     if args.json:
         print(json.dumps(profile_decode(path, args)))
         return

@@ -1,0 +1,36 @@
+"""The checkpoint a rollout benchmark runs on: the command-line arguments that pick it, and the directory they name
+(a tiny random checkpoint built in a temp dir, deleted at exit, unless ``--model`` names one)."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vagent.tiny_model import PRESETS, build_tiny_checkpoint  # as old checkouts have them (--baseline runs)
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--size``, ``--vocab``, ``--model``, ``--threads``, ``--device``, ``--dtype``."""
+    parser.add_argument("--size", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--vocab", default="trained", choices=["trained", "qwen"],
+                        help="The tiny checkpoint's vocabulary: the small BPE, or Qwen's 151,936 rows.")  # fmt: skip
+    parser.add_argument("--model", help="A checkpoint dir instead of a tiny random one.")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU 1 avoids spin-waiting).")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype", default="auto")
+
+
+def checkpoint_path(args: argparse.Namespace) -> str:
+    """Apply ``--threads`` and return ``--model``, or build the tiny checkpoint of ``--size`` and ``--vocab``."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model:
+        return args.model
+    scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return str(build_tiny_checkpoint(scratch / "ckpt", size=args.size, vocab=args.vocab))
