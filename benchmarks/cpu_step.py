@@ -1,6 +1,6 @@
 """The quickstart's SFT step on CPU: its kernels, and two trainings side by side against one after the other.
 
-    python benchmarks/cpu_step.py [--steps 30] [--rows 96]
+    python benchmarks/cpu_step.py [--steps 30] [--rows 96] [--doc]
 
 Workload: the quickstart's own rows (its tiny `small` Qwen2.5-VL, 672x504 zoom images with a 126-px tile,
 micro-batches of 8): *perception* rows (a gold crop shown alone, the warm-up's longest phase) and the
@@ -19,6 +19,8 @@ crop-tool *SFT mix* (gold crop-then-answer trajectories). All numbers come from 
 * side by side (the quickstart's ``parallel_baseline``): two trainings of ``--steps`` + 2 steps each, one after
   the other on all threads, against both at once in two processes on half the threads each. Wall time of the
   steps (each process loads and encodes its batches first, then waits for the go).
+
+``--doc`` also writes the tables into docs/benchmarks.md (section ``cpu-step``) with the command, commit and machine.
 """
 
 from __future__ import annotations
@@ -166,39 +168,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rows", type=int, default=96)
+    parser.add_argument("--doc", action="store_true", help="Also write the tables into docs/benchmarks.md.")
     args = parser.parse_args()
     threads = torch.get_num_threads()
+    lines: list[str] = []
+
+    def emit(*new: str) -> None:
+        print(*new, sep="\n", flush=True)
+        lines.extend(new)
+
     with tempfile.TemporaryDirectory(prefix="vagent-bench-cpu-") as tmp:
         model, sets = build(Path(tmp), args.rows)
-        print(f"# The quickstart's SFT step on CPU: {threads} threads, micro-batch 8, {args.steps} steps each\n")
-        print("| rows | patch embedding | AdamW | step (s) | x |")
-        print("|---|---|---|---:|---:|")
+        emit(f"The quickstart's SFT step on CPU: {threads} threads, micro-batch 8, {args.steps} steps each.", "")
+        emit("| rows | patch embedding | AdamW | step (s) | x |", "|---|---|---|---:|---:|")
         for name, rows in sets.items():
             medians = kernels(model, rows, args.steps)
             base = medians[False, False]
             for (matmul, fused), median in medians.items():
-                print(f"| {name} | {'matmul' if matmul else 'Conv3d'} | {'fused' if fused else 'for-each'} | "
-                      f"{median:.3f} | {base / median:.2f} |", flush=True)  # fmt: skip
-        print("\n| rows | LM head on every position, step (s) | on the trained positions only (s) | x |")
-        print("|---|---:|---:|---:|")
+                emit(f"| {name} | {'matmul' if matmul else 'Conv3d'} | {'fused' if fused else 'for-each'} | "
+                     f"{median:.3f} | {base / median:.2f} |")  # fmt: skip
+        emit(
+            "",
+            "| rows | LM head on every position, step (s) | on the trained positions only (s) | x |",
+            "|---|---:|---:|---:|",
+        )
         for name, rows in sets.items():
             medians = head(model, rows, args.steps)
-            print(f"| {name} | {medians[False]:.3f} | {medians[True]:.3f} | {medians[False] / medians[True]:.2f} |",
-                  flush=True)  # fmt: skip
-        print("\n| rows | micro-batch 8, s per row | micro-batch 16, s per row | x |")
-        print("|---|---:|---:|---:|")
+            emit(f"| {name} | {medians[False]:.3f} | {medians[True]:.3f} | {medians[False] / medians[True]:.2f} |")
+        emit("", "| rows | micro-batch 8, s per row | micro-batch 16, s per row | x |", "|---|---:|---:|---:|")
         for name, rows in sets.items():
             rates = per_row(model, rows, args.steps)
-            print(f"| {name} | {rates[8]:.4f} | {rates[16]:.4f} | {rates[8] / rates[16]:.2f} |", flush=True)
-        if threads < 2:
-            print("\n(one thread: no side-by-side measurement)")
-            return
-        print(f"\n| rows | two trainings one after the other, {threads} threads | side by side, {threads // 2} + "
-              f"{threads - threads // 2} threads | x |")  # fmt: skip
-        print("|---|---:|---:|---:|")
-        for name, rows in sets.items():
-            serial, parallel = side_by_side(model, rows, args.steps, threads)
-            print(f"| {name} | {serial:.1f} s | {parallel:.1f} s | {serial / parallel:.2f} |", flush=True)
+            emit(f"| {name} | {rates[8]:.4f} | {rates[16]:.4f} | {rates[8] / rates[16]:.2f} |")
+        if threads >= 2:
+            emit("", f"| rows | two trainings one after the other, {threads} threads | side by side, {threads // 2} + "
+                 f"{threads - threads // 2} threads | x |", "|---|---:|---:|---:|")  # fmt: skip
+            for name, rows in sets.items():
+                serial, parallel = side_by_side(model, rows, args.steps, threads)
+                emit(f"| {name} | {serial:.1f} s | {parallel:.1f} s | {serial / parallel:.2f} |")
+        else:
+            emit("", "(one thread: no side-by-side measurement)")
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        write_section("cpu-step", "\n".join(lines), invocation())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One GRPO step, vagent vs TRL's GRPOTrainer, side by side in one run on the same tiny checkpoint.
 
     pip install "trl>=1.16"          (not a vagent dependency; only this benchmark needs it)
-    python benchmarks/grpo.py [--size small] [--prompts 4] [--group 4] [--tokens 32] [--steps 4]
+    python benchmarks/grpo.py [--size small] [--prompts 4] [--group 4] [--tokens 32] [--steps 4] [--runs 1] [--doc]
 
 Workload (identical for both): a tiny random Qwen2.5-VL, ``--prompts`` synthetic zoom images per step,
 each with vagent's tool-free system prompt and "give the box of the small <color> tile" (the same prompt
@@ -14,6 +14,9 @@ split (gen / reward / logprob / update).
 
 Multi-turn with a crop tool is not compared: TRL's tool calling runs Python functions that return text,
 while the crop tool returns an image into the conversation.
+
+``--runs N`` repeats the pair N times back to back (a row each); ``--doc`` writes the table into
+docs/benchmarks.md (section ``grpo-trl``) with the command, the commit and the machine.
 """
 
 from __future__ import annotations
@@ -149,6 +152,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=1, help="Pairs of runs, back to back; a table row each.")
+    parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     parser.add_argument("--child", choices=["vagent", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,25 +166,33 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vagent-bench-grpo-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     build(work, args.size, args.prompts * (args.steps + 1))
-    results = {}
-    for system in ("vagent", "trl"):
-        cmd = [sys.executable, __file__, "--child", system, "--work", str(work), *sys.argv[1:]]
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
-        results[system] = json.loads((work / f"{system}.json").read_text())
-    print(f"# one GRPO step: tiny {args.size} Qwen2.5-VL, {args.prompts} prompts x {args.group} samples, "
-          f"<= {args.tokens} tokens, CPU fp32; median of steps 2..{args.steps}\n")  # fmt: skip
-    print(
-        "| system | step (s) | x vs TRL | sampled tokens (median) | peak RSS (GiB) | gen / reward / logprob / update (s) |"
-    )
-    print("|---|---:|---:|---:|---:|---|")
-    for system, r in results.items():
-        stages = " / ".join(f"{v:.2f}" for v in r["stages"].values()) if r["stages"] else "-"
-        print(f"| {system} | {r['step_s']:.2f} | {results['trl']['step_s'] / r['step_s']:.2f} | {r['tokens']:.1f} | "
-              f"{r['peak_gb']:.2f} | {stages} |")  # fmt: skip
+    import trl
+
+    lines = [f"Tiny `{args.size}` Qwen2.5-VL, {args.prompts} prompts x {args.group} samples, <= {args.tokens} tokens, "
+             f"CPU fp32, TRL {trl.__version__}; median step of steps 2..{args.steps}.", "",
+             "| run | vagent step | TRL step | vagent speed vs TRL | sampled tokens vagent / TRL | "
+             "peak RSS vagent / TRL | vagent gen / reward / logprob / update |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    for i in range(args.runs):
+        r = {system: run_child(system, work) for system in ("vagent", "trl")}
+        stages = " / ".join(f"{v:.2f}" for v in r["vagent"]["stages"].values()) + " s"
+        lines.append(f"| {i + 1} | {r['vagent']['step_s']:.2f} s | {r['trl']['step_s']:.2f} s | "
+                     f"**{r['trl']['step_s'] / r['vagent']['step_s']:.2f}x** | {r['vagent']['tokens']:.1f} / "
+                     f"{r['trl']['tokens']:.1f} | {r['vagent']['peak_gb']:.2f} / {r['trl']['peak_gb']:.2f} GiB | {stages} |")  # fmt: skip
+        print(lines[-1], flush=True)
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        write_section("grpo-trl", "\n".join(lines), invocation())
+
+
+def run_child(system: str, work: Path) -> dict:
+    """One system's steps in a process of its own (its peak RSS is its own); its result dict."""
+    cmd = [sys.executable, __file__, "--child", system, "--work", str(work), *sys.argv[1:]]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if done.returncode != 0:
+        raise SystemExit(f"{system} failed:\n{done.stderr[-4000:]}")
+    return json.loads((work / f"{system}.json").read_text())
 
 
 if __name__ == "__main__":

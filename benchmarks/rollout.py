@@ -1,7 +1,7 @@
 """Rollout engine efficiency, measured side by side in one run on one tiny random checkpoint.
 
     python benchmarks/rollout.py [--size small] [--vocab trained|qwen] [--rows 8] [--new-tokens 48] [--device cpu|cuda]
-                                 [--decode-rows 16 64] [--baseline DIR]
+                                 [--decode-rows 16 64] [--baseline DIR] [--doc]
 
 Workload: ``--rows`` rows, row i scripted as (i % 4) sampled turns, then (tool call, sampled turn) x 2,
 then an answer: sampled turns sit between tool calls, and rows call tools in different turns. Decoding is greedy,
@@ -22,9 +22,16 @@ Reported:
 * decode time per step at ``--decode-rows`` rows: every row gets the same kind of prompt (system prompt with
   the tool schemas, an image, its own question) and one sampled turn of ``--decode-tokens`` tokens with EOS
   off and stop strings no row reaches, so every decode step runs the full batch; the mean wall time of a decode
-  ``step()`` (forward, sampling, stop checks, cache bookkeeping). With ``--baseline DIR`` (a checkout of
+  ``step()`` (forward, sampling, stop checks, cache bookkeeping), the sampled tokens/s it gives (rows / step
+  time), and the read bound: the time to read once what a decode step must read (the language model's weights
+  the step multiplies by, not the vision tower or the input embedding's unused rows, plus every row's KV cache
+  at the mean context of the decode) at the bandwidth of a large copy on the device, measured in the same run.
+  With ``--baseline DIR`` (a checkout of
   an older vagent, e.g. ``git worktree add /tmp/base afb217c``) the same measurement runs on that code in a
   subprocess, on the same checkpoint, and both columns are printed.
+
+``--doc`` also writes both tables into docs/benchmarks.md, in the section ``rollout-<device>-<vocab>`` (e.g.
+``rollout-cpu-qwen``), with the command, the commit and the machine.
 """
 
 from __future__ import annotations
@@ -123,11 +130,45 @@ def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1, warm_up:
             run(policy, work[:2], limits=limits, batch_size=2)
         for _ in range(repeat):
             times.clear()
-            run(policy, work, limits=limits, batch_size=rows)
+            out = run(policy, work, limits=limits, batch_size=rows)
             means.append(1000 * sum(times) / len(times))
     finally:
         hf_backend.HFBackend.step = original
-    return {"rows": rows, "steps": len(times), "step_ms": sorted(means)[len(means) // 2], "runs_ms": means}
+    prompt = sum(len(t.token_ids) - sum(t.loss_mask) for t in out) / len(out)
+    return {"rows": rows, "steps": len(times), "step_ms": sorted(means)[len(means) // 2], "runs_ms": means,
+            "context": prompt + new_tokens / 2}  # fmt: skip
+
+
+def copy_bandwidth(device: torch.device, mib: int = 1024, repeat: int = 20) -> float:
+    """Bytes per second read and written by a large on-device copy: the best of ``repeat`` timed copies."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(repeat + 2):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best
+
+
+def decode_read_bytes(policy, rows: int, context: float) -> float:
+    """Bytes a decode step must read at least once: the weights it multiplies by (the language model and its head;
+    not the vision tower, nor the input embedding, of which it reads one row per row) and ``rows`` KV caches of
+    ``context`` tokens."""
+    model = policy.model
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    skip = {id(p) for n, p in model.named_parameters() if "visual" in n}
+    if embed is not head:
+        skip.add(id(embed))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    config = model.config
+    text = getattr(config, "text_config", None) or config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * head.element_size()
+    return weights + rows * context * per_token
 
 
 def decode_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -159,24 +200,36 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="Tokens each row decodes in the decode timing.")
     parser.add_argument("--baseline", help="A checkout of another vagent to time decode steps on, side by side.")
     parser.add_argument("--decode-only", action="store_true", help="Only the decode timing, as JSON (baseline runs).")
+    parser.add_argument("--doc", action="store_true", help="Also write the tables into docs/benchmarks.md.")
     args = parser.parse_args()
     path = checkpoint_path(args)
     if args.decode_only:
         print(json.dumps(decode_table(path, args)))
         return
     policy = load_policy(path, device=args.device, dtype=args.dtype)
-    engine_table(policy, args)
+    engine = engine_table(policy, args)
     before = baseline_table(path, args) if args.baseline else None
     after = decode_table(path, args)  # last: it turns EOS off and swaps the stop strings in this process
-    print(f"\n| decode step ({args.decode_tokens} tokens per row, full batch) | this code | "
-          f"{'baseline ' + args.baseline if before else ''} |\n|---|---:|---:|")  # fmt: skip
+    bandwidth = copy_bandwidth(policy.device)
+    decode = [f"Decode step: {args.decode_tokens} tokens per row, full batch; read bound at {bandwidth / 1e9:,.0f} GB/s "
+              f"(a {policy.device.type} copy, measured in this run).", "",
+              f"| rows | ms per decode step | sampled tokens/s | read bound | step / bound | "
+              f"{'baseline `' + args.baseline + '`, ms per step' if before else ''} |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for i, now in enumerate(after):
-        old = f"{before[i]['step_ms']:.1f} ms ({before[i]['step_ms'] / now['step_ms']:.2f}x)" if before else ""
-        print(f"| {now['rows']} rows, ms per decode step | {now['step_ms']:.1f} ms | {old} |")
+        bound_ms = 1000 * decode_read_bytes(policy, now["rows"], now["context"]) / bandwidth
+        old = f"{before[i]['step_ms']:.1f} ({before[i]['step_ms'] / now['step_ms']:.2f}x)" if before else ""
+        decode.append(f"| {now['rows']} | {now['step_ms']:.1f} | {1000 * now['rows'] / now['step_ms']:,.0f} | "
+                      f"{bound_ms:.2f} ms | {now['step_ms'] / bound_ms:.1f}x | {old} |")  # fmt: skip
+    print("\n" + "\n".join(decode))
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        key = f"rollout-{policy.device.type}-{'model' if args.model else args.vocab}"
+        write_section(key, "\n".join(engine) + "\n\n" + "\n".join(decode), invocation(), str(policy.device))
 
 
-def engine_table(policy, args: argparse.Namespace) -> None:
-    """Engine overhead, prefill ratios and tool/generation overlap (the first table)."""
+def engine_table(policy, args: argparse.Namespace) -> list[str]:
+    """Engine overhead, prefill ratios and tool/generation overlap (the first table): its lines, also printed."""
     from vagent.rollout import HFBackend, TurnBarrier
 
     limits = RolloutLimits(max_turns=16, max_new_tokens=args.new_tokens, max_total_tokens=8192, temperature=0.0)
@@ -204,30 +257,31 @@ def engine_table(policy, args: argparse.Namespace) -> None:
     t_bound_batched = max(t_gen, max(gen_finish[k] + args.tool_s * calls[k] for k in calls))
     efficiency_batched = (t_sync - t_async) / (t_sync - t_bound_batched) if t_sync > t_bound_batched else float("nan")
 
-    print(f"# {policy.family} {args.model or args.size} on {policy.device} ({policy.dtype}), "
-          f"{args.rows} rows, {sum(calls.values())} tool calls, {sampled} sampled / {unique} unique tokens, "
-          f"identical tokens in all runs: {same}")  # fmt: skip
-    print("| metric | value | target |\n|---|---:|---:|")
-    print(
-        f"| engine overhead (wall / forward time, generation-only run) | {t_gen / gen_stats.forward_s:.2f} | <= 1.15 |"
-    )
-    print(f"| prefill ratio with cache reuse | {gen_stats.prefill_tokens / unique:.3f} | <= 1.1 |")
-    print(f"| prefill ratio without reuse | {noreuse_stats.prefill_tokens / unique:.3f} | |")
-    print(f"| prefill ratio with reuse, shared prefix per row | {unshared_stats.prefill_tokens / unique:.3f} | |")
-    print(f"| forward passes (reuse / no reuse) | {gen_stats.forward_passes} / {noreuse_stats.forward_passes} | |")
-    print(f"| stop-string tail decodes / decode steps | {gen_stats.stop_decodes} / {gen_stats.decode_steps} | |")
-    print(f"| KV storage growths (generation-only run) | {gen_stats.cache_growths} | |")
-    print(f"| T_gen (tools instant) | {t_gen:.2f} s | |")
-    print(f"| T_gen, shared prefix per row | {t_unshared:.2f} s ({t_unshared / t_gen:.2f}x) | |")
-    print(f"| T_async ({args.tool_s:g} s tool, concurrent) | {t_async:.2f} s | |")
-    print(f"| T_sync (turn-synchronous) | {t_sync:.2f} s | |")
-    print(f"| T_bound | {t_bound:.2f} s | |")
-    print(f"| overlap efficiency (T_sync - T_async) / (T_sync - T_bound) | {efficiency:.2f} | >= 0.8 |")
-    print(f"| T_bound, critical path from the batched run | {t_bound_batched:.2f} s | |")
-    print(f"| overlap efficiency with that bound | {efficiency_batched:.2f} | |")
-    print(f"| speed-up T_sync / T_async | {t_sync / t_async:.2f}x | |")
-    if torch.cuda.is_available() and policy.device.type == "cuda":
-        print(f"| decode throughput (generation-only run) | {sampled / t_gen:.0f} tok/s | |")
+    rows = [
+        ("engine overhead (wall / forward time, generation-only run)", f"{t_gen / gen_stats.forward_s:.2f}", "<= 1.15"),
+        ("prefill ratio with cache reuse", f"{gen_stats.prefill_tokens / unique:.3f}", "<= 1.1"),
+        ("prefill ratio without reuse", f"{noreuse_stats.prefill_tokens / unique:.3f}", ""),
+        ("prefill ratio with reuse, shared prefix per row", f"{unshared_stats.prefill_tokens / unique:.3f}", ""),
+        ("forward passes (reuse / no reuse)", f"{gen_stats.forward_passes} / {noreuse_stats.forward_passes}", ""),
+        ("stop-string tail decodes / decode steps", f"{gen_stats.stop_decodes} / {gen_stats.decode_steps}", ""),
+        ("KV storage growths (generation-only run)", f"{gen_stats.cache_growths}", ""),
+        ("T_gen (tools instant)", f"{t_gen:.2f} s", ""),
+        ("T_gen, shared prefix per row", f"{t_unshared:.2f} s ({t_unshared / t_gen:.2f}x)", ""),
+        (f"T_async ({args.tool_s:g} s tool, concurrent)", f"{t_async:.2f} s", ""),
+        ("T_sync (turn-synchronous)", f"{t_sync:.2f} s", ""),
+        ("T_bound", f"{t_bound:.2f} s", ""),
+        ("overlap efficiency (T_sync - T_async) / (T_sync - T_bound)", f"{efficiency:.2f}", ">= 0.8"),
+        ("T_bound, critical path from the batched run", f"{t_bound_batched:.2f} s", ""),
+        ("overlap efficiency with that bound", f"{efficiency_batched:.2f}", ""),
+        ("speed-up T_sync / T_async", f"{t_sync / t_async:.2f}x", ""),
+        ("sampled tokens/s (generation-only run)", f"{sampled / t_gen:,.0f}", ""),
+    ]
+    lines = [f"{policy.family} {args.model or args.size} ({policy.model.get_input_embeddings().num_embeddings:,}-row vocabulary) on "
+             f"{policy.device} ({policy.dtype}), {args.rows} rows, {sum(calls.values())} tool calls, {sampled} sampled / "
+             f"{unique} unique tokens, identical tokens in all runs: {same}.", "",
+             "| metric | value | target |", "|---|---:|---:|", *(f"| {m} | {v} | {t} |" for m, v, t in rows)]  # fmt: skip
+    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

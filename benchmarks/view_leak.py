@@ -1,13 +1,14 @@
 """How much of a zoom tile's answer the model's global view gives away, measured by a linear probe.
 
-    python benchmarks/view_leak.py [--size 672 504] [--tile 126] [--n 800]
+    python benchmarks/view_leak.py [--size 672 504] [--tile 126] [--n 800] [--doc]
 
 Draws ``n`` striped tiles (``data_pipelines.synthetic.zoom.draw_task``, no clutter, answers cycling over
 the four directions), resizes each image exactly as the policy's processor would (the quickstart's pixel
 budget), cuts the tile's 36x36-px patch out of that view, and fits a logistic regression on the 2-D FFT
 magnitude of the patch (mean removed) on 3/4 of them. Prints the accuracy on the held-out quarter next to
 chance. A probe on the exact tile region is an upper bound on what the view reveals, not what a policy
-learns; the quickstart's no-tool baseline measures the latter. Results go to docs/benchmarks.md.
+learns; the quickstart's no-tool baseline measures the latter. ``--doc`` writes the result into
+docs/benchmarks.md (section ``view-leak``).
 """
 
 from __future__ import annotations
@@ -58,10 +59,17 @@ def main() -> None:
     parser.add_argument("--size", type=int, nargs=2, default=[672, 504], help="image width and height")
     parser.add_argument("--tile", type=int, default=126)
     parser.add_argument("--n", type=int, default=800, help="tiles (3/4 fit the probe, 1/4 score it)")
+    parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     args = parser.parse_args()
     accuracy = probe_accuracy(tuple(args.size), args.tile, args.n)
-    print(f"| {args.size[0]}x{args.size[1]}, {args.tile}-px tile | probe accuracy {accuracy:.2f} | "
-          f"chance {1 / len(STRIPES):.2f} |")  # fmt: skip
+    table = ["| image | tile | probes fit / scored | probe accuracy on held-out views | chance |", "|---|---:|---:|---:|---:|",
+             f"| {args.size[0]}x{args.size[1]} | {args.tile} px | {args.n * 3 // 4} / {args.n - args.n * 3 // 4} | "
+             f"{accuracy:.2f} | {1 / len(STRIPES):.2f} |"]  # fmt: skip
+    print("\n".join(table))
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        write_section("view-leak", "\n".join(table), invocation())
 
 
 if __name__ == "__main__":

@@ -43,3 +43,17 @@ def test_every_generated_section_of_the_page_has_both_markers():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     begins = re.findall(r"<!-- bench:([\w-]+) -->", text)
     assert begins and sorted(begins) == sorted(re.findall(r"<!-- /bench:([\w-]+) -->", text))
+
+
+def test_every_generated_section_names_the_benchmark_that_writes_it():
+    """A section's provenance names a script in benchmarks/ that takes ``--doc`` and writes that key (literal, or
+    as ``f"rollout-{...}"`` for keys built from the setup)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    sections = re.findall(r"<!-- bench:([\w-]+) -->\n(.*?)<!-- /bench:\1 -->", text, flags=re.S)
+    assert sections
+    for key, body in sections:
+        script = re.search(r"^\| `python (benchmarks/\w+\.py)", body, flags=re.M)
+        assert script, f"section {key!r} has no provenance row naming its benchmark"
+        source = (ROOT / script.group(1)).read_text()
+        prefix = key.split("-")[0]
+        assert '"--doc"' in source and (f'"{key}"' in source or f'f"{prefix}-{{' in source), (key, script.group(1))
