@@ -1,7 +1,7 @@
 """Where a rollout decode step's time goes: a ``torch.profiler`` breakdown, this code and (optionally) an older one.
 
     python benchmarks/rollout_profile.py [--workload decode|multiturn] [--size small] [--vocab trained|qwen] [--rows 16]
-                                         [--decode-tokens 32] [--baseline DIR]
+                                         [--decode-tokens 32] [--baseline DIR] [--doc]
 
 Workloads: ``decode`` is ``benchmarks/rollout.py``'s decode timing (every row one sampled turn, EOS off, stop
 strings that no row reaches, so every decode step runs the full batch) and only its decode steps are profiled;
@@ -19,7 +19,8 @@ and the steps' time is split into:
 * Python and the rest: the step's time outside all of these (bookkeeping, building inputs, masks).
 
 With ``--baseline DIR`` the same profile runs in a subprocess on the vagent at DIR (e.g. a
-``git worktree add /tmp/base afb217c``), on the same checkpoint; both tables are printed.
+``git worktree add /tmp/base afb217c``), on the same checkpoint; both tables are printed. ``--doc`` also writes the
+table into docs/benchmarks.md, section ``profile-<device>-<vocab>-<workload>``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--baseline", help="A checkout of another vagent to profile too, side by side.")
     parser.add_argument("--json", action="store_true", help="Print this code's breakdown as JSON (baseline runs).")
+    parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     args = parser.parse_args()
     path = checkpoint_path(args)
     if args.json:
@@ -177,17 +179,24 @@ def main() -> None:
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         before = json.loads(out.strip().splitlines()[-1])
     after = profile_decode(path, args)
-    kind = "decode step" if args.workload == "decode" else "backend step of a multi-turn rollout"
-    print(f"# {kind} at {args.rows} rows, {args.decode_tokens} tokens per turn, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; ms per step (share of the step)")  # fmt: skip
-    print(f"| part | this code | {'baseline ' + args.baseline if before else ''} |\n|---|---:|---:|")
+    kind = "decode steps" if args.workload == "decode" else "every backend step of a multi-turn rollout"
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # load_policy's choice
+    lines = [f"{kind.capitalize()}, {args.rows} rows, {args.decode_tokens} tokens per turn, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads; ms per step (share of the step).", "",
+             f"| part | this code | {'baseline `' + args.baseline + '`' if before else ''} |", "|---|---:|---:|"]  # fmt: skip
     for part in ("step", *PARTS):
         cells = [f"{t[part]:.2f} ({t[part] / t['step']:.0%})" if t else "" for t in (after, before)]
-        print(f"| {part} | {cells[0]} | {cells[1]} |")
-    print(f"| steps | {after['steps']} | {before['steps'] if before else ''} |")
+        lines.append(f"| {part} | {cells[0]} | {cells[1]} |")
+    lines.append(f"| steps | {after['steps']} | {before['steps'] if before else ''} |")
     if args.workload == "multiturn":
         key = "engine outside steps (ms per run)"
-        print(f"| {key} | {after[key]:.0f} | {f'{before[key]:.0f}' if before else ''} |")
+        lines.append(f"| {key} | {after[key]:.0f} | {f'{before[key]:.0f}' if before else ''} |")
+    print("\n".join(lines))
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        vocab = "model" if args.model else args.vocab
+        write_section(f"profile-{device.type}-{vocab}-{args.workload}", "\n".join(lines), invocation(), str(device))
 
 
 if __name__ == "__main__":
