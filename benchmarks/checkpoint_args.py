@@ -1,11 +1,13 @@
 """The checkpoint a rollout benchmark runs on: the command-line arguments that pick it, and the directory they name
-(a tiny random checkpoint built in a temp dir, deleted at exit, unless ``--model`` names one)."""
+(a tiny random checkpoint built in a temp dir, deleted at exit, unless ``--model`` names one); and how a table
+names a ``--baseline`` checkout."""
 
 from __future__ import annotations
 
 import argparse
 import atexit
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -34,3 +36,9 @@ def checkpoint_path(args: argparse.Namespace) -> str:
     scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-"))
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return str(build_tiny_checkpoint(scratch / "ckpt", size=args.size, vocab=args.vocab))
+
+
+def checkout_name(directory: str) -> str:
+    """How a table names a ``--baseline`` checkout: ``at <short commit>`` (or its path when it is no git checkout)."""
+    head = subprocess.run(["git", "-C", directory, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"at `{head.stdout.strip()}`" if head.returncode == 0 else f"`{directory}`"

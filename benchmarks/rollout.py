@@ -20,8 +20,9 @@ Reported:
   bound T_bound = max(generation-only time, the longest row's critical path = the row's generation time
   when it runs alone + its tool sleeps); overlap efficiency = (T_sync - T_async) / (T_sync - T_bound);
 * decode time per step at ``--decode-rows`` rows: every row gets the same kind of prompt (system prompt with
-  the tool schemas, an image, its own question) and one sampled turn of ``--decode-tokens`` tokens with EOS
-  off and stop strings no row reaches, so every decode step runs the full batch; the mean wall time of a decode
+  the tool schemas, an image, its own question) and one turn of ``--decode-tokens`` tokens, greedy or sampled at
+  each of ``--decode-temperatures``, with EOS off and stop strings no row reaches, so every decode step runs the
+  full batch; the mean wall time of a decode
   ``step()`` (forward, sampling, stop checks, cache bookkeeping), the sampled tokens/s it gives (rows / step
   time), and the read bound: the time to read once what a decode step must read (the language model's weights
   the step multiplies by, not the vision tower or the input embedding's unused rows, plus every row's KV cache
@@ -31,7 +32,8 @@ Reported:
   subprocess, on the same checkpoint, and both columns are printed.
 
 ``--doc`` also writes both tables into docs/benchmarks.md, in the section ``rollout-<device>-<vocab>`` (e.g.
-``rollout-cpu-qwen``), with the command, the commit and the machine.
+``rollout-cpu-qwen``; ``-tool<ms>ms`` appended when ``--tool-s`` is not 0.2), with the command, the commit and the
+machine.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import types
 from pathlib import Path
 
 import torch
-from checkpoint_args import add_checkpoint_arguments, checkpoint_path
+from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_path
 from PIL import Image
 
 from vagent import toolbox
@@ -98,7 +100,9 @@ def median_run(policy, work, limits, repeat, make_backend=None):
     return runs[len(runs) // 2]
 
 
-def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1, warm_up: bool = True) -> dict[str, float]:
+def decode_step_ms(
+    policy, rows: int, new_tokens: int, repeat: int = 1, warm_up: bool = True, temperature: float = 0.0
+) -> dict[str, float]:
     """Mean wall time of a decode ``step()`` at ``rows`` rows, the median over ``repeat`` rollouts (see the module
     docstring). Uses only what old and
     new vagent share (``run``, ``HFBackend.step`` and its ``_pending`` queue), so ``--baseline`` can run it."""
@@ -111,7 +115,7 @@ def decode_step_ms(policy, rows: int, new_tokens: int, repeat: int = 1, warm_up:
     # Stop strings no row reaches, shaped like the real ones: their check costs what it costs every step (the old
     # code decoded every row's tail), and the batch stays full. The engine reads them when it starts.
     sys.modules["vagent.rollout.engine"].STOP_STRINGS = ("</never_a_tool_call>", "</never_an_answer>")
-    limits = RolloutLimits(max_turns=1, max_new_tokens=new_tokens, max_total_tokens=8192, temperature=0.0)
+    limits = RolloutLimits(max_turns=1, max_new_tokens=new_tokens, max_total_tokens=8192, temperature=temperature)
     times: list[float] = []
     original = hf_backend.HFBackend.step
 
@@ -173,14 +177,16 @@ def decode_read_bytes(policy, rows: int, context: float) -> float:
 
 def decode_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
     policy = load_policy(path, device=args.device, dtype=args.dtype)
-    return [decode_step_ms(policy, rows, args.decode_tokens, args.repeat) for rows in args.decode_rows]
+    return [{**decode_step_ms(policy, rows, args.decode_tokens, args.repeat, temperature=t), "temperature": t}
+            for t in args.decode_temperatures for rows in args.decode_rows]  # fmt: skip
 
 
 def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
     """``decode_table`` run by the vagent at ``args.baseline`` (a subprocess with that checkout first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
     command = [sys.executable, __file__, "--decode-only", "--model", path, "--decode-tokens", str(args.decode_tokens),
-               "--decode-rows", *map(str, args.decode_rows), "--repeat", str(args.repeat), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
+               "--decode-rows", *map(str, args.decode_rows), "--decode-temperatures", *map(str, args.decode_temperatures),
+               "--repeat", str(args.repeat), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
     if args.device:
         command += ["--device", args.device]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
@@ -198,6 +204,8 @@ def main() -> None:
         "--decode-rows", type=int, nargs="*", default=[16, 64], help="Batch sizes of the decode timing."
     )
     parser.add_argument("--decode-tokens", type=int, default=32, help="Tokens each row decodes in the decode timing.")
+    parser.add_argument("--decode-temperatures", type=float, nargs="*", default=[0.0, 1.0],
+                        help="Sampling temperatures of the decode timing (0: greedy).")  # fmt: skip
     parser.add_argument("--baseline", help="A checkout of another vagent to time decode steps on, side by side.")
     parser.add_argument("--decode-only", action="store_true", help="Only the decode timing, as JSON (baseline runs).")
     parser.add_argument("--doc", action="store_true", help="Also write the tables into docs/benchmarks.md.")
@@ -208,24 +216,35 @@ def main() -> None:
         return
     policy = load_policy(path, device=args.device, dtype=args.dtype)
     engine = engine_table(policy, args)
+    decode = decode_lines(policy, path, args) if args.decode_rows else []
+    if args.doc:
+        from doc_table import invocation, write_section
+
+        key = f"rollout-{policy.device.type}-{'model' if args.model else args.vocab}"
+        if args.tool_s != 0.2:
+            key += f"-tool{round(args.tool_s * 1000)}ms"
+        write_section(
+            key, "\n\n".join(filter(None, ("\n".join(engine), "\n".join(decode)))), invocation(), str(policy.device)
+        )
+
+
+def decode_lines(policy, path: str, args: argparse.Namespace) -> list[str]:
+    """The decode table (this code, and the baseline's column with ``--baseline``): its lines, also printed."""
     before = baseline_table(path, args) if args.baseline else None
     after = decode_table(path, args)  # last: it turns EOS off and swaps the stop strings in this process
     bandwidth = copy_bandwidth(policy.device)
     decode = [f"Decode step: {args.decode_tokens} tokens per row, full batch; read bound at {bandwidth / 1e9:,.0f} GB/s "
               f"(a {policy.device.type} copy, measured in this run).", "",
-              f"| rows | ms per decode step | sampled tokens/s | read bound | step / bound | "
-              f"{'baseline `' + args.baseline + '`, ms per step' if before else ''} |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              f"| rows | sampling | ms per decode step | sampled tokens/s | read bound | step / bound | "
+              f"{'baseline ' + checkout_name(args.baseline) + ', ms per step' if before else ''} |", "|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for i, now in enumerate(after):
         bound_ms = 1000 * decode_read_bytes(policy, now["rows"], now["context"]) / bandwidth
         old = f"{before[i]['step_ms']:.1f} ({before[i]['step_ms'] / now['step_ms']:.2f}x)" if before else ""
-        decode.append(f"| {now['rows']} | {now['step_ms']:.1f} | {1000 * now['rows'] / now['step_ms']:,.0f} | "
+        sampling = f"temperature {now['temperature']:g}" if now["temperature"] > 0 else "greedy"
+        decode.append(f"| {now['rows']} | {sampling} | {now['step_ms']:.1f} | {1000 * now['rows'] / now['step_ms']:,.0f} | "
                       f"{bound_ms:.2f} ms | {now['step_ms'] / bound_ms:.1f}x | {old} |")  # fmt: skip
     print("\n" + "\n".join(decode))
-    if args.doc:
-        from doc_table import invocation, write_section
-
-        key = f"rollout-{policy.device.type}-{'model' if args.model else args.vocab}"
-        write_section(key, "\n".join(engine) + "\n\n" + "\n".join(decode), invocation(), str(policy.device))
+    return decode
 
 
 def engine_table(policy, args: argparse.Namespace) -> list[str]:

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 import torch
-from checkpoint_args import add_checkpoint_arguments, checkpoint_path
+from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_path
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from vagent.model import load_policy
@@ -183,7 +183,7 @@ def main() -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # load_policy's choice
     lines = [f"{kind.capitalize()}, {args.rows} rows, {args.decode_tokens} tokens per turn, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; ms per step (share of the step).", "",
-             f"| part | this code | {'baseline `' + args.baseline + '`' if before else ''} |", "|---|---:|---:|"]  # fmt: skip
+             f"| part | this code | {'baseline ' + checkout_name(args.baseline) if before else ''} |", "|---|---:|---:|"]  # fmt: skip
     for part in ("step", *PARTS):
         cells = [f"{t[part]:.2f} ({t[part] / t['step']:.0%})" if t else "" for t in (after, before)]
         lines.append(f"| {part} | {cells[0]} | {cells[1]} |")

@@ -135,14 +135,20 @@ def _overrides(out_dir, model, rows):
 
 
 @pytest.mark.parametrize("checkpoint", BOTH_VOCABS, indirect=True)
-def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, checkpoint, zoom_rows_file):
+def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, checkpoint, zoom_rows_file, monkeypatch):
     before = {k: v.clone() for k, v in load_policy(checkpoint, device="cpu").model.state_dict().items()}
-    overrides = [*_overrides(tmp_path, checkpoint, zoom_rows_file(16, 1000)), "grpo.inner_updates=2"]
+    # The config's rewards are all 0 for a random policy, whose groups are then uninformative (Qwen's vocabulary
+    # almost never samples a stop token): a small reward that spreads within every group makes each step update.
+    import vagent.rewards as rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
+    weights = "{accuracy: 1.0, format: 0.2, crop_iou: 0.5, tool_bonus: 0.2, invalid_calls: 0.2, overlong: 0.5, even_tokens: 0.1}"
+    overrides = [*_overrides(tmp_path, checkpoint, zoom_rows_file(16, 1000)), "grpo.inner_updates=2", f"rewards.weights={weights}"]  # fmt: skip
     model_dir = grpo.train(load_config(GRPOConfig, CONFIG, overrides))
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     updated = [r for r in records if "ratio_check" in r]
-    assert updated, "no step had an informative group"
+    assert len(updated) == 4, "a step had no informative group"
     for r in updated:
         assert r["ratio_check"] < 1e-5  # the first update's ratio is 1 (old log-probs from the same weights)
         assert r["sampler_logprob_gap"] < 1e-3  # the engine's log-probs agree with the training forward

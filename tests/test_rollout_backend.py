@@ -201,3 +201,22 @@ def test_under_autocast_the_cache_stores_what_the_layers_make(policy):
         out = run(policy, _tasks()[:2], limits=RolloutLimits(max_turns=2, max_new_tokens=6), backend=backend)
     assert backend.cache.dtype == torch.bfloat16 and all(t.metrics["sampled_tokens"] > 0 for t in out)
     assert all(len(t.token_ids) == len(t.logprobs) == len(t.loss_mask) for t in out)
+
+
+def test_the_inverse_cdf_draw_has_the_multinomial_distribution_and_never_draws_a_zero():
+    from vagent.rollout.hf_backend import _draw
+
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(1, 12) * 2, -1)
+    probs[0, [0, 5, 11]] = 0  # suppressed tokens, the first and the last among them
+    probs = probs / probs.sum()
+    n = 100_000
+    drawn = _draw(probs.expand(n, -1).contiguous())
+    freq = torch.bincount(drawn, minlength=12).double() / n
+    assert freq[[0, 5, 11]].sum() == 0
+    assert torch.allclose(freq, probs[0].double(), atol=5 * (0.25 / n) ** 0.5)  # 5 sigma at worst
+    # u at its extremes: 0 lands on the first token with mass, the largest u below 1 on the last one
+    for u, expected in ((0.0, 1), (1 - 2**-53, 10)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "rand", lambda shape, u=u, **kw: torch.full(shape, u, **kw))
+            assert _draw(probs).tolist() == [expected]

@@ -308,7 +308,7 @@ class HFBackend:
                 drop = sorted_probs.cumsum(-1) - sorted_probs > top_p[:, None]
                 sorted_probs[drop] = 0
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-            tokens = torch.where(sampled, torch.multinomial(probs, 1).squeeze(1), tokens)
+            tokens = torch.where(sampled, _draw(probs), tokens)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
@@ -332,6 +332,18 @@ class HFBackend:
             ended = {result.key for result in results}
             self._decoding = [row for row in self._decoding if row.key not in ended]  # leaving copies nothing
         return results
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of (B, V) probabilities by the inverse CDF: one uniform number per row, then a binary
+    search of the row's cumulative sum (float64, so 151,936 summands lose no mass that matters). Same distribution
+    as ``torch.multinomial(probs, 1)``, which draws an exponential number for every vocabulary entry: at Qwen's
+    vocabulary and 64 rows that took 3x a CPU decode step. A token of probability 0 is never drawn."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: some cdf entry exceeds it
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def _causal_mask(cached: list[int], widths: list[int], key_length: int) -> torch.Tensor:
