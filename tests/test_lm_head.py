@@ -14,10 +14,11 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _assert_grads_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
-    """A whole model's parameter gradients: 1e-5 of the tensor's norm, and 1e-3 of each entry. The rounding of the
-    head's sums travels back through every layer: at 151,936 rows the embedding row of "\n" (summed over many
-    positions, 0.06) differed by 2e-5 in one entry of 4.9 million."""
-    assert float((got - want).norm()) <= 1e-5 * float(want.norm()) + 1e-8, name
+    """A whole model's parameter gradients: 5e-5 of the tensor's norm, and 1e-3 of each entry. The rounding of the
+    head's sums travels back through every layer: at 151,936 rows the gradients of the vision and first decoder
+    layers differed by up to 1.1e-5 of their norm (three draws of the sampled tokens), and the embedding row of "\n"
+    (summed over many positions, 0.06) by 2e-5 in one entry of 4.9 million. A wrong chunk is off by far more."""
+    assert float((got - want).norm()) <= 5e-5 * float(want.norm()) + 1e-8, name
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
