@@ -1,6 +1,6 @@
 """The checkpoint a rollout benchmark runs on: the command-line arguments that pick it, and the directory they name
 (a tiny random checkpoint built in a temp dir, deleted at exit, unless ``--model`` names one); and how a table
-names a ``--baseline`` checkout."""
+names it and a ``--baseline`` checkout."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def checkpoint_path(args: argparse.Namespace) -> str:
     scratch = Path(tempfile.mkdtemp(prefix="vagent-bench-"))
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return str(build_tiny_checkpoint(scratch / "ckpt", size=args.size, vocab=args.vocab))
+
+
+def checkpoint_label(args: argparse.Namespace) -> str:
+    """How a docs section key names the checkpoint: ``model`` for ``--model``, else the tiny one's ``--vocab``."""
+    return "model" if args.model else args.vocab
 
 
 def checkout_name(directory: str) -> str:

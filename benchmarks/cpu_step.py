@@ -208,9 +208,9 @@ def main() -> None:
         else:
             emit("", "(one thread: no side-by-side measurement)")
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        write_section("cpu-step", "\n".join(lines), invocation())
+        write_section("cpu-step", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.metadata
 import json
 import os
 import shutil
@@ -163,13 +164,15 @@ def main() -> None:
         result = run(work / "ckpt", work / "rows.jsonl", work / f"out-{args.child}", args)
         (work / f"{args.child}.json").write_text(json.dumps(result))
         return
+    try:  # before building anything: the TRL child would fail only after the checkpoint and rows are made
+        trl_version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit('benchmarks/grpo.py compares against TRL: pip install "trl>=1.16"') from None
     work = Path(tempfile.mkdtemp(prefix="vagent-bench-grpo-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     build(work, args.size, args.prompts * (args.steps + 1))
-    import trl
-
     lines = [f"Tiny `{args.size}` Qwen2.5-VL, {args.prompts} prompts x {args.group} samples, <= {args.tokens} tokens, "
-             f"CPU fp32, TRL {trl.__version__}; median step of steps 2..{args.steps}.", "",
+             f"CPU fp32, TRL {trl_version}; median step of steps 2..{args.steps}.", "",
              "| run | vagent step | TRL step | vagent speed vs TRL | sampled tokens vagent / TRL | "
              "peak RSS vagent / TRL | vagent gen / reward / logprob / update |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     print("\n".join(lines), flush=True)
@@ -181,9 +184,9 @@ def main() -> None:
                      f"{r['trl']['tokens']:.1f} | {r['vagent']['peak_gb']:.2f} / {r['trl']['peak_gb']:.2f} GiB | {stages} |")  # fmt: skip
         print(lines[-1], flush=True)
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        write_section("grpo-trl", "\n".join(lines), invocation())
+        write_section("grpo-trl", "\n".join(lines))
 
 
 def run_child(system: str, work: Path) -> dict:

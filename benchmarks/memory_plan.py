@@ -134,9 +134,9 @@ def main() -> int:
               f"{(r['plan_gib'] - r['measured_gib']) / r['measured_gib']:+.1%} |" for r in rows]  # fmt: skip
     print(f"\n{summary}\n" + "\n".join(table))
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        write_section("memory-plan", f"{summary}.\n\n" + "\n".join(table), invocation())
+        write_section("memory-plan", f"{summary}.\n\n" + "\n".join(table))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

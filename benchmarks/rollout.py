@@ -22,14 +22,13 @@ Reported:
 * decode time per step at ``--decode-rows`` rows: every row gets the same kind of prompt (system prompt with
   the tool schemas, an image, its own question) and one turn of ``--decode-tokens`` tokens, greedy or sampled at
   each of ``--decode-temperatures``, with EOS off and stop strings no row reaches, so every decode step runs the
-  full batch; the mean wall time of a decode
-  ``step()`` (forward, sampling, stop checks, cache bookkeeping), the sampled tokens/s it gives (rows / step
-  time), and the read bound: the time to read once what a decode step must read (the language model's weights
-  the step multiplies by, not the vision tower or the input embedding's unused rows, plus every row's KV cache
-  at the mean context of the decode) at the bandwidth of a large copy on the device, measured in the same run.
-  With ``--baseline DIR`` (a checkout of
-  an older vagent, e.g. ``git worktree add /tmp/base afb217c``) the same measurement runs on that code in a
-  subprocess, on the same checkpoint, and both columns are printed.
+  full batch; the mean wall time of a decode ``step()`` (forward, sampling, stop checks, cache bookkeeping), the
+  sampled tokens/s it gives (rows / step time), and the read bound: the time to read once what a decode step must
+  read (the language model's weights the step multiplies by, not the vision tower or the input embedding's unused
+  rows, plus every row's KV cache at the mean context of the decode) at the bandwidth of a large copy on the
+  device, measured in the same run. With ``--baseline DIR`` (a checkout of an older vagent, e.g. ``git worktree
+  add /tmp/base afb217c``) the same measurement runs on that code in a subprocess, on the same checkpoint, and both
+  columns are printed.
 
 ``--doc`` also writes both tables into docs/benchmarks.md, in the section ``rollout-<device>-<vocab>`` (e.g.
 ``rollout-cpu-qwen``; ``-tool<ms>ms`` appended when ``--tool-s`` is not 0.2), with the command, the commit and the
@@ -48,7 +47,7 @@ import types
 from pathlib import Path
 
 import torch
-from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_path
+from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_label, checkpoint_path
 from PIL import Image
 
 from vagent import toolbox
@@ -218,14 +217,13 @@ def main() -> None:
     engine = engine_table(policy, args)
     decode = decode_lines(policy, path, args) if args.decode_rows else []
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        key = f"rollout-{policy.device.type}-{'model' if args.model else args.vocab}"
+        key = f"rollout-{policy.device.type}-{checkpoint_label(args)}"
         if args.tool_s != 0.2:
             key += f"-tool{round(args.tool_s * 1000)}ms"
-        write_section(
-            key, "\n\n".join(filter(None, ("\n".join(engine), "\n".join(decode)))), invocation(), str(policy.device)
-        )
+        body = "\n\n".join(filter(None, ("\n".join(engine), "\n".join(decode))))
+        write_section(key, body, device=str(policy.device))
 
 
 def decode_lines(policy, path: str, args: argparse.Namespace) -> list[str]:

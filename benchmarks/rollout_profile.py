@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 import torch
-from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_path
+from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_label, checkpoint_path
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from vagent.model import load_policy
@@ -129,11 +129,10 @@ def _breakdown(events) -> dict[str, float]:
     return per_step
 
 
-def profile_decode(path: str, args: argparse.Namespace) -> dict[str, float]:
+def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("rollout.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    policy = load_policy(path, device=args.device, dtype=args.dtype)
     if args.workload == "decode":
         bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
         _instrument(policy, all_steps=False)
@@ -169,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     path = checkpoint_path(args)
     if args.json:
-        print(json.dumps(profile_decode(path, args)))
+        print(json.dumps(profile_decode(load_policy(path, device=args.device, dtype=args.dtype), args)))
         return
     before = None
     if args.baseline:
@@ -178,9 +177,9 @@ def main() -> None:
                    "--decode-tokens", str(args.decode_tokens), "--workload", args.workload, "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         before = json.loads(out.strip().splitlines()[-1])
-    after = profile_decode(path, args)
+    policy = load_policy(path, device=args.device, dtype=args.dtype)  # after the baseline: one model in memory
+    after = profile_decode(policy, args)
     kind = "decode steps" if args.workload == "decode" else "every backend step of a multi-turn rollout"
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # load_policy's choice
     lines = [f"{kind.capitalize()}, {args.rows} rows, {args.decode_tokens} tokens per turn, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; ms per step (share of the step).", "",
              f"| part | this code | {'baseline ' + checkout_name(args.baseline) if before else ''} |", "|---|---:|---:|"]  # fmt: skip
@@ -193,10 +192,10 @@ def main() -> None:
         lines.append(f"| {key} | {after[key]:.0f} | {f'{before[key]:.0f}' if before else ''} |")
     print("\n".join(lines))
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        vocab = "model" if args.model else args.vocab
-        write_section(f"profile-{device.type}-{vocab}-{args.workload}", "\n".join(lines), invocation(), str(device))
+        key = f"profile-{policy.device.type}-{checkpoint_label(args)}-{args.workload}"
+        write_section(key, "\n".join(lines), device=str(policy.device))
 
 
 if __name__ == "__main__":

@@ -182,9 +182,9 @@ def main() -> None:
               for n, a, b in zip((8, 32), decord, opencv, strict=False)]  # fmt: skip
     print("\n".join(ratios))
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        write_section("tools", "\n".join(table) + "\n\n" + "; ".join(ratios) + ".", invocation())
+        write_section("tools", "\n".join(table) + "\n\n" + "; ".join(ratios) + ".")
 
 
 if __name__ == "__main__":

@@ -67,9 +67,9 @@ def main() -> None:
              f"{accuracy:.2f} | {1 / len(STRIPES):.2f} |"]  # fmt: skip
     print("\n".join(table))
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        write_section("view-leak", "\n".join(table), invocation())
+        write_section("view-leak", "\n".join(table))
 
 
 if __name__ == "__main__":

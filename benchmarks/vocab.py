@@ -160,9 +160,9 @@ def main() -> int:
                f"checkpointing {'on' if args.gradient_checkpointing else 'off'}. Target: peak ratio <= 1.3.")  # fmt: skip
     print(f"\n{summary}\n{table}")
     if args.doc:
-        from doc_table import invocation, write_section
+        from doc_table import write_section
 
-        write_section("vocab", f"{summary}\n\n{table}", invocation(), args.device)
+        write_section("vocab", f"{summary}\n\n{table}", device=args.device)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
