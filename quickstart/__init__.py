@@ -17,8 +17,9 @@ Stages (each with its own progress bar; times are reported):
    when the answer is right; every few steps it answers the val rows greedily, and its best step there,
    the SFT start included, is the GRPO policy;
 5. evaluation on the test split: the SFT and GRPO policies with the crop tool, the no-tool baseline,
-   and the SFT policy with its tool taken away (on CPU the baseline is trained and evaluated beside the
-   crop-tool SFT, and the SFT policy evaluated beside GRPO, each in a second process: ``quickstart.parallel.Beside``);
+   and the SFT policy with blind crops (every crop shows the whole image: ``run.blind_crop``); on CPU the
+   baseline is trained and evaluated beside the crop-tool SFT, and the SFT policy evaluated beside GRPO,
+   each in a second process (``quickstart.parallel.Beside``);
 6. ``report.md``: the results table, the targets (``TARGETS``) each with what this run measured,
    tool-use statistics (also split into rows that need the tool and rows that do not), loss and reward
    curves (PNG), and links to the HTML viewers of the trajectories with their crops.

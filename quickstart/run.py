@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from quickstart.config import QuickstartConfig
 from quickstart.data import build_data, warmup_runs
@@ -34,14 +38,18 @@ from vagent.model import load_policy
 from vagent.recipes import grpo, sft
 from vagent.recipes.common import tool_services
 from vagent.rollout import RolloutLimits
+from vagent.toolbox import TOOLS, ToolContext, crop
+from vagent.types import Observation
 
 # The fraction of the crop-tool SFT's steps after which it takes the baseline's thread back. The baseline side
 # (its SFT and its evaluation) ends at 0.56-0.62 of the crop-tool SFT on the 2-core machines measured. Where it
 # ends later, the crop-tool SFT waits for it there; where it ends sooner, one core idles until that step.
 HANDOVER = 0.6
 # The fraction of GRPO's steps after which it takes back the thread of the SFT policy's evaluations beside it: the
-# evaluations (192 test rows with the crop tool, 192 without) end between GRPO's steps 3 and 4 of 12.
+# evaluations (192 test rows with the crop tool, 192 with blind crops) end between GRPO's steps 3 and 4 of 12.
 GRPO_HANDOVER = 0.25
+# The ablation row: the SFT policy with its crop tool, whose crops show the whole image instead of the region.
+BLIND = "sft, blind crop"
 REWARDS = {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2}
 
 
@@ -90,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     done()
     done = stage(4, "GRPO from the SFT policy")
     # The SFT policy's evaluations run beside GRPO (on CPU, with parallel_eval), the rest after it.
-    sft_runs = {"sft + crop": (sft_model, ["crop"]), "sft, tool taken away": (sft_model, [])}
+    sft_runs = {"sft + crop": (sft_model, ["crop"]), BLIND: (sft_model, ["crop"])}
     beside = Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, _device(cfg), out / "eval" / "log-sft.txt",
-                          "the SFT policy's evaluations, with its tool and without", _evaluate_runs, sft_runs,
+                          "the SFT policy's evaluations, with its crops and with blind ones", _evaluate_runs, sft_runs,
                           evaluation)  # fmt: skip
     try:
         grpo_model = None
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             results["grpo + crop"] = results["sft + crop"]
         else:
             results["grpo + crop"] = _evaluate("grpo + crop", grpo_model, ["crop"], evaluation)
-    order = ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away")
+    order = ("grpo + crop", "sft + crop", "no-tool baseline", BLIND)
     results = {name: results[name] for name in order if name in results}
     done()
     done = stage(6, "report", "report")
@@ -228,12 +236,32 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 
 def _evaluate(name: str, model_dir: Path, tools: list[str], evaluation: _Evaluation) -> tuple[Path, dict[str, Any]]:
-    """One policy on the test split, greedy: (its eval dir, its metrics)."""
+    """One policy on the test split, greedy: (its eval dir, its metrics). ``BLIND`` runs with ``blind_crop``."""
     run_dir = evaluation.out / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
     policy = load_policy(model_dir, device=evaluation.device)
-    return run_dir, evaluate(policy, BENCHMARKS["synthetic"], evaluation.test_rows, run_dir, tools=tools,
-                             limits=evaluation.limits, batch_size=16, services=tool_services(evaluation.toolbox),
-                             label=name)  # fmt: skip
+    with blind_crop() if name == BLIND else contextlib.nullcontext():
+        return run_dir, evaluate(policy, BENCHMARKS["synthetic"], evaluation.test_rows, run_dir, tools=tools,
+                                 limits=evaluation.limits, batch_size=16, services=tool_services(evaluation.toolbox),
+                                 label=name)  # fmt: skip
+
+
+@contextlib.contextmanager
+def blind_crop() -> Iterator[None]:
+    """Within it, ``crop`` checks and answers every call as before, but its image is the whole image the call
+    named, resized to the crop's size: the prompt, the calls and the number of image tokens stay those the policy
+    was trained on, and only what a crop shows closer is gone. The ablation says whether the answers come from the
+    crops' pixels (a policy that reads the global view, or guesses, loses nothing)."""
+
+    def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
+        observation = crop.call(arguments, context)
+        if not observation.ok:
+            return observation
+        whole = context.images[observation.metadata["image_index"]]
+        return dataclasses.replace(observation, images=[whole.convert("RGB").resize(observation.images[0].size)])
+
+    blind = types.SimpleNamespace(NAME=crop.NAME, SCHEMA=crop.SCHEMA, call=call)
+    with mock.patch.dict(TOOLS, {crop.NAME: blind}):
+        yield
 
 
 def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: Path, out: Path,

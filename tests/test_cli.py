@@ -112,7 +112,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert [r["step"] for r in checks] == [0, 1]  # before the first step and after the last
     report = (tmp_path / "report.md").read_text()
     assert "GRPO policy = " in report and "val rows: step 0 " in report
-    for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, tool taken away"):
+    for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, blind crop"):
         assert f"| {name} |" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
     targets = report.split("## Targets")[1].split("##")[0]  # each target, measured: met or not on this toy budget
@@ -341,3 +341,24 @@ def test_eval_without_a_model_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["eval", "--benchmark", "vstar", "--data", "x.jsonl", "--out", "o"])
     assert exit_.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+def test_blind_crop_keeps_the_call_and_its_answer_but_shows_the_whole_image():
+    from quickstart.run import blind_crop
+    from vagent.toolbox import ToolContext, call_tool
+    from vagent.types import ToolCall
+
+    image = Image.new("RGB", (400, 300), "white")
+    image.paste((200, 30, 30), (300, 200, 400, 300))  # red only in the bottom-right corner
+    context = ToolContext(images=[image], model_sizes=[(400, 300)], convention="absolute", min_pixels=3136,
+                          max_pixels=50176, image_factor=28)  # fmt: skip
+    call = ToolCall("crop", {"bbox": [300, 200, 400, 300]})
+    seen = call_tool(call, context)
+    with blind_crop():
+        blind = call_tool(call, context)
+        bad = call_tool(ToolCall("crop", {"bbox": [500, 500, 600, 600]}), context)
+    assert call_tool(call, context).images[0].tobytes() == seen.images[0].tobytes()  # crop is itself again after
+    assert blind.text == seen.text and blind.metadata == seen.metadata and blind.images[0].size == seen.images[0].size
+    assert np.asarray(seen.images[0])[..., 1].max() < 100  # the crop: all red
+    assert np.asarray(blind.images[0])[..., 1].mean() > 150  # the blind crop: mostly the white image around it
+    assert bad.error == "bad_box"  # calls the crop tool refuses are refused the same way
