@@ -18,6 +18,14 @@ from vagent.training.metrics import read_metrics
 # the rows with a small tile (0 where it did not crop), is at least 0.3; GRPO gains 5 points over its SFT start
 # with a rising rollout reward; all within 20 minutes and 8 GB.
 TARGETS = {"accuracy": 0.60, "ratio": 3.0, "median_iou": 0.3, "grpo_gain": 0.05, "minutes": 20.0, "memory_gb": 8.0}
+# What the report's runs and metrics columns are, under its trajectory links.
+LEGEND = (
+    "Runs: `no-tool baseline` = trained from the same warm-up on as many rows answered without a tool, for as many "
+    "steps; `sft, blind crop` = the SFT policy with its crop tool, whose crops show the whole image instead of the "
+    "region (what its answers owe to the crops' pixels).\n\n"
+    "Metrics: `accuracy` = exact answer; `crop_iou` = best IoU of a crop with the tile (0 without a crop); "
+    "`tool_calls` = calls per sample. Per-sample records are in each run's `samples.jsonl`."
+)
 
 
 def check_line(check: dict[str, Any]) -> str:
@@ -117,8 +125,7 @@ def write_report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path
             for name, (run_dir, _) in results.items()
         ],
         "",
-        "Metrics: `accuracy` = exact answer; `crop_iou` = best IoU of a crop with the tile (0 without a crop); "
-        "`tool_calls` = calls per sample. Per-sample records are in each run's `samples.jsonl`.",
+        LEGEND,
         "",
     ]
     text = "\n".join(lines)
