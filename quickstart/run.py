@@ -157,7 +157,7 @@ def _device(cfg: QuickstartConfig) -> str:
 
 def _greedy(cfg: QuickstartConfig) -> RolloutLimits:
     """The evaluations' episode limits: the rollout's, sampled greedily."""
-    limits = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("tools", "agent")}
+    limits = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k != "agent"}
     return RolloutLimits(**limits | {"temperature": 0.0})
 
 
@@ -184,7 +184,7 @@ def grpo_config(cfg: QuickstartConfig, out: Path, model: Path, data: dict[str, P
                           negative_scale=cfg.grpo_negative_scale)  # fmt: skip
     return check_config(GRPOConfig(
         out_dir=str(out / "grpo"), seed=cfg.seed, model=ModelConfig(path=str(model), device=_device(cfg)),
-        data=GRPODataConfig(train=str(data["train"])), rollout=dataclasses.replace(cfg.rollout), grpo=algo, val=val,
+        data=GRPODataConfig(train=str(data["train"]), tools=["crop"]), rollout=dataclasses.replace(cfg.rollout), grpo=algo, val=val,
         rewards=RewardConfig(weights=dict(REWARDS)), optim=OptimConfig(lr=cfg.grpo_lr),
         train=TrainConfig(max_steps=cfg.grpo_steps, precision="fp32", save_every=0, resume="auto"),
     ))  # fmt: skip

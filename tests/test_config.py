@@ -66,9 +66,13 @@ def test_wrong_type_is_an_error_naming_key_expected_and_given(tmp_path):
 
 def test_overrides_nested_and_typed():
     cfg = load_config(
-        QuickstartConfig, None, ["rollout.max_turns=7", "model.path=/x", "rollout.tools=[crop]", "seed=3"]
+        QuickstartConfig,
+        None,
+        ["rollout.max_turns=7", "model.path=/x", "warmup_phases=[grounding]", "warmup_epochs=[1]", "seed=3"],
     )
-    assert cfg.rollout.max_turns == 7 and cfg.model.path == "/x" and cfg.rollout.tools == ["crop"] and cfg.seed == 3
+    assert (
+        cfg.rollout.max_turns == 7 and cfg.model.path == "/x" and cfg.warmup_phases == ["grounding"] and cfg.seed == 3
+    )
     assert cfg.rollout.temperature == 0.7  # untouched defaults survive (the quickstart samples GRPO at 0.7)
     cfg = load_config(QuickstartConfig, None, ["rollout.temperature=0"])
     assert isinstance(cfg.rollout.temperature, float)
@@ -115,8 +119,8 @@ def test_validation_and_file_errors(tmp_path):
 
 def test_defaults_are_not_shared_between_instances():
     a, b = load_config(QuickstartConfig), load_config(QuickstartConfig)
-    a.rollout.tools.append("zoom_in")
-    assert b.rollout.tools == ["crop"]
+    a.warmup_phases.append("reading")
+    assert b.warmup_phases == ["perception", "grounding"]
 
 
 def test_exponent_without_a_dot_is_a_number_not_a_string():

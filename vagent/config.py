@@ -54,7 +54,7 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a help string (shown by ``vagent ... --help-config``)."""
+    """A dataclass field with a default and a help string (the field's documentation, read here in the source)."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         # mutable defaults: each instance gets its own deep copy (nested lists included)
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
@@ -275,19 +275,19 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     path: str | None = option(None, "HF checkpoint dir (required: `vagent make-tiny-model` builds a random tiny one).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "Weights dtype; auto = bf16 on CUDA, fp32 on CPU."
-    )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = option(
         "auto", "Attention kernel; auto = flash_attention_2 on CUDA when flash-attn is installed, else sdpa."
     )
     device: str | None = option(None, "torch device; None = cuda if available, else cpu.")
     min_pixels: int = option(
-        28 * 28 * 4, "Tiny checkpoint's processor: smallest image, in pixels (a real checkpoint keeps its own)."
+        28 * 28 * 4,
+        "The quickstart's tiny checkpoint's processor: smallest image, in pixels (any checkpoint given as "
+        "model.path keeps its own; sft and grpo read it from there).",
     )
     max_pixels: int = option(
         28 * 28 * 256,
-        "Tiny checkpoint's processor: largest image the model sees, in pixels (a real checkpoint keeps its own).",
+        "The quickstart's tiny checkpoint's processor: largest image the model sees, in pixels (any checkpoint given as "
+        "model.path keeps its own).",
     )
 
     def validate(self) -> None:
@@ -303,7 +303,6 @@ class RolloutConfig:
     max_images: int = option(8, "Images per episode, prompt and tool outputs together (max_images).")
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
-    tools: list[str] = option(["crop"], "Tools offered to the policy.")
     agent: str = option("vagent", "Agent profile the policy speaks (vagent.agents.PROFILES; docs/guide/agents.md).")
 
     def validate(self) -> None:
@@ -362,7 +361,9 @@ class OptimConfig:
     weight_decay: float = option(0.0, "AdamW weight decay (never applied to biases and norm weights).")
     betas: list[float] = option([0.9, 0.999], "AdamW betas.")
     eps: float = option(1e-8, "AdamW epsilon.")
-    warmup_steps: int = option(0, "Linear warmup from 0 to lr over this many optimizer steps.")
+    warmup_steps: int = option(
+        0, "Linear warmup over this many optimizer steps: lr / warmup_steps at the first, lr at the last."
+    )
     min_lr_ratio: float = option(0.0, "Cosine decay ends at lr * min_lr_ratio.")
     grad_accum: int = option(1, "Micro-batches per optimizer step on each rank.")
     max_grad_norm: float = option(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
@@ -421,11 +422,12 @@ class TrainConfig:
     lm_head_kernel: Literal["chunked", "liger"] = option(
         "chunked",
         "chunked: the portable chunked head; liger: liger-kernel's fused linear cross-entropy for SFT's loss (CUDA, "
-        "pip install liger-kernel; GRPO's per-token log-probs stay chunked).",
+        "pip install liger-kernel; SFT only: GRPO refuses it, its per-token log-probs need the chunked head).",
     )
     lora: LoraConfig = option(LoraConfig(), "LoRA adapters through peft.")
     deepspeed: str | None = option(
-        None, "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = DDP (gloo on CPU, nccl on GPU)."
+        None,
+        "DeepSpeed JSON (configs/deepspeed/zero2.json, zero3.json); None = train.sharding (DDP or FSDP2; gloo on CPU, nccl on GPU).",
     )
     sharding: Literal["ddp", "fsdp"] = option(
         "ddp",
@@ -489,7 +491,11 @@ class GRPOAlgoConfig:
     prompts_per_step: int = option(4, "Prompts each rank rolls out per step (groups kept after dynamic sampling).")
     rollout_batch_size: int = option(16, "Episodes the rollout engine keeps in flight at once.")
     inner_updates: int = option(1, "Passes over each rollout batch (PPO epochs); > 1 makes the ratio move off 1.")
-    mini_batches: int = option(1, "Optimizer steps per pass: the batch is split into this many mini-batches.")
+    mini_batches: int = option(
+        1,
+        "Optimizer steps per pass, at most: the batch of n trajectories is split into mini-batches of "
+        "ceil(n / mini_batches) (fewer steps when that does not divide evenly, or when dynamic sampling kept fewer).",
+    )
     micro_batch_size: int = option(4, "Trajectories per forward pass.")
     scale_by_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO, mean-centering only).")
     negative_scale: float = option(

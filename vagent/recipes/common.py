@@ -1,6 +1,5 @@
-"""Pieces every recipe builds the same way from its config: tool services, the tiny default checkpoint,
-and the training scaffolding SFT and GRPO share (resume decision, model preparation, optimizer and
-backend, atomic checkpoints)."""
+"""Pieces every recipe builds the same way from its config: tool services, and the training scaffolding SFT and
+GRPO share (resume decision, model preparation, optimizer and backend, atomic checkpoints)."""
 
 from __future__ import annotations
 

@@ -251,7 +251,7 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     optimizer_steps = total_steps * algo.inner_updates * algo.mini_batches
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
-    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("tools", "agent")})
+    limits = RolloutLimits(**{k: v for k, v in config_to_dict(cfg.rollout).items() if k != "agent"})
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)"
              f"{', fsdp' if fsdp else ''}")  # fmt: skip

@@ -7,7 +7,7 @@ trainer weights them from its config (``combine``) and logs every component on i
 | name | value | what it rewards |
 |---|---|---|
 | ``accuracy`` | [0, 1] | the answer (``answer_score`` by the row's answer type; boxes by IoU >= ``iou_threshold``) |
-| ``format`` | {0, 0.5, 1} | 1: answered with well-formed tags and calls; 0.5: answered after repairs; 0: no answer |
+| ``format`` | {0, 0.5, 1} | 1: answered with well-formed tags and calls; 0.5: answered with any parse error (repaired or not); 0: no answer |
 | ``box_iou`` | [0, 1] | IoU (or GIoU mapped to [0, 1]) of an answered box with the gold box; ``threshold`` makes it 0/1 |
 | ``crop_iou`` | [0, 1] | best IoU of a region the policy cropped/zoomed with an evidence box (not containment: see below) |
 | ``temporal_iou`` | [0, 1] | best IoU of a span the policy sampled (sample_frames/crop_clip) with an evidence span |
@@ -37,8 +37,6 @@ __all__ = ["REWARDS", "RewardRow", "accuracy", "combine", "pairwise_win_rates", 
 
 LOOK_TOOLS = ("crop", "zoom_in")
 VIDEO_TOOLS = ("sample_frames", "crop_clip")
-# Parse errors the engine counts that the grammar repaired (the call still ran).
-REPAIRED = ("parse_error/repaired_json", "parse_error/unclosed_tag")
 
 
 class RewardRow(Protocol):
@@ -72,8 +70,8 @@ def accuracy(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow], iou_
 
 
 def format_reward(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow]) -> list[float]:
-    """1 when the episode answered and every tag and call parsed as written, 0.5 when it answered but the
-    grammar had to repair something (or a call was unparseable), 0 without an answer."""
+    """1 when the episode answered and every tag and call parsed as written, 0.5 when it answered with any
+    ``parse_error/*`` (a repair, an unparseable call, several answers, a stray tag), 0 without an answer."""
     out = []
     for t in trajectories:
         errors = {k for k, v in t.metrics.items() if k.startswith("parse_error/") and v}

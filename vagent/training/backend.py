@@ -1,4 +1,4 @@
-"""Train backends: what differs between plain DDP and DeepSpeed ZeRO, behind one small interface.
+"""Train backends: what differs between plain DDP, FSDP2 and DeepSpeed ZeRO, behind one small interface.
 
 A recipe's step reads the same with either backend::
 
@@ -109,7 +109,7 @@ class TrainBackend(Protocol):
 
     model: torch.nn.Module  # the unwrapped model (peft or HF) for saving and eval
     module: torch.nn.Module  # what to call forward on (DDP / DeepSpeed engine / the model itself)
-    loss_scale: float  # multiply the step-mean loss share by this before ``backward``
+    loss_scale: float  # what ``backward`` multiplies the step-mean loss share by (callers pass it unscaled)
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]: ...
     def backward(self, loss: torch.Tensor) -> None: ...

@@ -5,7 +5,9 @@ Layout under ``<out_dir>/checkpoints/``::
     step-00000040/                complete checkpoints only (renamed into place as a whole)
         model/                    HF model dir (+ processor): loadable by transformers and load_policy
         adapter/                  LoRA runs: the peft adapter (model/ holds the merged weights)
-        optimizer.pt | deepspeed/ optimizer + schedule (DDP: rank 0; DeepSpeed: every rank's shard)
+        optimizer.pt | deepspeed/ | optimizer/ + scheduler.pt
+                                  optimizer + schedule (DDP: rank 0; DeepSpeed: every rank's shard; FSDP: a
+                                  torch distributed checkpoint of every rank's shard, and the schedule)
         rng/rank{r}.pt            each rank's python/numpy/torch(/cuda) RNG states
         trainer_state.json        step, data position, config, data fingerprint; written LAST
     latest                        name of the newest complete checkpoint; replaced atomically after the rename
@@ -97,18 +99,13 @@ def _complete(root: Path) -> list[Path]:
 
 
 def find_resume(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``latest`` if it names a complete one), else None.
-    Temp dirs of interrupted writes are removed."""
+    """The newest complete checkpoint under ``root`` by step, else None: found by scanning, so a ``latest`` file
+    that names another (or is stale) changes nothing. Temp dirs of interrupted writes are removed."""
     if not root.is_dir():
         return None
     for tmp in root.glob(f"{_TMP}*"):
         shutil.rmtree(tmp, ignore_errors=True)
     complete = _complete(root)
-    marker = root / "latest"
-    if marker.is_file():
-        named = root / marker.read_text().strip()
-        if named in complete and named == complete[-1]:
-            return named
     return complete[-1] if complete else None
 
 
