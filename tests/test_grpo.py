@@ -314,3 +314,20 @@ def test_grpo_raises_the_mean_reward_on_a_toy_task(tmp_path, tiny_qwen25, zoom_r
     assert sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.2, curve
     after = load_policy(model_dir, device="cpu").model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_every_pass_makes_the_optimizer_steps_the_lr_schedule_counts(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
+    import vagent.rewards as rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
+    # 2 prompts x 4 samples = 8 trajectories in 5 mini-batches (sizes 2, 2, 1, 2, 1): 5 optimizer steps a step, so
+    # a 2-step run's cosine (0.5 x (1 + cos(pi x steps done / 10))) is at half the peak when the second step starts
+    overrides = [f"out_dir={tmp_path}", f"model.path={tiny_qwen25}", "train.max_steps=2", "train.save_every=0",
+                 "train.tensorboard=false", f"data.train={zoom_rows_file(16, 1000)}", "grpo.mini_batches=5",
+                 "grpo.dynamic_sampling=false", "rewards.weights={even_tokens: 1.0}", "rewards.options={}"]  # fmt: skip
+    grpo.train(load_config(GRPOConfig, CONFIG, overrides))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["lr"] == pytest.approx(1e-4) and records[1]["lr"] == pytest.approx(0.5e-4)

@@ -493,8 +493,8 @@ class GRPOAlgoConfig:
     inner_updates: int = option(1, "Passes over each rollout batch (PPO epochs); > 1 makes the ratio move off 1.")
     mini_batches: int = option(
         1,
-        "Optimizer steps per pass, at most: the batch of n trajectories is split into mini-batches of "
-        "ceil(n / mini_batches) (fewer steps when that does not divide evenly, or when dynamic sampling kept fewer).",
+        "Optimizer steps per pass: the batch is split into this many mini-batches, their sizes at most one "
+        "trajectory apart (fewer only when the batch holds fewer trajectories).",
     )
     micro_batch_size: int = option(4, "Trajectories per forward pass.")
     scale_by_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO, mean-centering only).")

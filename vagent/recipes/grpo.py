@@ -415,9 +415,9 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
     n = len(encoded)
     for inner in range(algo.inner_updates):
         order = torch.randperm(n, generator=generator).tolist() if algo.inner_updates > 1 else list(range(n))
-        size = math.ceil(n / algo.mini_batches)
-        for m, start in enumerate(range(0, n, size)):
-            members = order[start : start + size]
+        parts = min(algo.mini_batches, n)  # as even as can be: every pass makes the steps the LR schedule counts
+        for m in range(parts):
+            members = order[m * n // parts : (m + 1) * n // parts]
             local = (
                 sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
             )
