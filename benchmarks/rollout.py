@@ -174,8 +174,7 @@ def decode_read_bytes(policy, rows: int, context: float) -> float:
     return weights + rows * context * per_token
 
 
-def decode_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
-    policy = load_policy(path, device=args.device, dtype=args.dtype)
+def decode_table(policy, args: argparse.Namespace) -> list[dict[str, float]]:
     return [{**decode_step_ms(policy, rows, args.decode_tokens, args.repeat, temperature=t), "temperature": t}
             for t in args.decode_temperatures for rows in args.decode_rows]  # fmt: skip
 
@@ -210,10 +209,10 @@ def main() -> None:
     parser.add_argument("--doc", action="store_true", help="Also write the tables into docs/benchmarks.md.")
     args = parser.parse_args()
     path = checkpoint_path(args)
-    if args.decode_only:
-        print(json.dumps(decode_table(path, args)))
-        return
     policy = load_policy(path, device=args.device, dtype=args.dtype)
+    if args.decode_only:
+        print(json.dumps(decode_table(policy, args)))
+        return
     engine = engine_table(policy, args)
     decode = decode_lines(policy, path, args) if args.decode_rows else []
     if args.doc:
@@ -229,7 +228,7 @@ def main() -> None:
 def decode_lines(policy, path: str, args: argparse.Namespace) -> list[str]:
     """The decode table (this code, and the baseline's column with ``--baseline``): its lines, also printed."""
     before = baseline_table(path, args) if args.baseline else None
-    after = decode_table(path, args)  # last: it turns EOS off and swaps the stop strings in this process
+    after = decode_table(policy, args)  # last: it turns EOS off and swaps the stop strings in this process
     bandwidth = copy_bandwidth(policy.device)
     decode = [f"Decode step: {args.decode_tokens} tokens per row, full batch; read bound at {bandwidth / 1e9:,.0f} GB/s "
               f"(a {policy.device.type} copy, measured in this run).", "",

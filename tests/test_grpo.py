@@ -322,7 +322,7 @@ def test_every_pass_makes_the_optimizer_steps_the_lr_schedule_counts(
     import vagent.rewards as rewards
 
     monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
-    # 2 prompts x 4 samples = 8 trajectories in 5 mini-batches (sizes 2, 2, 1, 2, 1): 5 optimizer steps a step, so
+    # 2 prompts x 4 samples = 8 trajectories in 5 mini-batches (sizes 1, 2, 1, 2, 2): 5 optimizer steps a step, so
     # a 2-step run's cosine (0.5 x (1 + cos(pi x steps done / 10))) is at half the peak when the second step starts
     overrides = [f"out_dir={tmp_path}", f"model.path={tiny_qwen25}", "train.max_steps=2", "train.save_every=0",
                  "train.tensorboard=false", f"data.train={zoom_rows_file(16, 1000)}", "grpo.mini_batches=5",
