@@ -18,6 +18,10 @@ and the steps' time is split into:
   ``StopMatcher.matches``);
 * Python and the rest: the step's time outside all of these (bookkeeping, building inputs, masks).
 
+The parts are host (CPU) times. On CUDA, where kernels run asynchronously, a part's time is its launches plus any
+wait for the GPU (sampling waits for the logits), and one more row gives the kernels the steps launched, on the
+GPU's clock: a step far longer than its kernels is bound by the host, not the GPU.
+
 With ``--baseline DIR`` the same profile runs in a subprocess on the vagent at DIR (e.g. a
 ``git worktree add /tmp/base afb217c``), on the same checkpoint; both tables are printed. ``--doc`` also writes the
 table into docs/benchmarks.md, section ``profile-<device>-<vocab>-<workload>``.
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import torch
 from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_label, checkpoint_path
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from vagent.model import load_policy
@@ -99,7 +104,7 @@ def _instrument(policy, all_steps: bool) -> list[bool]:
 def _breakdown(events) -> dict[str, float]:
     """Sum each part over the decode steps (ms per step); nested labels are counted once, at the outermost."""
     totals = dict.fromkeys(PARTS, 0.0)
-    steps = [e for e in events if e.name == "decode_step"]
+    steps = [e for e in events if e.name == "decode_step" and e.device_type == DeviceType.CPU]
 
     def walk(event, inside_forward: bool) -> float:
         """Adds the labelled parts under ``event``; returns the time of labelled parts directly under it."""
@@ -125,6 +130,9 @@ def _breakdown(events) -> dict[str, float]:
     totals["python/rest"] = step_ms - outside
     per_step = {k: v / len(steps) for k, v in totals.items()}
     per_step["step"] = step_ms / len(steps)
+    # The kernels the steps launched, summed on the GPU's clock: far under the step's wall time means the GPU
+    # waits for the host (launches, Python, syncs), not the other way round.
+    per_step["GPU kernels"] = sum(e.device_time_total for e in steps) / 1000 / len(steps)
     per_step["steps"] = len(steps)
     return per_step
 
@@ -133,10 +141,11 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("rollout.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if policy.device.type == "cuda" else [])
     if args.workload == "decode":
         bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
         _instrument(policy, all_steps=False)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False)  # only the full batch
         return _breakdown(prof.events())
     from vagent import toolbox
@@ -147,7 +156,7 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     work = bench.tasks(args.rows)
     run(policy, work[:2], limits=limits, batch_size=2)  # warm-up
     _instrument(policy, all_steps=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities) as prof:
         with record_function("rollout"):
             run(policy, work, limits=limits, batch_size=len(work))
     out = _breakdown(prof.events())
@@ -186,6 +195,9 @@ def main() -> None:
     for part in ("step", *PARTS):
         cells = [f"{t[part]:.2f} ({t[part] / t['step']:.0%})" if t else "" for t in (after, before)]
         lines.append(f"| {part} | {cells[0]} | {cells[1]} |")
+    if policy.device.type == "cuda":
+        cells = [f"{t['GPU kernels']:.2f} ({t['GPU kernels'] / t['step']:.0%})" if t else "" for t in (after, before)]
+        lines.append(f"| GPU kernels (device clock) | {cells[0]} | {cells[1]} |")
     lines.append(f"| steps | {after['steps']} | {before['steps'] if before else ''} |")
     if args.workload == "multiturn":
         key = "engine outside steps (ms per run)"

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The rollout engine's GPU measurement in one command, for a machine lent for a few minutes: a small-model smoke run
+# (stops here if the engine fails on the device), the GPU tests, then on Qwen2.5-VL-3B's shapes with Qwen's
+# vocabulary in bf16 the engine and decode tables (benchmarks/rollout.py) and the decode profile
+# (benchmarks/rollout_profile.py), both against the engine before the slot KV cache, written into
+# docs/benchmarks.md ("On a GPU"). Logs and the page go to $OUT.
+#
+#   git worktree add .base afb217c   # the baseline (any checkout of it)
+#   OUT=/tmp/gpu bash benchmarks/rollout_gpu.sh
+#
+# Environment: OUT (default /tmp/vagent-gpu), BASE (default .base), DEVICE (cuda), SIZE (3b), DTYPE (bfloat16),
+# BUDGET_S (seconds the whole script may take, default 580: each step's limit is cut to what is left of it).
+set -uo pipefail
+OUT=${OUT:-/tmp/vagent-gpu} BASE=${BASE:-.base} DEVICE=${DEVICE:-cuda} SIZE=${SIZE:-3b} DTYPE=${DTYPE:-bfloat16}
+BUDGET_S=${BUDGET_S:-580} CKPT=${CKPT:-/tmp/vagent-bench-ckpt}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+
+step() {  # step NAME CAP_S COMMAND...: run it under min(CAP_S, what is left of the budget), log to $OUT/NAME.log
+    local name=$1 cap=$2 left=$((BUDGET_S - SECONDS - 10))
+    shift 2
+    ((left < cap)) && cap=$left
+    if ((cap < 20)); then echo "== $name: skipped, ${left}s of the budget left"; return 1; fi
+    echo "== $name (limit ${cap}s, at ${SECONDS}s): $*"
+    timeout "$cap" "$@" > >(tr '\r' '\n' | grep -v 'it/s' > "$OUT/$name.log") 2>&1
+    local rc=$?
+    sleep 1
+    tail -n 40 "$OUT/$name.log"
+    echo "== $name: exit $rc after ${SECONDS}s"
+    return $rc
+}
+
+{ nvidia-smi 2>&1; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } > "$OUT/machine.txt"
+step smoke 120 $PY benchmarks/rollout.py --size small --device "$DEVICE" --dtype "$DTYPE" --rows 2 --repeat 1 \
+    --decode-rows 16 || exit 1
+[[ $DEVICE == cuda ]] && step gpu-tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py
+step rollout 400 $PY benchmarks/rollout.py --size "$SIZE" --vocab qwen --device "$DEVICE" --dtype "$DTYPE" --repeat 1 \
+    --checkpoint-dir "$CKPT" --baseline "$BASE" --doc
+step profile 200 $PY benchmarks/rollout_profile.py --size "$SIZE" --vocab qwen --device "$DEVICE" --dtype "$DTYPE" \
+    --rows 16 --checkpoint-dir "$CKPT" --baseline "$BASE" --doc
+cp docs/benchmarks.md "$OUT/"
+echo "== done after ${SECONDS}s"
