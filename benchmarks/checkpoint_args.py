@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import shutil
 import subprocess
 import tempfile
@@ -55,3 +56,10 @@ def checkout_name(directory: str) -> str:
     """How a table names a ``--baseline`` checkout: ``at <short commit>`` (or its path when it is no git checkout)."""
     head = subprocess.run(["git", "-C", directory, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return f"at `{head.stdout.strip()}`" if head.returncode == 0 else f"`{directory}`"
+
+
+def baseline_env(directory: str) -> dict[str, str]:
+    """The environment of a ``--baseline`` subprocess: that checkout first on ``PYTHONPATH``, the rest kept (packages
+    installed with ``pip --target`` stay importable)."""
+    path = [str(Path(directory).resolve()), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))

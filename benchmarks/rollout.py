@@ -39,15 +39,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import torch
-from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_label, checkpoint_path
+from checkpoint_args import add_checkpoint_arguments, baseline_env, checkout_name, checkpoint_label, checkpoint_path
 from PIL import Image
 
 from vagent import toolbox
@@ -181,7 +179,7 @@ def decode_table(policy, args: argparse.Namespace) -> list[dict[str, float]]:
 
 def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]]:
     """``decode_table`` run by the vagent at ``args.baseline`` (a subprocess with that checkout first on the path)."""
-    env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
+    env = baseline_env(args.baseline)
     command = [sys.executable, __file__, "--decode-only", "--model", path, "--decode-tokens", str(args.decode_tokens),
                "--decode-rows", *map(str, args.decode_rows), "--decode-temperatures", *map(str, args.decode_temperatures),
                "--repeat", str(args.repeat), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip

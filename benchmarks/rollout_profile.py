@@ -33,13 +33,12 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from checkpoint_args import add_checkpoint_arguments, checkout_name, checkpoint_label, checkpoint_path
+from checkpoint_args import add_checkpoint_arguments, baseline_env, checkout_name, checkpoint_label, checkpoint_path
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -181,7 +180,7 @@ def main() -> None:
         return
     before = None
     if args.baseline:
-        env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
+        env = baseline_env(args.baseline)
         command = [sys.executable, __file__, "--json", "--model", path, "--rows", str(args.rows),
                    "--decode-tokens", str(args.decode_tokens), "--workload", args.workload, "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
