@@ -97,21 +97,33 @@ def median_run(policy, work, limits, repeat, make_backend=None):
     return runs[len(runs) // 2]
 
 
+def full_batch_decoding(policy) -> None:
+    """No EOS (every row decodes exactly its tokens; a backend reads the EOS ids when it is made) and stop strings
+    no row reaches, shaped like the real ones: their check costs what it costs every step (the old code decoded
+    every row's tail), and the batch stays full. The engine reads the stop strings when it starts."""
+    policy.model.generation_config.eos_token_id = None
+    sys.modules["vagent.rollout.engine"].STOP_STRINGS = ("</never_a_tool_call>", "</never_an_answer>")
+
+
 def decode_step_ms(
-    policy, rows: int, new_tokens: int, repeat: int = 1, warm_up: bool = True, temperature: float = 0.0
+    policy,
+    rows: int,
+    new_tokens: int,
+    repeat: int = 1,
+    warm_up: bool = True,
+    temperature: float = 0.0,
+    backend=None,
 ) -> dict[str, float]:
     """Mean wall time of a decode ``step()`` at ``rows`` rows, the median over ``repeat`` rollouts (see the module
-    docstring). Uses only what old and
-    new vagent share (``run``, ``HFBackend.step`` and its ``_pending`` queue), so ``--baseline`` can run it."""
+    docstring). Uses only what old and new vagent share (``run``, ``HFBackend.step`` and its ``_pending`` queue), so
+    ``--baseline`` can run it. ``backend``: one backend for the warm-up and every timed rollout (its CUDA graphs
+    are captured in the warm-up); default a new one per rollout."""
     from vagent.rollout import hf_backend
 
     image = Image.new("RGB", (448, 336), (120, 160, 200))
     work = [Task(id=f"d{i}", question=f"Question number {i}: what is in the picture?", images=[image])
             for i in range(rows)]  # fmt: skip
-    policy.model.generation_config.eos_token_id = None  # no EOS: every row decodes exactly new_tokens tokens
-    # Stop strings no row reaches, shaped like the real ones: their check costs what it costs every step (the old
-    # code decoded every row's tail), and the batch stays full. The engine reads them when it starts.
-    sys.modules["vagent.rollout.engine"].STOP_STRINGS = ("</never_a_tool_call>", "</never_an_answer>")
+    full_batch_decoding(policy)
     limits = RolloutLimits(max_turns=1, max_new_tokens=new_tokens, max_total_tokens=8192, temperature=temperature)
     times: list[float] = []
     original = hf_backend.HFBackend.step
@@ -126,12 +138,13 @@ def decode_step_ms(
 
     hf_backend.HFBackend.step = timed_step
     means = []
+    reuse = {"backend": backend} if backend is not None else {}  # old checkouts' run() takes no backend
     try:
-        if warm_up:
-            run(policy, work[:2], limits=limits, batch_size=2)
+        if warm_up:  # the full batch: every shape the timed runs use
+            run(policy, work, limits=limits, batch_size=rows, **reuse)
         for _ in range(repeat):
             times.clear()
-            out = run(policy, work, limits=limits, batch_size=rows)
+            out = run(policy, work, limits=limits, batch_size=rows, **reuse)
             means.append(1000 * sum(times) / len(times))
     finally:
         hf_backend.HFBackend.step = original
@@ -172,8 +185,12 @@ def decode_read_bytes(policy, rows: int, context: float) -> float:
     return weights + rows * context * per_token
 
 
-def decode_table(policy, args: argparse.Namespace) -> list[dict[str, float]]:
-    return [{**decode_step_ms(policy, rows, args.decode_tokens, args.repeat, temperature=t), "temperature": t}
+def decode_table(policy, args: argparse.Namespace, make_backend=None) -> list[dict[str, float]]:
+    """``decode_step_ms`` at each temperature and row count; ``make_backend(policy)`` makes each one's backend
+    (default: ``run``'s own, as an old checkout has it)."""
+    full_batch_decoding(policy)
+    return [{**decode_step_ms(policy, rows, args.decode_tokens, args.repeat, temperature=t,
+                              backend=make_backend(policy) if make_backend else None), "temperature": t}
             for t in args.decode_temperatures for rows in args.decode_rows]  # fmt: skip
 
 
@@ -185,7 +202,7 @@ def baseline_table(path: str, args: argparse.Namespace) -> list[dict[str, float]
                "--repeat", str(args.repeat), "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
     if args.device:
         command += ["--device", args.device]
-    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout  # stderr shows
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -225,19 +242,29 @@ def main() -> None:
 
 def decode_lines(policy, path: str, args: argparse.Namespace) -> list[str]:
     """The decode table (this code, and the baseline's column with ``--baseline``): its lines, also printed."""
+    from vagent.rollout import HFBackend
+
     before = baseline_table(path, args) if args.baseline else None
-    after = decode_table(policy, args)  # last: it turns EOS off and swaps the stop strings in this process
+    # last: they turn EOS off and swap the stop strings in this process
+    graphs = policy.device.type == "cuda"
+    eager = decode_table(policy, args, lambda p: HFBackend(p, cuda_graphs=False)) if graphs else None
+    after = decode_table(policy, args, HFBackend)
     bandwidth = copy_bandwidth(policy.device)
+    columns = [
+        *(["eager steps, ms"] if eager else []),
+        *([f"baseline {checkout_name(args.baseline)}, ms"] if before else []),
+    ]
     decode = [f"Decode step: {args.decode_tokens} tokens per row, full batch; read bound at {bandwidth / 1e9:,.0f} GB/s "
-              f"(a {policy.device.type} copy, measured in this run).", "",
-              f"| rows | sampling | ms per decode step | sampled tokens/s | read bound | step / bound | "
-              f"{'baseline ' + checkout_name(args.baseline) + ', ms per step' if before else ''} |", "|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+              f"(a {policy.device.type} copy, measured in this run)" + ("; steps replayed from CUDA graphs, against "
+              "the same steps run eagerly" if graphs else "") + ".", "",
+              f"| rows | sampling | ms per decode step | sampled tokens/s | read bound | step / bound | {' | '.join(columns)} |",
+              "|---:|---|---:|---:|---:|---:|" + "---:|" * len(columns)]  # fmt: skip
     for i, now in enumerate(after):
         bound_ms = 1000 * decode_read_bytes(policy, now["rows"], now["context"]) / bandwidth
-        old = f"{before[i]['step_ms']:.1f} ({before[i]['step_ms'] / now['step_ms']:.2f}x)" if before else ""
+        others = [f"{t[i]['step_ms']:.1f} ({t[i]['step_ms'] / now['step_ms']:.2f}x)" for t in (eager, before) if t]
         sampling = f"temperature {now['temperature']:g}" if now["temperature"] > 0 else "greedy"
         decode.append(f"| {now['rows']} | {sampling} | {now['step_ms']:.1f} | {1000 * now['rows'] / now['step_ms']:,.0f} | "
-                      f"{bound_ms:.2f} ms | {now['step_ms'] / bound_ms:.1f}x | {old} |")  # fmt: skip
+                      f"{bound_ms:.2f} ms | {now['step_ms'] / bound_ms:.1f}x | {' | '.join(others)} |")  # fmt: skip
     print("\n" + "\n".join(decode))
     return decode
 
@@ -249,7 +276,7 @@ def engine_table(policy, args: argparse.Namespace) -> list[str]:
     limits = RolloutLimits(max_turns=16, max_new_tokens=args.new_tokens, max_total_tokens=8192, temperature=0.0)
     work = tasks(args.rows)
     toolbox.TOOLS["sleep"] = sleep_tool(0.0)
-    timed_run(policy, work[:2], limits)  # warm-up (allocator, kernels)
+    timed_run(policy, work, limits)  # warm-up (allocator, kernels)
     t_gen, gen_out, gen_stats, gen_finish = median_run(policy, work, limits, args.repeat)
     _, noreuse_out, noreuse_stats, _ = timed_run(policy, work, limits, lambda p: HFBackend(p, reuse_cache=False))
     unshared = lambda p: HFBackend(p, share_prefix=False)  # noqa: E731
@@ -279,6 +306,11 @@ def engine_table(policy, args: argparse.Namespace) -> list[str]:
         ("forward passes (reuse / no reuse)", f"{gen_stats.forward_passes} / {noreuse_stats.forward_passes}", ""),
         ("stop-string tail decodes / decode steps", f"{gen_stats.stop_decodes} / {gen_stats.decode_steps}", ""),
         ("KV storage growths (generation-only run)", f"{gen_stats.cache_growths}", ""),
+        (
+            "CUDA graph captures (generation-only run)",
+            f"{gen_stats.graph_captures}, {gen_stats.graph_capture_s:.2f} s",
+            "",
+        ),
         ("T_gen (tools instant)", f"{t_gen:.2f} s", ""),
         ("T_gen, shared prefix per row", f"{t_unshared:.2f} s ({t_unshared / t_gen:.2f}x)", ""),
         (f"T_async ({args.tool_s:g} s tool, concurrent)", f"{t_async:.2f} s", ""),

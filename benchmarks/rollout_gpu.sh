@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The rollout engine's GPU measurement in one command, for a machine lent for a few minutes: a small-model smoke run
-# (stops here if the engine fails on the device), the GPU tests, then on Qwen2.5-VL-3B's shapes with Qwen's
-# vocabulary in bf16 the engine and decode tables (benchmarks/rollout.py) and the decode profile
-# (benchmarks/rollout_profile.py), both against the engine before the slot KV cache, written into
-# docs/benchmarks.md ("On a GPU"). Logs and the page go to $OUT.
+# The rollout engine's GPU measurement in one command, for a machine lent for a few minutes: the GPU tests, then on
+# Qwen2.5-VL-3B's shapes with Qwen's vocabulary in bf16 the engine and decode tables (benchmarks/rollout.py: CUDA
+# graphs, eager steps and the engine before the slot KV cache side by side) and the decode profiles
+# (benchmarks/rollout_profile.py, with graphs against the baseline, then eager), written into docs/benchmarks.md
+# ("On a GPU"). Logs and the page go to $OUT.
 #
 #   git worktree add .base afb217c   # the baseline (any checkout of it)
 #   OUT=/tmp/gpu bash benchmarks/rollout_gpu.sh
@@ -32,12 +32,13 @@ step() {  # step NAME CAP_S COMMAND...: run it under min(CAP_S, what is left of 
 }
 
 { nvidia-smi 2>&1; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } > "$OUT/machine.txt"
-step smoke 120 $PY benchmarks/rollout.py --size small --device "$DEVICE" --dtype "$DTYPE" --rows 2 --repeat 1 \
-    --decode-rows 16 || exit 1
-[[ $DEVICE == cuda ]] && step gpu-tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py
-step rollout 400 $PY benchmarks/rollout.py --size "$SIZE" --vocab qwen --device "$DEVICE" --dtype "$DTYPE" --repeat 1 \
+[[ $DEVICE == cuda ]] && step gpu-tests 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py \
+    tests/test_rollout_backend.py
+step rollout 330 $PY benchmarks/rollout.py --size "$SIZE" --vocab qwen --device "$DEVICE" --dtype "$DTYPE" --repeat 1 \
     --checkpoint-dir "$CKPT" --baseline "$BASE" --doc
-step profile 200 $PY benchmarks/rollout_profile.py --size "$SIZE" --vocab qwen --device "$DEVICE" --dtype "$DTYPE" \
+step profile 120 $PY benchmarks/rollout_profile.py --size "$SIZE" --vocab qwen --device "$DEVICE" --dtype "$DTYPE" \
     --rows 16 --checkpoint-dir "$CKPT" --baseline "$BASE" --doc
+step profile-eager 80 $PY benchmarks/rollout_profile.py --size "$SIZE" --vocab qwen --device "$DEVICE" \
+    --dtype "$DTYPE" --rows 16 --checkpoint-dir "$CKPT" --eager --doc
 cp docs/benchmarks.md "$OUT/"
 echo "== done after ${SECONDS}s"

@@ -71,6 +71,7 @@ def _instrument(policy, all_steps: bool) -> list[bool]:
     gate = [False]
     backend = hf_backend.HFBackend
     _label(backend, "_forward", "forward", gate)
+    _label(backend, "_graph_decode", "forward", gate)  # a decode step replayed from a CUDA graph
     _label(backend, "_sample", "sampling", gate)
     for name in ("_join", "_leave"):  # the old backend's batch compaction
         _label(backend, name, "cache (outside)", gate)
@@ -141,11 +142,21 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if policy.device.type == "cuda" else [])
+    # This code: one backend for the warm-up and the profiled run, so its CUDA graphs are captured before the
+    # profile (the baseline, --json, makes a backend per run as its run() does).
+    backend = None
+    if not args.json:
+        from vagent.rollout import HFBackend
+
+        if args.workload == "decode":
+            bench.full_batch_decoding(policy)  # before the backend reads the EOS ids
+        backend = HFBackend(policy, cuda_graphs=False if args.eager else None)
     if args.workload == "decode":
-        bench.decode_step_ms(policy, 2, 4)  # warm-up, and it switches EOS off and swaps the stop strings
+        # warm-up at the profiled shapes (the baseline's EOS and stop strings are switched here)
+        bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False, backend=backend)
         _instrument(policy, all_steps=False)
         with profile(activities=activities) as prof:
-            bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False)  # only the full batch
+            bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False, backend=backend)
         return _breakdown(prof.events())
     from vagent import toolbox
     from vagent.rollout import RolloutLimits, run
@@ -153,11 +164,12 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     toolbox.TOOLS["sleep"] = bench.sleep_tool(0.0)
     limits = RolloutLimits(max_turns=16, max_new_tokens=args.decode_tokens, max_total_tokens=8192, temperature=0.0)
     work = bench.tasks(args.rows)
-    run(policy, work[:2], limits=limits, batch_size=2)  # warm-up
+    reuse = {"backend": backend} if backend is not None else {}
+    run(policy, work, limits=limits, batch_size=len(work), **reuse)  # warm-up
     _instrument(policy, all_steps=True)
     with profile(activities=activities) as prof:
         with record_function("rollout"):
-            run(policy, work, limits=limits, batch_size=len(work))
+            run(policy, work, limits=limits, batch_size=len(work), **reuse)
     out = _breakdown(prof.events())
     total = next(e for e in prof.events() if e.name == "rollout").cpu_time_total / 1000
     out["engine outside steps (ms per run)"] = total - out["step"] * out["steps"]
@@ -172,6 +184,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--baseline", help="A checkout of another vagent to profile too, side by side.")
     parser.add_argument("--json", action="store_true", help="Print this code's breakdown as JSON (baseline runs).")
+    parser.add_argument(
+        "--eager", action="store_true", help="Decode eagerly on CUDA too (HFBackend(cuda_graphs=False))."
+    )
     parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     args = parser.parse_args()
     path = checkpoint_path(args)
@@ -183,7 +198,7 @@ def main() -> None:
         env = baseline_env(args.baseline)
         command = [sys.executable, __file__, "--json", "--model", path, "--rows", str(args.rows),
                    "--decode-tokens", str(args.decode_tokens), "--workload", args.workload, "--dtype", args.dtype, "--threads", str(torch.get_num_threads())]  # fmt: skip
-        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout  # stderr shows
         before = json.loads(out.strip().splitlines()[-1])
     policy = load_policy(path, device=args.device, dtype=args.dtype)  # after the baseline: one model in memory
     after = profile_decode(policy, args)
@@ -205,7 +220,9 @@ def main() -> None:
     if args.doc:
         from doc_table import write_section
 
-        key = f"profile-{policy.device.type}-{checkpoint_label(args)}-{args.workload}"
+        key = f"profile-{policy.device.type}-{checkpoint_label(args)}-{args.workload}" + (
+            "-eager" if args.eager else ""
+        )
         write_section(key, "\n".join(lines), device=str(policy.device))
 
 

@@ -8,6 +8,7 @@ import torch
 from PIL import Image
 
 from vagent.rollout import GenerationBackend, HFBackend, RolloutLimits, Task, TurnBarrier, generate, run
+from vagent.rollout.decode_graphs import DecodeGraphs
 from vagent.rollout.kv_cache import SlotCache
 from vagent.rollout.stops import StopMatcher
 from vagent.types import ContentPart, Message
@@ -201,6 +202,40 @@ def test_under_autocast_the_cache_stores_what_the_layers_make(policy):
         out = run(policy, _tasks()[:2], limits=RolloutLimits(max_turns=2, max_new_tokens=6), backend=backend)
     assert backend.cache.dtype == torch.bfloat16 and all(t.metrics["sampled_tokens"] > 0 for t in out)
     assert all(len(t.token_ids) == len(t.logprobs) == len(t.loss_mask) for t in out)
+
+
+def test_bucketed_decode_steps_generate_the_eager_steps_tokens(policy):
+    """What a CUDA graph records, run eagerly: each decode step padded to a power-of-two batch (the padding rows
+    write into a scratch slot) and a power-of-two key length gives the unpadded step's greedy tokens, through
+    rows joining and leaving, one graph per shape."""
+    limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)
+    tasks = _tasks()[:3]  # three rows: the batch pads to four
+    backend = HFBackend(policy, cuda_graphs=False)
+    backend.graphs = DecodeGraphs(policy.model, backend.cache, backend._cache_argument, capture=False)
+    seen = []
+    decode = backend.graphs.decode
+    backend.graphs.decode = lambda ids, *args: seen.append(len(ids)) or decode(ids, *args)
+    bucketed = run(policy, tasks, limits=limits, batch_size=3, backend=backend)
+    eager = run(policy, tasks, limits=limits, batch_size=3, backend=HFBackend(policy, cuda_graphs=False))
+    assert [t.token_ids for t in bucketed] == [t.token_ids for t in eager]
+    assert 3 in seen and len(seen) == backend.stats().decode_steps  # every decode step went through the buckets
+    assert {batch for batch, _, _ in backend.graphs.graphs} <= {1, 2, 4} and len(backend.graphs.graphs) <= 6
+    assert all(keys >= 128 and keys & (keys - 1) == 0 for _, keys, _ in backend.graphs.graphs)
+    assert backend.stats().graph_captures == 0  # nothing captured on the CPU
+    assert HFBackend(policy).graphs is None  # graphs are a CUDA thing
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_generates_the_eager_tokens(tiny_qwen25):
+    from vagent.model import load_policy
+
+    policy = load_policy(tiny_qwen25, device="cuda", dtype="float32")
+    limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)
+    graphed = HFBackend(policy)
+    out = run(policy, _tasks(), limits=limits, batch_size=4, backend=graphed)
+    eager = run(policy, _tasks(), limits=limits, batch_size=4, backend=HFBackend(policy, cuda_graphs=False))
+    assert graphed.graphs.failed is None and graphed.stats().graph_captures > 0
+    assert [t.token_ids for t in out] == [t.token_ids for t in eager]
 
 
 def test_the_inverse_cdf_draw_has_the_multinomial_distribution_and_never_draws_a_zero():

@@ -78,6 +78,8 @@ class BackendStats:
         decode_steps: Decode forwards (a subset of ``forward_passes``).
         stop_decodes: Tail decodes the stop-string fallback needed (``StopMatcher``).
         cache_growths: Times the KV storage was reallocated to hold more rows or tokens.
+        graph_captures: CUDA graphs of the decode step captured (one per shape bucket and storage).
+        graph_capture_s: Wall time of those captures (their warm-up forwards included).
     """
 
     prefill_tokens: int = 0
@@ -87,6 +89,8 @@ class BackendStats:
     decode_steps: int = 0
     stop_decodes: int = 0
     cache_growths: int = 0
+    graph_captures: int = 0
+    graph_capture_s: float = 0.0
 
 
 @runtime_checkable

@@ -20,9 +20,12 @@ Why the cache is exact:
   prompt with its tool schemas) prefill that prefix once (``common_prefix_length``, the rule training's
   shared-prefix forward uses too), copied into each row's slot.
 
+On CUDA, decode steps replay CUDA graphs captured at bucketed shapes (``decode_graphs.py``): a decode forward
+is otherwise bound by the host's kernel launches. Prefills run eagerly (their shapes vary with every turn).
+
 Reference switches for tests and benchmarks (constructor arguments, not engine options):
 ``reuse_cache=False`` forgets each row's cache at the end of its turn (every turn re-prefills the whole
-sequence); ``share_prefix=False`` prefills every row's prefix itself.
+sequence); ``share_prefix=False`` prefills every row's prefix itself; ``cuda_graphs=False`` decodes eagerly.
 
 Not safe, so not done: sliding-window layers (such models raise at construction).
 """
@@ -37,6 +40,7 @@ import torch
 
 from vagent.model import Policy, cache_argument, common_prefix_length, rope_positions
 from vagent.rollout.backend import BackendStats, Sampling, TurnRequest, TurnResult
+from vagent.rollout.decode_graphs import DecodeGraphs, graphs_safe
 from vagent.rollout.kv_cache import SlotCache
 from vagent.rollout.stops import StopMatcher
 
@@ -66,9 +70,15 @@ class HFBackend:
         policy: The loaded policy.
         reuse_cache: Keep each row's KV cache between turns (False: the re-prefill reference).
         share_prefix: Prefill the text that rows starting together share once (False: the per-row reference).
+        cuda_graphs: Replay decode steps from CUDA graphs (None: on CUDA, unless the parameters are sharded).
+
+    Attributes:
+        graphs: The decode graphs, or None (CPU, sharded parameters, ``cuda_graphs=False``).
     """
 
-    def __init__(self, policy: Policy, *, reuse_cache: bool = True, share_prefix: bool = True) -> None:
+    def __init__(
+        self, policy: Policy, *, reuse_cache: bool = True, share_prefix: bool = True, cuda_graphs: bool | None = None
+    ) -> None:
         text_config = policy.model.config.get_text_config()
         if "sliding_attention" in (getattr(text_config, "layer_types", None) or []):
             raise ValueError("sliding-window attention layers are not supported by the HF rollout backend")
@@ -89,6 +99,9 @@ class HFBackend:
         self._decoding: list[_Row] = []  # the decode batch, in slot order
         self._matchers: dict[tuple[str, ...], StopMatcher] = {}
         self._stats = BackendStats()
+        if cuda_graphs is None:
+            cuda_graphs = policy.device.type == "cuda" and graphs_safe(policy.model)
+        self.graphs = DecodeGraphs(policy.model, self.cache, self._cache_argument) if cuda_graphs else None
 
     # -- GenerationBackend --------------------------------------------------------------------------
 
@@ -113,6 +126,8 @@ class HFBackend:
     def stats(self) -> BackendStats:
         self._stats.cache_growths = self.cache.growths
         self._stats.stop_decodes = sum(m.decodes for m in self._matchers.values())
+        if self.graphs is not None:
+            self._stats.graph_captures, self._stats.graph_capture_s = self.graphs.captures, self.graphs.capture_s
         return self._stats
 
     @torch.no_grad()
@@ -245,21 +260,32 @@ class HFBackend:
         """Feed every generating row its last sampled token (written at its own length in its slot)."""
         rows = self._decoding
         lengths = [row.length for row in rows]
-        key_length = max(lengths) + 1
-        self.cache.reserve(self.cache.slots, key_length)
-        self.cache.plan([row.slot for row in rows], lengths, 1, key_length)
-        input_ids = torch.tensor([[row.last] for row in rows])
-        positions = torch.tensor([row.next_pos for row in rows]).view(1, -1, 1).expand(3, -1, -1)
-        sees = (
-            torch.arange(key_length) <= torch.tensor(lengths)[:, None]
-        )  # (B, K): the row's own tokens and the new one
-        logits = self._forward(input_ids, positions, sees.view(len(rows), 1, 1, key_length),
-                               torch.zeros(len(rows), dtype=torch.long))  # fmt: skip
+        logits = self._graph_decode(rows, lengths) if self.graphs is not None else None
+        if logits is None:
+            key_length = max(lengths) + 1
+            self.cache.reserve(self.cache.slots, key_length)
+            self.cache.plan([row.slot for row in rows], lengths, 1, key_length)
+            input_ids = torch.tensor([[row.last] for row in rows])
+            positions = torch.tensor([row.next_pos for row in rows]).view(1, -1, 1).expand(3, -1, -1)
+            sees = torch.arange(key_length) <= torch.tensor(lengths)[:, None]  # (B, K): own tokens and the new one
+            logits = self._forward(input_ids, positions, sees.view(len(rows), 1, 1, key_length),
+                                   torch.zeros(len(rows), dtype=torch.long))  # fmt: skip
         for row in rows:
             row.length += 1
             row.next_pos += 1
         self._stats.decode_tokens += len(rows)
         self._stats.decode_steps += 1
+        return logits
+
+    def _graph_decode(self, rows: list[_Row], lengths: list[int]) -> torch.Tensor | None:
+        """The decode forward replayed from a CUDA graph (None when graphs are off or failed to capture)."""
+        start = time.perf_counter()
+        self._match_cache_dtype()
+        live = len(self._rows) + len(self._free)
+        logits = self.graphs.decode([r.last for r in rows], [r.next_pos for r in rows], [r.slot for r in rows],
+                                    lengths, live)  # fmt: skip
+        if logits is not None:
+            self._timed(start)
         return logits
 
     # -- shared -------------------------------------------------------------------------------------
@@ -269,10 +295,7 @@ class HFBackend:
         (B, 1, new tokens, keys) bool, True where a query may attend."""
         model, device = self.policy.model, self.policy.device
         start = time.perf_counter()
-        # Keys are stored in the dtype the layers make them in: bf16 under the GRPO recipe's autocast, else the
-        # model's. (On a GPU a varlen/paged kernel would take each row's length instead of the mask: kv_cache.py.)
-        autocast = torch.is_autocast_enabled(device.type)
-        self.cache.ensure_dtype(torch.get_autocast_dtype(device.type) if autocast else self.policy.dtype)
+        self._match_cache_dtype()
         out = model.model(
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),  # 4-D bool: transformers hands it to SDPA as-is
@@ -284,11 +307,22 @@ class HFBackend:
         rows = torch.arange(input_ids.shape[0], device=device)
         hidden = out.last_hidden_state[rows, last_index.to(device)]  # (B, H)
         logits = model.lm_head(hidden).float()  # (B, V): only the positions we sample from, never (B, T, V)
-        if logits.is_cuda:
-            torch.cuda.synchronize()  # so forward_s is the forward's time, not its launch time
+        self._timed(start)
+        return logits
+
+    def _match_cache_dtype(self) -> None:
+        """Keys are stored in the dtype the layers make them in: bf16 under the GRPO recipe's autocast, else the
+        model's. (On a GPU a varlen/paged kernel would take each row's length instead of the mask: kv_cache.py.)"""
+        device = self.policy.device
+        autocast = torch.is_autocast_enabled(device.type)
+        self.cache.ensure_dtype(torch.get_autocast_dtype(device.type) if autocast else self.policy.dtype)
+
+    def _timed(self, start: float) -> None:
+        """Count a forward that started at ``start`` (on CUDA after it finishes, not when it was launched)."""
+        if self.policy.device.type == "cuda":
+            torch.cuda.synchronize()
         self._stats.forward_s += time.perf_counter() - start
         self._stats.forward_passes += 1
-        return logits
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """(B, V) raw logits -> each row's sampled id and its unwarped log-prob, with each row's own sampling."""

@@ -15,13 +15,10 @@ over. Here that is the batch's slots up to the longest row: a view when the batc
 ``(B, 1, query, keys)`` mask (each row sees its own ``[0, length)`` plus causal new tokens), which
 transformers returns as-is to SDPA.
 
-On a GPU this is where other kernels would take over (not done here: there is no GPU to test on):
-flash-attn's ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-cache_batch_idx=slots)`` does the in-place write and the attention over each row's valid length in one
-kernel, with no gather and no dense mask (registered through transformers' ``AttentionInterface``, reading
-the same plan). The storage is also what CUDA graphs need: fixed addresses; a captured decode step at a few
-batch-size buckets would take its slot indices, write positions and mask as static input buffers
-(``plan`` would copy into them instead of making new tensors). Neither is implemented or claimed.
+On a GPU the storage is also what CUDA graphs need, fixed addresses: ``decode_graphs.py`` captures the decode
+forward at bucketed shapes, planned by ``plan_static`` from its static input buffers. Not done: flash-attn's
+``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, cache_batch_idx=slots)`` would do the
+in-place write and the attention over each row's valid length in one kernel, with no gather and no dense mask.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ class SlotCache:
         dtype, device: Of the stored keys and values.
     """
 
-    is_compileable = False  # transformers asks; compiling it is the CUDA-graph hook above, not done
+    is_compileable = False  # transformers asks (torch.compile); CUDA graphs capture it as it is: decode_graphs.py
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -111,6 +108,14 @@ class SlotCache:
         consecutive = slots == list(range(first, first + len(slots)))
         self._window = slice(first, first + len(slots)) if consecutive else None
         self._key_length = key_length
+
+    def plan_static(self, slot_index: torch.Tensor, positions: torch.Tensor, key_length: int) -> None:
+        """Plan forwards from tensors the caller owns and refills between them (a CUDA graph's static inputs): row
+        ``b`` is slot ``slot_index[b]``, its new tokens go to ``positions[b]`` (B, width); attention reads
+        ``[0, key_length)`` of each row's slot, gathered (the slots need not be consecutive)."""
+        if key_length > self.capacity:
+            raise ValueError("SlotCache.plan_static: reserve() room for key_length first")
+        self._slot_index, self._positions, self._window, self._key_length = slot_index, positions, None, key_length
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object

@@ -1,0 +1,162 @@
+"""Decode steps replayed from CUDA graphs: the forward of one token per row, captured once per shape bucket.
+
+A decode forward on a GPU is bound by the host, not the GPU: a 3B model's step launches about a thousand small
+kernels through transformers' Python, and on an H100 the GPU was busy 7 of a step's 90 ms
+(docs/benchmarks.md, "On a GPU"). A CUDA graph records a forward's kernels once and replays them with one launch.
+
+A graph fixes its shapes and the addresses it reads, so every decode step is padded to a bucket:
+
+* batch: the next power of two >= the generating rows; the padding rows decode into a scratch slot (one slot past
+  every live row's) and their logits are dropped;
+* keys: attention reads each row's slot up to the next power of two >= the step's key length (>= 128), masked to
+  the row's own tokens as in the eager step;
+* inputs (token ids, positions, slots, write positions, mask) are copied into static buffers before a replay,
+  and the cache is planned with those buffers (``SlotCache.plan_static``).
+
+Graphs are keyed by (batch bucket, key bucket) and dropped when the KV storage is reallocated (its addresses
+change). All graphs share one memory pool; a capture costs one eager warm-up forward and the capture itself.
+When the model's parameters can move between forwards (FSDP, DeepSpeed ZeRO-3 gather them per forward) there are
+no graphs. A capture that fails (an operation in the forward that a graph cannot hold) turns graphs off for the
+backend, with one warning, and the step runs eagerly.
+
+``capture=False`` runs the same padded, bucketed forward eagerly: the CPU tests check with it that the padding,
+the scratch slot and the key buckets give the eager step's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from vagent.rollout.kv_cache import SlotCache
+
+__all__ = ["DecodeGraphs", "graphs_safe"]
+
+log = logging.getLogger(__name__)
+
+_MIN_KEYS = 128
+
+
+def graphs_safe(model: torch.nn.Module) -> bool:
+    """False when the parameters may be gathered into new memory each forward (FSDP's DTensors, ZeRO-3)."""
+    return not any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _bucket(n: int, least: int = 1) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+@dataclass
+class _Graph:
+    """One captured shape: its static inputs, its output and the graph (None when not captured)."""
+
+    ids: torch.Tensor  # (B, 1)
+    positions: torch.Tensor  # (3, B, 1)
+    slots: torch.Tensor  # (B,)
+    writes: torch.Tensor  # (B, 1)
+    mask: torch.Tensor  # (B, 1, 1, K) bool
+    logits: torch.Tensor | None = None  # (B, V) float
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """Bucketed decode forwards over a ``SlotCache``, captured as CUDA graphs (see the module docstring).
+
+    Args:
+        model: The transformers ``...ForConditionalGeneration`` model (its ``.model`` and ``lm_head``).
+        cache: The backend's KV storage.
+        cache_argument: The keyword the model's forward takes the cache by.
+        capture: Capture CUDA graphs (False: run the bucketed forward eagerly).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, cache_argument: str, capture: bool = True) -> None:
+        self.model, self.cache, self.cache_argument, self.capture = model, cache, cache_argument, capture
+        self.device = next(model.parameters()).device
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[tuple[int, int, torch.dtype | None], _Graph] = {}
+        self._storage = self._storage_id()
+        self.failed: str | None = None
+        self.captures = 0
+        self.capture_s = 0.0
+
+    def _storage_id(self) -> tuple[int, int, torch.dtype]:
+        return self.cache.growths, self.cache.slots, self.cache.dtype
+
+    def decode(self, ids: list[int], positions: list[int], slots: list[int], lengths: list[int], live: int):
+        """Logits (rows, V) of one decode step: row b feeds token ``ids[b]`` at RoPE position ``positions[b]``,
+        written at ``lengths[b]`` of slot ``slots[b]``; ``live`` slots are in use. None when graphs are off."""
+        if self.failed is not None:
+            return None
+        rows = len(ids)
+        batch, keys = _bucket(rows), _bucket(max(lengths) + 1, _MIN_KEYS)
+        self.cache.reserve(live + 1, keys)  # the slot past every live one is the padding rows' scratch
+        if self._storage_id() != self._storage:  # reallocated: the graphs read the old addresses
+            self.graphs.clear()
+            self._storage = self._storage_id()
+        autocast = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
+        entry = self.graphs.get((batch, keys, autocast))
+        fresh = entry is None
+        if fresh:
+            entry = self.graphs[(batch, keys, autocast)] = self._buffers(batch, keys)
+        self._fill(entry, ids, positions, slots, lengths, scratch=self.cache.slots - 1)
+        if not self.capture:
+            return self._forward(entry, autocast)[:rows]
+        if fresh:
+            try:
+                self._capture(entry, autocast)
+            except Exception as error:  # any capture failure: decode eagerly from now on
+                self.failed = f"{type(error).__name__}: {error}"
+                self.graphs.clear()
+                log.warning("CUDA graph capture of the decode step failed; decoding eagerly (%s)", self.failed)
+                return None
+        entry.graph.replay()
+        return entry.logits[:rows]
+
+    def _buffers(self, batch: int, keys: int) -> _Graph:
+        long = dict(dtype=torch.long, device=self.device)
+        return _Graph(ids=torch.zeros(batch, 1, **long), positions=torch.zeros(3, batch, 1, **long),
+                      slots=torch.zeros(batch, **long), writes=torch.zeros(batch, 1, **long),
+                      mask=torch.zeros(batch, 1, 1, keys, dtype=torch.bool, device=self.device))  # fmt: skip
+
+    def _fill(self, entry: _Graph, ids, positions, slots, lengths, scratch: int) -> None:
+        """Copy one step's inputs into the static buffers; padding rows write at 0 of the scratch slot and see it."""
+        batch, keys = entry.mask.shape[0], entry.mask.shape[-1]
+        pad = batch - len(ids)
+        ids_t = torch.tensor([*ids, *[0] * pad])
+        positions_t = torch.tensor([*positions, *[0] * pad])
+        slots_t = torch.tensor([*slots, *[scratch] * pad])
+        writes_t = torch.tensor([*lengths, *[0] * pad])
+        mask = torch.arange(keys) <= writes_t[:, None]  # (B, K): the row's own tokens and the new one
+        entry.ids.copy_(ids_t[:, None], non_blocking=True)
+        entry.positions.copy_(positions_t.view(1, -1, 1).expand(3, -1, -1), non_blocking=True)
+        entry.slots.copy_(slots_t, non_blocking=True)
+        entry.writes.copy_(writes_t[:, None], non_blocking=True)
+        entry.mask.copy_(mask.view(batch, 1, 1, keys), non_blocking=True)
+
+    def _forward(self, entry: _Graph, autocast: torch.dtype | None) -> torch.Tensor:
+        """The bucketed decode forward on the static buffers (what a graph records)."""
+        self.cache.plan_static(entry.slots, entry.writes, entry.mask.shape[-1])
+        # a graph cannot hold autocast's cache of cast weights: cast inside the graph, every replay
+        cast = torch.autocast(self.device.type, dtype=autocast, cache_enabled=False) if autocast else nullcontext()
+        with cast:
+            out = self.model.model(input_ids=entry.ids, attention_mask=entry.mask, position_ids=entry.positions,
+                                   **{self.cache_argument: self.cache}, use_cache=True)  # fmt: skip
+            return self.model.lm_head(out.last_hidden_state[:, 0]).float()
+
+    def _capture(self, entry: _Graph, autocast: torch.dtype | None) -> None:
+        """Warm up on a side stream (lazy initializations stay out of the graph), then record the forward."""
+        start = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(entry, autocast)  # rewrites this step's keys and values: the same ones
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        entry.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(entry.graph, pool=self.pool, capture_error_mode="thread_local"):  # tools use threads
+            entry.logits = self._forward(entry, autocast)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
