@@ -24,7 +24,11 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 def commit() -> str:
     """The short commit hash of the working tree, with ``+changes`` when tracked files differ from it (the page the
-    benchmarks write into does not count: one benchmark's section must not mark the next one's commit)."""
+    benchmarks write into does not count: one benchmark's section must not mark the next one's commit).
+    ``BENCH_COMMIT`` overrides it where the tree ran without its own git history (a working tree copied onto a
+    device machine whose checkout's HEAD is another commit)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode != 0:
         return "unknown"

@@ -224,12 +224,14 @@ def main() -> None:
     parser.add_argument("--doc", action="store_true", help="Also write the tables into docs/benchmarks.md.")
     args = parser.parse_args()
     path = checkpoint_path(args)
+    # the baseline's subprocess first: one model in the device's memory at a time
+    before = baseline_table(path, args) if args.baseline and args.decode_rows and not args.decode_only else None
     policy = load_policy(path, device=args.device, dtype=args.dtype)
     if args.decode_only:
         print(json.dumps(decode_table(policy, args)))
         return
     engine = engine_table(policy, args)
-    decode = decode_lines(policy, path, args) if args.decode_rows else []
+    decode = decode_lines(policy, args, before) if args.decode_rows else []
     if args.doc:
         from doc_table import write_section
 
@@ -240,11 +242,11 @@ def main() -> None:
         write_section(key, body, device=str(policy.device))
 
 
-def decode_lines(policy, path: str, args: argparse.Namespace) -> list[str]:
-    """The decode table (this code, and the baseline's column with ``--baseline``): its lines, also printed."""
+def decode_lines(policy, args: argparse.Namespace, before: list[dict[str, float]] | None) -> list[str]:
+    """The decode table (this code, its eager steps on CUDA, and ``before``, the baseline's ``decode_table``):
+    its lines, also printed."""
     from vagent.rollout import HFBackend
 
-    before = baseline_table(path, args) if args.baseline else None
     # last: they turn EOS off and swap the stop strings in this process
     graphs = policy.device.type == "cuda"
     eager = decode_table(policy, args, lambda p: HFBackend(p, cuda_graphs=False)) if graphs else None
@@ -322,6 +324,9 @@ def engine_table(policy, args: argparse.Namespace) -> list[str]:
         ("speed-up T_sync / T_async", f"{t_sync / t_async:.2f}x", ""),
         ("sampled tokens/s (generation-only run)", f"{sampled / t_gen:,.0f}", ""),
     ]
+    if policy.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(policy.device) / 2**30
+        rows.append(("peak GPU memory allocated (model included)", f"{peak:.1f} GiB", ""))
     lines = [f"{policy.family} {args.model or args.size} ({policy.model.get_input_embeddings().num_embeddings:,}-row vocabulary) on "
              f"{policy.device} ({policy.dtype}), {args.rows} rows, {sum(calls.values())} tool calls, {sampled} sampled / "
              f"{unique} unique tokens, identical tokens in all runs: {same}.", "",

@@ -6,7 +6,10 @@
 # ("On a GPU"). Logs and the page go to $OUT.
 #
 #   git worktree add .base afb217c   # the baseline (any checkout of it)
-#   OUT=/tmp/gpu bash benchmarks/rollout_gpu.sh
+#   OUT=/tmp/gpu BENCH_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/rollout_gpu.sh
+#
+# BENCH_COMMIT names the commit in the tables' provenance; set it from here when the tree is copied to the machine
+# that runs it (there, git may report another HEAD).
 #
 # Environment: OUT (default /tmp/vagent-gpu), BASE (default .base), DEVICE (cuda), SIZE (3b), DTYPE (bfloat16),
 # BUDGET_S (seconds the whole script may take, default 580: each step's limit is cut to what is left of it).

@@ -20,7 +20,8 @@ and the steps' time is split into:
 
 The parts are host (CPU) times. On CUDA, where kernels run asynchronously, a part's time is its launches plus any
 wait for the GPU (sampling waits for the logits), and one more row gives the kernels the steps launched, on the
-GPU's clock: a step far longer than its kernels is bound by the host, not the GPU.
+GPU's clock: a step far longer than its kernels is bound by the host, not the GPU. (The profiler does not attribute
+the kernels of a CUDA graph's replay to the step: with graphs that row reads "not traced".)
 
 With ``--baseline DIR`` the same profile runs in a subprocess on the vagent at DIR (e.g. a
 ``git worktree add /tmp/base afb217c``), on the same checkpoint; both tables are printed. ``--doc`` also writes the
@@ -137,6 +138,13 @@ def _breakdown(events) -> dict[str, float]:
     return per_step
 
 
+def _replays_graphs(backend) -> bool:
+    """Whether the backend's decode steps replayed CUDA graphs: the profiler does not attribute a replay's kernels
+    to the step that launched it, so their GPU time is not in the profile."""
+    graphs = getattr(backend, "graphs", None)
+    return bool(graphs is not None and graphs.captures)
+
+
 def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).with_name("rollout.py"))
     bench = importlib.util.module_from_spec(spec)
@@ -157,7 +165,7 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
         _instrument(policy, all_steps=False)
         with profile(activities=activities) as prof:
             bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False, backend=backend)
-        return _breakdown(prof.events())
+        return {**_breakdown(prof.events()), "graphs": _replays_graphs(backend)}
     from vagent import toolbox
     from vagent.rollout import RolloutLimits, run
 
@@ -170,7 +178,7 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     with profile(activities=activities) as prof:
         with record_function("rollout"):
             run(policy, work, limits=limits, batch_size=len(work), **reuse)
-    out = _breakdown(prof.events())
+    out = {**_breakdown(prof.events()), "graphs": _replays_graphs(backend)}
     total = next(e for e in prof.events() if e.name == "rollout").cpu_time_total / 1000
     out["engine outside steps (ms per run)"] = total - out["step"] * out["steps"]
     return out
@@ -210,7 +218,8 @@ def main() -> None:
         cells = [f"{t[part]:.2f} ({t[part] / t['step']:.0%})" if t else "" for t in (after, before)]
         lines.append(f"| {part} | {cells[0]} | {cells[1]} |")
     if policy.device.type == "cuda":
-        cells = [f"{t['GPU kernels']:.2f} ({t['GPU kernels'] / t['step']:.0%})" if t else "" for t in (after, before)]
+        cells = ["not traced (graph replays)" if t and t.get("graphs") else
+                 f"{t['GPU kernels']:.2f} ({t['GPU kernels'] / t['step']:.0%})" if t else "" for t in (after, before)]  # fmt: skip
         lines.append(f"| GPU kernels (device clock) | {cells[0]} | {cells[1]} |")
     lines.append(f"| steps | {after['steps']} | {before['steps'] if before else ''} |")
     if args.workload == "multiturn":

@@ -44,6 +44,26 @@ def test_bm25_ranks_the_relevant_document_first_and_deterministically(tmp_path):
     assert first.search("zeppelin", k=5) == []  # no term in the vocabulary
 
 
+def test_bm25s_and_jax_are_imported_only_when_a_corpus_is_indexed_and_jax_stays_off_the_gpu():
+    """bm25s runs a JAX op at import where JAX is installed, and JAX then reserves most of a GPU's memory: importing
+    the tools and the rollout engine must not import it, and indexing a corpus keeps JAX on the CPU."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "import vagent.toolbox, vagent.rollout\n"
+        "assert 'bm25s' not in sys.modules and 'jax' not in sys.modules, 'imported at startup'\n"
+        "from vagent.toolbox.search import BM25Backend\n"
+        "BM25Backend.from_records([{'title': 't', 'text': 'a tower in Paris'}])\n"
+        "assert 'bm25s' in sys.modules and os.environ['JAX_PLATFORMS'] == 'cpu'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_bm25_breaks_ties_by_corpus_order():
     twins = [{"title": f"Copy {i}", "text": "identical body about quokkas"} for i in range(5)]
     assert [r.title for r in BM25Backend.from_records(twins).search("quokkas", k=3)] == ["Copy 0", "Copy 1", "Copy 2"]

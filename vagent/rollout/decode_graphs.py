@@ -95,7 +95,7 @@ class DecodeGraphs:
         batch, keys = _bucket(rows), _bucket(max(lengths) + 1, _MIN_KEYS)
         self.cache.reserve(live + 1, keys)  # the slot past every live one is the padding rows' scratch
         if self._storage_id() != self._storage:  # reallocated: the graphs read the old addresses
-            self.graphs.clear()
+            self._drop_graphs()
             self._storage = self._storage_id()
         autocast = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
         entry = self.graphs.get((batch, keys, autocast))
@@ -110,11 +110,18 @@ class DecodeGraphs:
                 self._capture(entry, autocast)
             except Exception as error:  # any capture failure: decode eagerly from now on
                 self.failed = f"{type(error).__name__}: {error}"
-                self.graphs.clear()
+                self._drop_graphs()
                 log.warning("CUDA graph capture of the decode step failed; decoding eagerly (%s)", self.failed)
                 return None
         entry.graph.replay()
         return entry.logits[:rows]
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph and capture the next ones into a new memory pool: a pool whose graphs are all gone
+        is released, and capturing into its handle again fails inside PyTorch's allocator (seen on an H100)."""
+        self.graphs.clear()
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def _buffers(self, batch: int, keys: int) -> _Graph:
         long = dict(dtype=torch.long, device=self.device)

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import bm25s
 import numpy as np
 import requests
 
@@ -94,9 +93,20 @@ def _clip(text: str, limit: int = SNIPPET_CHARS) -> str:
     return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:.") + "…"
 
 
+def _bm25s():
+    """``bm25s``, imported on first use and kept off the GPU. Importing it imports JAX when JAX is installed and
+    runs a JAX op, and JAX on a GPU machine then reserves 75% of the GPU's memory for itself (on an H100 it took
+    59 of 80 GB, and the policy's next load ran out of memory). Its top-k runs on the CPU instead, unless the
+    user's environment names JAX's platforms itself."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
+
+
 def _tokens(texts: list[str]) -> list[list[str]]:
     # No stemmer on purpose: PyStemmer is optional, and results must not depend on what is installed.
-    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+    return _bm25s().tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
 _TEXT_FIELDS = ("text", "snippet", "contents")
@@ -162,7 +172,7 @@ class BM25Backend:
         self.titles = [r[0] for r in records]
         self.snippets = [_clip(r[1]) for r in records]  # clipped once here, not on every query
         self.urls = [r[2] for r in records]
-        self._index = bm25s.BM25()
+        self._index = _bm25s().BM25()
         # The title is indexed with the body: it is often the only place the entity's name appears.
         self._index.index(_tokens([f"{title}\n{text}" for title, text, _ in records]), show_progress=False)
 
