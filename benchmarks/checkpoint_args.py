@@ -60,6 +60,7 @@ def checkout_name(directory: str) -> str:
 
 def baseline_env(directory: str) -> dict[str, str]:
     """The environment of a ``--baseline`` subprocess: that checkout first on ``PYTHONPATH``, the rest kept (packages
-    installed with ``pip --target`` stay importable)."""
+    installed with ``pip --target`` stay importable), and JAX kept off the GPU: older checkouts import ``bm25s`` at
+    startup, which runs a JAX op where JAX is installed, and JAX would reserve 75% of the GPU's memory."""
     path = [str(Path(directory).resolve()), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+    return {"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
