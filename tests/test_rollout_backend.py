@@ -214,10 +214,13 @@ def test_bucketed_decode_steps_generate_the_eager_steps_tokens(policy):
     backend.graphs = DecodeGraphs(policy.model, backend.cache, backend._cache_argument, capture=False)
     seen = []
     decode = backend.graphs.decode
-    backend.graphs.decode = lambda ids, *args: seen.append(len(ids)) or decode(ids, *args)
+    backend.graphs.decode = lambda ids, *args, **kwargs: seen.append(len(ids)) or decode(ids, *args, **kwargs)
     bucketed = run(policy, tasks, limits=limits, batch_size=3, backend=backend)
-    eager = run(policy, tasks, limits=limits, batch_size=3, backend=HFBackend(policy, cuda_graphs=False))
+    plain = HFBackend(policy, cuda_graphs=False)
+    eager = run(policy, tasks, limits=limits, batch_size=3, backend=plain)
     assert [t.token_ids for t in bucketed] == [t.token_ids for t in eager]
+    # the scratch slot is reserved with the rows' and the key buckets fit the storage: no extra reallocation
+    assert backend.stats().cache_growths == plain.stats().cache_growths
     assert 3 in seen and len(seen) == backend.stats().decode_steps  # every decode step went through the buckets
     assert {batch for batch, _, _ in backend.graphs.graphs} <= {1, 2, 4} and len(backend.graphs.graphs) <= 6
     assert all(keys >= 128 and keys & (keys - 1) == 0 for _, keys, _ in backend.graphs.graphs)

@@ -8,8 +8,8 @@ A graph fixes its shapes and the addresses it reads, so every decode step is pad
 
 * batch: the next power of two >= the generating rows; the padding rows decode into a scratch slot (one slot past
   every live row's) and their logits are dropped;
-* keys: attention reads each row's slot up to the next power of two >= the step's key length (>= 128), masked to
-  the row's own tokens as in the eager step;
+* keys: attention reads each row's slot up to the next power of two >= the step's key length (>= 128; at most the
+  storage's capacity when that holds the step), masked to the row's own tokens as in the eager step;
 * inputs (token ids, positions, slots, write positions, mask) are copied into static buffers before a replay,
   and the cache is planned with those buffers (``SlotCache.plan_static``).
 
@@ -91,8 +91,11 @@ class DecodeGraphs:
         written at ``lengths[b]`` of slot ``slots[b]``; ``live`` slots are in use. None when graphs are off."""
         if self.failed is not None:
             return None
-        rows = len(ids)
-        batch, keys = _bucket(rows), _bucket(max(lengths) + 1, _MIN_KEYS)
+        rows, needed = len(ids), max(lengths) + 1
+        batch = _bucket(rows)
+        keys = _bucket(needed, _MIN_KEYS)
+        if self.cache.capacity >= needed:
+            keys = min(keys, self.cache.capacity)  # the storage's whole length: a bucket that needs no growth
         self.cache.reserve(live + 1, keys)  # the slot past every live one is the padding rows' scratch
         if self._storage_id() != self._storage:  # reallocated: the graphs read the old addresses
             self._drop_graphs()

@@ -212,7 +212,7 @@ class HFBackend:
         first = rows[fresh[0]]
         ids = torch.tensor([requests[fresh[0]].ids[:length]])
         positions = torch.arange(length).view(1, 1, -1).expand(3, 1, -1)
-        self.cache.reserve(len(self._rows) + len(self._free), length)
+        self.cache.reserve(self._slot_room(), length)
         self.cache.plan([first.slot], [0], length, length)
         self._forward(ids, positions, _causal_mask([0], [length], length), torch.tensor([length - 1]))
         self._stats.prefill_tokens += length
@@ -240,7 +240,7 @@ class HFBackend:
         key_length = max(c + width for c in cached)
         # room for the whole turn now, so no decode step of it has to grow the storage
         turn = max(len(r.ids) + r.sampling.max_new_tokens for r in requests)
-        self.cache.reserve(len(self._rows) + len(self._free), max(key_length, turn))
+        self.cache.reserve(self._slot_room(), max(key_length, turn))
         self.cache.plan([row.slot for row in rows], cached, width, key_length)
         vision = {}
         if pixels:
@@ -281,9 +281,8 @@ class HFBackend:
         """The decode forward replayed from a CUDA graph (None when graphs are off or failed to capture)."""
         start = time.perf_counter()
         self._match_cache_dtype()
-        live = len(self._rows) + len(self._free)
         logits = self.graphs.decode([r.last for r in rows], [r.next_pos for r in rows], [r.slot for r in rows],
-                                    lengths, live)  # fmt: skip
+                                    lengths, live=len(self._rows) + len(self._free))  # fmt: skip
         if logits is not None:
             self._timed(start)
         return logits
@@ -309,6 +308,10 @@ class HFBackend:
         logits = model.lm_head(hidden).float()  # (B, V): only the positions we sample from, never (B, T, V)
         self._timed(start)
         return logits
+
+    def _slot_room(self) -> int:
+        """Slots the storage needs: every live row's, and with decode graphs a scratch slot for their padding."""
+        return len(self._rows) + len(self._free) + (self.graphs is not None)
 
     def _match_cache_dtype(self) -> None:
         """Keys are stored in the dtype the layers make them in: bf16 under the GRPO recipe's autocast, else the
