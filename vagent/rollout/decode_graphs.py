@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs: the forward of one token per row, captured once per shape bucket.
 
-A decode forward on a GPU is bound by the host, not the GPU: a 3B model's step launches about a thousand small
-kernels through transformers' Python, and on an H100 the GPU was busy 7 of a step's 90 ms
+A decode forward on a GPU is bound by the host, not the GPU: a 3B model's step launches dozens of small
+kernels per layer through transformers' Python, and on an H100 the GPU was busy 7 of an eager step's 60 ms
 (docs/benchmarks.md, "On a GPU"). A CUDA graph records a forward's kernels once and replays them with one launch.
 
 A graph fixes its shapes and the addresses it reads, so every decode step is padded to a bucket:
