@@ -26,9 +26,11 @@ Reported:
   sampled tokens/s it gives (rows / step time), and the read bound: the time to read once what a decode step must
   read (the language model's weights the step multiplies by, not the vision tower or the input embedding's unused
   rows, plus every row's KV cache at the mean context of the decode) at the bandwidth of a large copy on the
-  device, measured in the same run. With ``--baseline DIR`` (a checkout of an older vagent, e.g. ``git worktree
-  add /tmp/base afb217c``) the same measurement runs on that code in a subprocess, on the same checkpoint, and both
-  columns are printed.
+  device, measured in the same run. On CUDA, where decode steps replay CUDA graphs, the same steps are also timed
+  run eagerly (``HFBackend(policy, cuda_graphs=False)``). Each configuration first runs once untimed on the backend
+  it is timed on (graphs captured, kernels chosen). With ``--baseline DIR`` (a checkout of an older vagent,
+  e.g. ``git worktree add /tmp/base afb217c``) the same measurement runs on that code in a subprocess, on the
+  same checkpoint, before this process loads it, and its column is printed too.
 
 ``--doc`` also writes both tables into docs/benchmarks.md, in the section ``rollout-<device>-<vocab>`` (e.g.
 ``rollout-cpu-qwen``; ``-tool<ms>ms`` appended when ``--tool-s`` is not 0.2), with the command, the commit and the
