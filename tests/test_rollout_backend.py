@@ -204,10 +204,24 @@ def test_under_autocast_the_cache_stores_what_the_layers_make(policy):
     assert all(len(t.token_ids) == len(t.logprobs) == len(t.loss_mask) for t in out)
 
 
+def _grow_every(backend: HFBackend, steps: int) -> None:
+    """Reallocate the backend's KV storage (one slot more) every ``steps`` steps: graphs must be dropped and
+    captured again for the new addresses."""
+    step, count = backend.step, [0]
+
+    def growing():
+        count[0] += 1
+        if count[0] % steps == 0:
+            backend.cache.reserve(backend.cache.slots + 1, backend.cache.capacity)
+        return step()
+
+    backend.step = growing
+
+
 def test_bucketed_decode_steps_generate_the_eager_steps_tokens(policy):
     """What a CUDA graph records, run eagerly: each decode step padded to a power-of-two batch (the padding rows
     write into a scratch slot) and a power-of-two key length gives the unpadded step's greedy tokens, through
-    rows joining and leaving, one graph per shape."""
+    rows joining and leaving and the storage moving, one graph per shape."""
     limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)
     tasks = _tasks()[:3]  # three rows: the batch pads to four
     backend = HFBackend(policy, cuda_graphs=False)
@@ -219,26 +233,42 @@ def test_bucketed_decode_steps_generate_the_eager_steps_tokens(policy):
     plain = HFBackend(policy, cuda_graphs=False)
     eager = run(policy, tasks, limits=limits, batch_size=3, backend=plain)
     assert [t.token_ids for t in bucketed] == [t.token_ids for t in eager]
-    # the scratch slot is reserved with the rows' and the key buckets fit the storage: no extra reallocation
-    assert backend.stats().cache_growths == plain.stats().cache_growths
     assert 3 in seen and len(seen) == backend.stats().decode_steps  # every decode step went through the buckets
     assert {batch for batch, _, _ in backend.graphs.graphs} <= {1, 2, 4} and len(backend.graphs.graphs) <= 6
     assert all(keys >= 128 and keys & (keys - 1) == 0 for _, keys, _ in backend.graphs.graphs)
+    # the scratch slot is reserved with the rows' and the key buckets fit the storage: no extra reallocation
+    assert backend.stats().cache_growths == plain.stats().cache_growths
     assert backend.stats().graph_captures == 0  # nothing captured on the CPU
     assert HFBackend(policy).graphs is None  # graphs are a CUDA thing
+    moving = HFBackend(policy, cuda_graphs=False)
+    moving.graphs = DecodeGraphs(policy.model, moving.cache, moving._cache_argument, capture=False)
+    _grow_every(moving, 3)
+    assert [t.token_ids for t in run(policy, tasks, limits=limits, batch_size=3, backend=moving)] \
+        == [t.token_ids for t in eager]  # fmt: skip
+    assert moving.stats().cache_growths > plain.stats().cache_growths + 3
 
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_generates_the_eager_tokens(tiny_qwen25):
+    """Replayed graphs give the eager steps' greedy tokens (fp32): padded batches, the storage reallocated under
+    them (graphs dropped and captured again into a new pool), and under bf16 autocast, the GRPO recipe's."""
     from vagent.model import load_policy
 
     policy = load_policy(tiny_qwen25, device="cuda", dtype="float32")
     limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)
+    tasks = _tasks()[:3]
+    eager = run(policy, tasks, limits=limits, batch_size=3, backend=HFBackend(policy, cuda_graphs=False))
     graphed = HFBackend(policy)
-    out = run(policy, _tasks(), limits=limits, batch_size=4, backend=graphed)
-    eager = run(policy, _tasks(), limits=limits, batch_size=4, backend=HFBackend(policy, cuda_graphs=False))
-    assert graphed.graphs.failed is None and graphed.stats().graph_captures > 0
+    _grow_every(graphed, 3)
+    out = run(policy, tasks, limits=limits, batch_size=3, backend=graphed)
+    assert graphed.graphs.failed is None and graphed.stats().graph_captures > 3
     assert [t.token_ids for t in out] == [t.token_ids for t in eager]
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the captures left no stream current
+    autocast = HFBackend(policy)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        cast = run(policy, tasks, limits=limits, batch_size=3, backend=autocast)
+    assert autocast.graphs.failed is None and autocast.stats().graph_captures > 0
+    assert autocast.cache.dtype == torch.bfloat16 and all(t.metrics["sampled_tokens"] > 0 for t in cast)
 
 
 def test_the_inverse_cdf_draw_has_the_multinomial_distribution_and_never_draws_a_zero():

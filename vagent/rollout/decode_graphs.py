@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.model, self.cache, self.cache_argument, self.capture = model, cache, cache_argument, capture
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream(self.device) if capture else None  # warm-ups and captures run on it
         self.graphs: dict[tuple[int, int, torch.dtype | None], _Graph] = {}
         self._storage = self._storage_id()
         self.failed: str | None = None
@@ -117,11 +118,13 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture of the decode step failed; decoding eagerly (%s)", self.failed)
                 return None
         entry.graph.replay()
-        return entry.logits[:rows]
+        # a copy: the output lives in the pool the graphs share, where another graph's replay may write
+        return entry.logits[:rows].clone()
 
     def _drop_graphs(self) -> None:
-        """Forget every graph and capture the next ones into a new memory pool: a pool whose graphs are all gone
-        is released, and capturing into its handle again fails inside PyTorch's allocator (seen on an H100)."""
+        """Forget every graph and capture the next ones into a new memory pool. Capturing again into a pool whose
+        graphs are gone but which still holds an allocation failed inside PyTorch's allocator on an H100
+        (``use_count > 0``)."""
         self.graphs.clear()
         if self.capture:
             self.pool = torch.cuda.graph_pool_handle()
@@ -158,15 +161,22 @@ class DecodeGraphs:
             return self.model.lm_head(out.last_hidden_state[:, 0]).float()
 
     def _capture(self, entry: _Graph, autocast: torch.dtype | None) -> None:
-        """Warm up on a side stream (lazy initializations stay out of the graph), then record the forward."""
+        """Record the forward on the graphs' own stream, after one eager warm-up there: lazy initializations (the
+        cuBLAS workspace of that stream among them) stay outside the graph's memory pool. ``torch.cuda.graph``'s
+        context manager is not used: it collects garbage and empties the allocator's cache at every capture, and
+        when the capture fails to begin it leaves its stream current."""
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
             self._forward(entry, autocast)  # rewrites this step's keys and values: the same ones
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self.pool, capture_error_mode="thread_local"):  # tools use threads
-            entry.logits = self._forward(entry, autocast)
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # tools run in other threads
+            try:
+                logits = self._forward(entry, autocast)
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.stream)
+        entry.graph, entry.logits = graph, logits
         self.captures += 1
         self.capture_s += time.perf_counter() - start
