@@ -5,7 +5,8 @@
 # (benchmarks/rollout_profile.py, with graphs against the baseline, then eager), written into docs/benchmarks.md
 # ("On a GPU"). Logs and the page go to $OUT.
 #
-#   git worktree add .base afb217c   # the baseline (any checkout of it)
+#   git clone -q . .base && git -C .base checkout -q afb217c   # the baseline: a whole clone (a worktree's .git
+#                                                              # points outside the tree and does not travel)
 #   OUT=/tmp/gpu BENCH_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/rollout_gpu.sh
 #
 # BENCH_COMMIT names the commit in the tables' provenance; set it from here when the tree is copied to the machine
