@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vagent.rollout.kv_cache import SlotCache
+from vagent.rollout.kv_cache import SlotCache, causal_mask
 
 __all__ = ["DecodeGraphs", "graphs_safe"]
 
@@ -79,13 +79,10 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.stream = torch.cuda.Stream(self.device) if capture else None  # warm-ups and captures run on it
         self.graphs: dict[tuple[int, int, torch.dtype | None], _Graph] = {}
-        self._storage = self._storage_id()
+        self._storage = cache.growths  # counts every reallocation: more rows, more tokens, another dtype
         self.failed: str | None = None
         self.captures = 0
         self.capture_s = 0.0
-
-    def _storage_id(self) -> tuple[int, int, torch.dtype]:
-        return self.cache.growths, self.cache.slots, self.cache.dtype
 
     def decode(self, ids: list[int], positions: list[int], slots: list[int], lengths: list[int], live: int):
         """Logits (rows, V) of one decode step: row b feeds token ``ids[b]`` at RoPE position ``positions[b]``,
@@ -98,9 +95,9 @@ class DecodeGraphs:
         if self.cache.capacity >= needed:
             keys = min(keys, self.cache.capacity)  # the storage's whole length: a bucket that needs no growth
         self.cache.reserve(live + 1, keys)  # the slot past every live one is the padding rows' scratch
-        if self._storage_id() != self._storage:  # reallocated: the graphs read the old addresses
+        if self.cache.growths != self._storage:  # reallocated: the graphs read the old addresses
             self._drop_graphs()
-            self._storage = self._storage_id()
+            self._storage = self.cache.growths
         autocast = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
         entry = self.graphs.get((batch, keys, autocast))
         fresh = entry is None
@@ -139,16 +136,13 @@ class DecodeGraphs:
         """Copy one step's inputs into the static buffers; padding rows write at 0 of the scratch slot and see it."""
         batch, keys = entry.mask.shape[0], entry.mask.shape[-1]
         pad = batch - len(ids)
-        ids_t = torch.tensor([*ids, *[0] * pad])
+        writes = [*lengths, *[0] * pad]
+        entry.ids.copy_(torch.tensor([*ids, *[0] * pad])[:, None], non_blocking=True)
         positions_t = torch.tensor([*positions, *[0] * pad])
-        slots_t = torch.tensor([*slots, *[scratch] * pad])
-        writes_t = torch.tensor([*lengths, *[0] * pad])
-        mask = torch.arange(keys) <= writes_t[:, None]  # (B, K): the row's own tokens and the new one
-        entry.ids.copy_(ids_t[:, None], non_blocking=True)
         entry.positions.copy_(positions_t.view(1, -1, 1).expand(3, -1, -1), non_blocking=True)
-        entry.slots.copy_(slots_t, non_blocking=True)
-        entry.writes.copy_(writes_t[:, None], non_blocking=True)
-        entry.mask.copy_(mask.view(batch, 1, 1, keys), non_blocking=True)
+        entry.slots.copy_(torch.tensor([*slots, *[scratch] * pad]), non_blocking=True)
+        entry.writes.copy_(torch.tensor(writes)[:, None], non_blocking=True)
+        entry.mask.copy_(causal_mask(writes, [1] * batch, keys), non_blocking=True)  # own tokens and the new one
 
     def _forward(self, entry: _Graph, autocast: torch.dtype | None) -> torch.Tensor:
         """The bucketed decode forward on the static buffers (what a graph records)."""

@@ -41,7 +41,7 @@ import torch
 from vagent.model import Policy, cache_argument, common_prefix_length, rope_positions
 from vagent.rollout.backend import BackendStats, Sampling, TurnRequest, TurnResult
 from vagent.rollout.decode_graphs import DecodeGraphs, graphs_safe
-from vagent.rollout.kv_cache import SlotCache
+from vagent.rollout.kv_cache import SlotCache, causal_mask
 from vagent.rollout.stops import StopMatcher
 
 __all__ = ["HFBackend"]
@@ -217,7 +217,7 @@ class HFBackend:
         positions = torch.arange(length).view(1, 1, -1).expand(3, 1, -1)
         self.cache.reserve(self._slot_room(), length)
         self.cache.plan([first.slot], [0], length, length)
-        self._forward(ids, positions, _causal_mask([0], [length], length), torch.tensor([length - 1]))
+        self._forward(ids, positions, causal_mask([0], [length], length), torch.tensor([length - 1]))
         self._stats.prefill_tokens += length
         for i in fresh:
             if rows[i] is not first:
@@ -250,7 +250,7 @@ class HFBackend:
             device = self.policy.device
             vision = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
         last = torch.tensor([len(n) - 1 for n in new])
-        logits = self._forward(input_ids, positions, _causal_mask(cached, [width] * len(rows), key_length), last,
+        logits = self._forward(input_ids, positions, causal_mask(cached, [width] * len(rows), key_length), last,
                                **vision)  # fmt: skip
         self._stats.prefill_tokens += sum(len(n) for n in new)
         for request, row in zip(requests, rows, strict=True):
@@ -270,9 +270,8 @@ class HFBackend:
             self.cache.plan([row.slot for row in rows], lengths, 1, key_length)
             input_ids = torch.tensor([[row.last] for row in rows])
             positions = torch.tensor([row.next_pos for row in rows]).view(1, -1, 1).expand(3, -1, -1)
-            sees = torch.arange(key_length) <= torch.tensor(lengths)[:, None]  # (B, K): own tokens and the new one
-            logits = self._forward(input_ids, positions, sees.view(len(rows), 1, 1, key_length),
-                                   torch.zeros(len(rows), dtype=torch.long))  # fmt: skip
+            sees = causal_mask(lengths, [1] * len(rows), key_length)  # each row's own tokens and the new one
+            logits = self._forward(input_ids, positions, sees, torch.zeros(len(rows), dtype=torch.long))
         for row in rows:
             row.length += 1
             row.next_pos += 1
@@ -385,13 +384,6 @@ def _draw(probs: torch.Tensor) -> torch.Tensor:
     u = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: some cdf entry exceeds it
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
-
-
-def _causal_mask(cached: list[int], widths: list[int], key_length: int) -> torch.Tensor:
-    """(B, 1, width, key_length) bool: query j of row b sees its slot's positions ``<= cached[b] + j``."""
-    width = max(widths)
-    limit = torch.tensor(cached)[:, None] + torch.arange(width)  # (B, width)
-    return (torch.arange(key_length) <= limit[:, :, None]).unsqueeze(1)
 
 
 def _same_images(a: TurnRequest, b: TurnRequest) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SlotCache"]
+__all__ = ["SlotCache", "causal_mask"]
 
 _GROW_TOKENS = 256  # capacity grows in multiples of this (and at least doubles), so growth is rare
 
@@ -135,3 +135,10 @@ class SlotCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The key length of the planned forward (transformers asks; positions and masks are given explicitly)."""
         return self._key_length
+
+
+def causal_mask(cached: list[int], widths: list[int], key_length: int) -> torch.Tensor:
+    """(B, 1, width, key_length) bool: query j of row b sees its slot's positions ``<= cached[b] + j``."""
+    width = max(widths)
+    limit = torch.tensor(cached)[:, None] + torch.arange(width)  # (B, width)
+    return (torch.arange(key_length) <= limit[:, :, None]).unsqueeze(1)
