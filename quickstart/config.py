@@ -33,10 +33,20 @@ class QuickstartConfig:
     test_rows: int = option(192, "Held-out rows the policies are evaluated on.")
     val_rows: int = option(
         64,
-        "Held-out rows (other images than train and test) GRPO answers greedily every grpo_val_every steps, its "
-        "start included; the best step is the GRPO policy (0: no validation, the last step).",
+        "Held-out rows (other images than train and test) GRPO answers every grpo_val_every steps (see "
+        "grpo_val_samples), its start included; the best step is the GRPO policy (0: no validation, the last step).",
     )
     grpo_val_every: int = option(4, "GRPO steps between validations on the val rows.")
+    grpo_val_samples: int = option(
+        1,
+        "Samples of each val row at GRPO's temperature (rollout.temperature) in its validation, so it keeps the step "
+        "whose samples score best: the policy GRPO optimizes (0: greedy validation).",
+    )
+    sampled_test_samples: int = option(
+        1,
+        "Samples of each test row at GRPO's temperature for the SFT and GRPO policies: what the GRPO target compares "
+        "(0: greedy evaluations only, and the target compares greedy accuracies).",
+    )
     image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
     grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
     tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
@@ -95,8 +105,13 @@ class QuickstartConfig:
             raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
             raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
-        if self.val_rows < 0 or self.grpo_val_every < 0:
-            raise ValueError(f"need val_rows >= 0 and grpo_val_every >= 0, got {self.val_rows}, {self.grpo_val_every}")
+        if min(self.val_rows, self.grpo_val_every, self.grpo_val_samples, self.sampled_test_samples) < 0:
+            raise ValueError("need val_rows, grpo_val_every, grpo_val_samples and sampled_test_samples >= 0, got "
+                             f"{self.val_rows}, {self.grpo_val_every}, {self.grpo_val_samples}, "
+                             f"{self.sampled_test_samples}")  # fmt: skip
+        if (self.grpo_val_samples or self.sampled_test_samples) and self.rollout.temperature <= 0:
+            raise ValueError("grpo_val_samples and sampled_test_samples sample at rollout.temperature, which is 0; "
+                             "set both to 0 for greedy GRPO")  # fmt: skip
         if self.grpo_steps:  # GRPO's and its optimizer's own checks of the knobs handed to them, at load, not after SFT
             algo = GRPOAlgoConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
                                   negative_scale=self.grpo_negative_scale)  # fmt: skip

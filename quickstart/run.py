@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
+
 from quickstart.config import QuickstartConfig
 from quickstart.data import build_data, warmup_runs
 from quickstart.parallel import Beside
-from quickstart.report import check_line, write_report
+from quickstart.report import SAMPLED, check_line, write_report
 from vagent.config import (
     GRPOAlgoConfig,
     GRPOConfig,
@@ -46,8 +48,9 @@ from vagent.types import Observation
 # ends later, the crop-tool SFT waits for it there; where it ends sooner, one core idles until that step.
 HANDOVER = 0.6
 # The fraction of GRPO's steps after which it takes back the thread of the SFT policy's evaluations beside it: the
-# evaluations (192 test rows with the crop tool, 192 with blind crops) end between GRPO's steps 3 and 4 of 12.
-GRPO_HANDOVER = 0.25
+# evaluations (192 test rows greedily with the crop tool, 192 with blind crops, 192 sampled) end between GRPO's steps
+# 5 and 6 of 12.
+GRPO_HANDOVER = 0.5
 # The ablation row: the SFT policy with its crop tool, whose crops show the whole image instead of the region.
 BLIND = "sft, blind crop"
 REWARDS = {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2}
@@ -59,9 +62,12 @@ class _Evaluation:
 
     test_rows: list
     out: Path
-    limits: RolloutLimits
+    limits: RolloutLimits  # greedy
     toolbox: Any
     device: str
+    samples: int = 0  # of each row, for a run named ``... SAMPLED``, at GRPO's temperature (``sampled``)
+    sampled: RolloutLimits | None = None
+    seed: int = 0  # every sampled run draws from it: SFT and GRPO are compared on the same random numbers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,13 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     done()
     done = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the crop-tool cold start and the no-tool "
                     "baseline", "sft")  # fmt: skip
-    evaluation = _Evaluation(load_rows(data["test"]), out, _greedy(cfg), cfg.toolbox, _device(cfg))
+    evaluation = _Evaluation(load_rows(data["test"]), out, _greedy(cfg), cfg.toolbox, _device(cfg),
+                             cfg.sampled_test_samples, _limits(cfg), cfg.seed)  # fmt: skip
     start, checks = _warmup(cfg, out, base, data)
     sft_model, notool_model, notool_eval = _sft_stage(cfg, out, start, data, evaluation)
     done()
     done = stage(4, "GRPO from the SFT policy")
     # The SFT policy's evaluations run beside GRPO (on CPU, with parallel_eval), the rest after it.
     sft_runs = {"sft + crop": (sft_model, ["crop"]), BLIND: (sft_model, ["crop"])}
+    if cfg.sampled_test_samples and cfg.grpo_steps:  # the GRPO target's measure: sampled as GRPO samples
+        sft_runs["sft + crop" + SAMPLED] = (sft_model, ["crop"])
     beside = Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, _device(cfg), out / "eval" / "log-sft.txt",
                           "the SFT policy's evaluations, with its crops and with blind ones", _evaluate_runs, sft_runs,
                           evaluation)  # fmt: skip
@@ -116,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     results = {**sft_evals, "no-tool baseline": notool_eval or _evaluate("no-tool baseline", notool_model, [],
                                                                          evaluation)}  # fmt: skip
     if grpo_model is not None:  # when it kept its SFT start, that policy's evaluation is already there
-        if _same_weights(grpo_model, sft_model):
-            print("GRPO kept its SFT start (no step beat it on the val rows): its evaluation is SFT + crop's")
-            results["grpo + crop"] = results["sft + crop"]
-        else:
-            results["grpo + crop"] = _evaluate("grpo + crop", grpo_model, ["crop"], evaluation)
-    order = ("grpo + crop", "sft + crop", "no-tool baseline", BLIND)
+        kept_start = _same_weights(grpo_model, sft_model)
+        if kept_start:
+            print("GRPO kept its SFT start (no step beat it on the val rows): its evaluations are SFT + crop's")
+        for name in ("grpo + crop", *(["grpo + crop" + SAMPLED] if cfg.sampled_test_samples else [])):
+            sft_name = name.replace("grpo", "sft")
+            results[name] = results[sft_name] if kept_start else _evaluate(name, grpo_model, ["crop"], evaluation)
+    order = ("grpo + crop", "sft + crop", "no-tool baseline", BLIND, "grpo + crop" + SAMPLED, "sft + crop" + SAMPLED)
     results = {name: results[name] for name in order if name in results}
     done()
     done = stage(6, "report", "report")
@@ -155,10 +165,14 @@ def _device(cfg: QuickstartConfig) -> str:
     return cfg.model.device or "cpu"
 
 
+def _limits(cfg: QuickstartConfig) -> RolloutLimits:
+    """The rollout's episode limits, sampled at GRPO's temperature."""
+    return RolloutLimits(**{k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k != "agent"})
+
+
 def _greedy(cfg: QuickstartConfig) -> RolloutLimits:
     """The evaluations' episode limits: the rollout's, sampled greedily."""
-    limits = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k != "agent"}
-    return RolloutLimits(**limits | {"temperature": 0.0})
+    return dataclasses.replace(_limits(cfg), temperature=0.0)
 
 
 def sft_config(cfg: QuickstartConfig, out_dir: Path, model: Path, train: Path, epochs: float,
@@ -179,6 +193,8 @@ def grpo_config(cfg: QuickstartConfig, out: Path, model: Path, data: dict[str, P
     val = GRPOValConfig()
     if cfg.val_rows:
         val = GRPOValConfig(rows=str(data["val"]), every=cfg.grpo_val_every, keep_best=True)
+        if cfg.grpo_val_samples:  # sampled as GRPO samples: the policy it optimizes
+            val.temperature, val.samples = cfg.rollout.temperature, cfg.grpo_val_samples
     algo = GRPOAlgoConfig(group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step, micro_batch_size=8,
                           rollout_batch_size=cfg.group_size * cfg.prompts_per_step,
                           negative_scale=cfg.grpo_negative_scale)  # fmt: skip
@@ -236,13 +252,18 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 
 def _evaluate(name: str, model_dir: Path, tools: list[str], evaluation: _Evaluation) -> tuple[Path, dict[str, Any]]:
-    """One policy on the test split, greedy: (its eval dir, its metrics). ``BLIND`` runs with ``blind_crop``."""
+    """One policy on the test split, greedy (a name ending in ``SAMPLED``: ``evaluation.samples`` a row at GRPO's
+    temperature): (its eval dir, its metrics). ``BLIND`` runs with ``blind_crop``."""
     run_dir = evaluation.out / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
+    sampled = name.endswith(SAMPLED)
     policy = load_policy(model_dir, device=evaluation.device)
+    if sampled:
+        torch.manual_seed(evaluation.seed)
     with blind_crop() if name == BLIND else contextlib.nullcontext():
         return run_dir, evaluate(policy, BENCHMARKS["synthetic"], evaluation.test_rows, run_dir, tools=tools,
-                                 limits=evaluation.limits, batch_size=16, services=tool_services(evaluation.toolbox),
-                                 label=name)  # fmt: skip
+                                 limits=evaluation.sampled if sampled else evaluation.limits,
+                                 n_samples=evaluation.samples if sampled else 1, batch_size=16,
+                                 services=tool_services(evaluation.toolbox), label=name)  # fmt: skip
 
 
 @contextlib.contextmanager

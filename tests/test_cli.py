@@ -89,12 +89,14 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "group_size=1"]) == 2
     assert "grpo.group_size must be >= 2" in capsys.readouterr().err
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "val_rows=-1"]) == 2
-    assert "need val_rows >= 0" in capsys.readouterr().err
+    assert "need val_rows, grpo_val_every, grpo_val_samples and sampled_test_samples >= 0" in capsys.readouterr().err
+    assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "rollout.temperature=0"]) == 2
+    assert "sample at rollout.temperature, which is 0" in capsys.readouterr().err
 
 
 def test_quickstart_runs_end_to_end(tmp_path):
     """Every stage on a toy budget (the real run's numbers are in the README): data, the warm-up and both SFTs,
-    GRPO, four evaluations and the report with its pictures."""
+    GRPO, six evaluations (four greedy, two sampled) and the report with its pictures."""
     done = _run(VAGENT, "quickstart", "--config", str(ROOT / "configs/quickstart/tiny_cpu.yaml"), f"out_dir={tmp_path}",
                 "tiny.size=tiny", "train_rows=8", "test_rows=4", "warmup_rows=8", "warmup_epochs=1", "sft_epochs=1",
                 "grpo_steps=1", "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8",
@@ -104,6 +106,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     grpo_config = json.loads(state.read_text())["config"]
     assert grpo_config["grpo"]["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
     assert grpo_config["val"]["keep_best"] and grpo_config["val"]["rows"] == str(tmp_path / "data" / "val.jsonl")
+    assert grpo_config["val"]["temperature"] == 0.7 and grpo_config["val"]["samples"] == 1  # GRPO's own sampling
     val = load_rows(tmp_path / "data" / "val.jsonl")
     assert len(val) == 3 and not {r.images[0] for r in val} & {
         r.images[0] for r in load_rows(tmp_path / "data" / "test.jsonl")
@@ -111,9 +114,17 @@ def test_quickstart_runs_end_to_end(tmp_path):
     checks = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     assert [r["step"] for r in checks] == [0, 1]  # before the first step and after the last
     report = (tmp_path / "report.md").read_text()
-    assert "GRPO policy = " in report and "val rows: step 0 " in report
-    for name in ("grpo + crop", "sft + crop", "no-tool baseline", "sft, blind crop"):
+    assert "GRPO policy = " in report and "val rows, 1 sample a row at temperature 0.7: step 0 " in report
+    for name in (
+        "grpo + crop",
+        "sft + crop",
+        "no-tool baseline",
+        "sft, blind crop",
+        "grpo + crop, sampled",
+        "sft + crop, sampled",
+    ):
         assert f"| {name} |" in report
+    assert "GRPO at least 5 points above its SFT start (sampled" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
     targets = report.split("## Targets")[1].split("##")[0]  # each target, measured: met or not on this toy budget
     assert targets.count("| yes |") + targets.count("| **no** |") == 7 and "targets met at seed 0" in targets

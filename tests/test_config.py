@@ -74,7 +74,7 @@ def test_overrides_nested_and_typed():
         cfg.rollout.max_turns == 7 and cfg.model.path == "/x" and cfg.warmup_phases == ["grounding"] and cfg.seed == 3
     )
     assert cfg.rollout.temperature == 0.7  # untouched defaults survive (the quickstart samples GRPO at 0.7)
-    cfg = load_config(QuickstartConfig, None, ["rollout.temperature=0"])
+    cfg = load_config(QuickstartConfig, None, ["rollout.temperature=1"])
     assert isinstance(cfg.rollout.temperature, float)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(QuickstartConfig, None, ["seed"])

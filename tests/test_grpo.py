@@ -208,6 +208,36 @@ def test_validation_leaves_training_alone_and_a_run_that_never_beats_its_start_h
     assert (tmp_path / "kept" / "rollouts" / "val-step-00000004.html").is_file()
 
 
+def test_sampled_validation_draws_the_same_numbers_each_time_and_leaves_training_alone(
+    tmp_path, tiny_qwen25, zoom_rows_file
+):
+    rows = zoom_rows_file(16, 1000)
+    plain = tmp_path / "plain"
+    grpo.train(load_config(GRPOConfig, CONFIG, [*_overrides(plain, tiny_qwen25, rows), "optim.lr=1e-30"]))
+    val = [f"val.rows={_val_rows(tmp_path)}", "val.every=2", "val.temperature=1.0", "val.samples=2"]
+    sampled = tmp_path / "sampled"
+    grpo.train(load_config(GRPOConfig, CONFIG, [*_overrides(sampled, tiny_qwen25, rows), "optim.lr=1e-30", *val]))
+
+    def training(out):
+        return [
+            (r["step"], r["reward"], r["response_len"]) for r in read_metrics(out / "metrics.jsonl") if "reward" in r
+        ]
+
+    assert training(sampled) == training(plain)  # validation samples under a forked RNG
+    steps = [0, 2, 4]
+    episodes = {step: [json.loads(line) for line in (sampled / "rollouts" / f"val-step-{step:08d}.jsonl").open()]
+                for step in steps}  # fmt: skip
+    ids = list(dict.fromkeys(t["task_id"] for t in episodes[0]))
+    for step in steps:  # 3 rows x 2 samples, each row's two samples together
+        assert [t["task_id"] for t in episodes[step]] == [i for i in ids for _ in range(2)] and len(ids) == 3
+    # lr 1e-30: the weights do not move (fp32), the same policy at every validation, and each validation draws the same numbers
+    texts = {step: [t["token_ids"] for t in episodes[step]] for step in steps}
+    assert texts[0] == texts[2] == texts[4]
+    assert texts[0][0] != texts[0][1] or texts[0][2] != texts[0][3], "two samples at temperature 1 differ"
+    records = [r for r in read_metrics(sampled / "metrics.jsonl") if "val/accuracy" in r]
+    assert [r["step"] for r in records] == steps and len({r["val/reward"] for r in records}) == 1
+
+
 def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(
     tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
 ):
@@ -243,6 +273,10 @@ def test_val_settings_are_checked_at_load():
         load_config(GRPOConfig, CONFIG, ["val.keep_best=true"])
     with pytest.raises(ConfigError, match="val.every"):
         load_config(GRPOConfig, CONFIG, ["val.every=-1"])
+    with pytest.raises(ConfigError, match="greedy rollouts of a row are all the same"):
+        load_config(GRPOConfig, CONFIG, ["val.samples=4"])
+    with pytest.raises(ConfigError, match="val.temperature >= 0"):
+        load_config(GRPOConfig, CONFIG, ["val.temperature=-1"])
 
 
 KILL_AT_STEP = """

@@ -528,8 +528,8 @@ class GRPOAlgoConfig:
 class GRPOValConfig:
     rows: str | None = option(
         None,
-        "Held-out rows the policy answers greedily, with the same rewards, before the first step, every "
-        "`every` steps and after the last (verl's val_before_train and test_freq); None = no validation.",
+        "Held-out rows the policy answers (greedily unless `temperature`), with the same rewards, before the first "
+        "step, every `every` steps and after the last (verl's val_before_train and test_freq); None = no validation.",
     )
     every: int = option(4, "GRPO steps between validations (0 = before the first step and after the last only).")
     keep_best: bool = option(
@@ -537,10 +537,23 @@ class GRPOValConfig:
         "Publish as model/ the weights with the best validation accuracy (the start included: a GRPO run that "
         "only lost hands back its start), not the last; ties keep the earlier step. Needs rows.",
     )
+    temperature: float = option(
+        0.0,
+        "Sampling temperature of the validation rollouts (verl's val_kwargs.temperature): 0 = greedy; above 0 "
+        "every validation draws from the same seed, so the steps are compared on the same random numbers.",
+    )
+    samples: int = option(
+        1, "Rollouts of each val row (verl's val_kwargs.n); accuracy and reward are their means. Needs temperature > 0."
+    )
 
     def validate(self) -> None:
         if self.every < 0:
             raise ValueError(f"val.every must be >= 0, got {self.every}")
+        if self.temperature < 0 or self.samples < 1:
+            raise ValueError(f"need val.temperature >= 0 and val.samples >= 1, got {self.temperature}, {self.samples}")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"val.samples={self.samples} with val.temperature=0: greedy rollouts of a row are all "
+                             "the same; set val.temperature > 0 or val.samples=1")  # fmt: skip
         if self.keep_best and not self.rows:
             raise ValueError("val.keep_best needs val.rows (the held-out rows the best step is chosen on)")
 

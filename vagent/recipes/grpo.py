@@ -31,8 +31,9 @@ Checkpoints and ``resume=auto`` work as in SFT (the data position is the number 
 Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
 checkpoint.
 
-With ``val.rows`` the policy answers held-out rows greedily before the first step, every ``val.every`` steps
-and after the last (``val/*`` in the metrics, the trajectories under ``rollouts/val-step-*``). With
+With ``val.rows`` the policy answers held-out rows (greedily, or ``val.samples`` times each at
+``val.temperature``) before the first step, every ``val.every`` steps and after the last (``val/*`` in the
+metrics, the trajectories under ``rollouts/val-step-*``). With
 ``val.keep_best`` the weights of the best validation accuracy, the start included, are kept under
 ``out_dir/best/`` and published as ``model/``: on a small budget one draw of prompts and samples can undo what
 SFT taught, and the held-out check hands back the start instead.
@@ -518,8 +519,8 @@ def _metrics(groups: _Groups, update: dict[str, float], timer: dict[str, float],
 
 
 class _Validation:
-    """Greedy rollouts of held-out rows scored with the training rewards, and (``val.keep_best``) the weights of the
-    best accuracy so far under ``out/best/step-N/model``.
+    """Rollouts of held-out rows (greedy, or ``val.samples`` each at ``val.temperature``) scored with the training
+    rewards, and (``val.keep_best``) the weights of the best mean accuracy so far under ``out/best/step-N/model``.
 
     A best directory is only deleted once a committed checkpoint names a later best, so a resumed run always
     finds the one its checkpoint recorded; directories a killed attempt wrote after its last checkpoint are
@@ -530,7 +531,7 @@ class _Validation:
     def __init__(self, cfg: GRPOConfig, env: DistEnv, out: Path, rows: list[Row], limits: RolloutLimits,
                  services: ToolServices, bf16: bool) -> None:  # fmt: skip
         self.cfg, self.env, self.out, self.rows, self.services, self.bf16 = cfg, env, out, rows, services, bf16
-        self.limits = dataclasses.replace(limits, temperature=0.0)
+        self.limits = dataclasses.replace(limits, temperature=cfg.val.temperature)
         self.judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)
         self.best: dict[str, Any] | None = None  # {"step", "accuracy"}
         self.last_accuracy = float("nan")
@@ -558,15 +559,18 @@ class _Validation:
         mine = self.rows[env.rank :: env.world_size]
         backend.module.eval()
         devices = [env.device] if env.device.type == "cuda" else []
+        samples = self.cfg.val.samples
         with torch.no_grad(), autocast(env.device, self.bf16), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.cfg.seed + env.rank)  # every validation draws the same numbers (when it samples)
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
-            trajectories = run(policy, tasks, 1, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
+            trajectories = run(policy, tasks, samples, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
                                agent=self.cfg.rollout.agent, services=self.services)  # fmt: skip
-        totals, parts = self.judged.combine(trajectories, mine, 1)
-        correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, mine)
+        per_sample_rows = [row for row in mine for _ in range(samples)]
+        totals, parts = self.judged.combine(trajectories, per_sample_rows, samples)
+        correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, per_sample_rows)
         sums = all_reduce_sum(torch.tensor([sum(correct), sum(totals), sum(t.stop_reason == "answered" for t in
                                             trajectories), sum(len(t.tool_results) for t in trajectories),
-                                            len(mine)], dtype=torch.float64, device=env.device)).tolist()  # fmt: skip
+                                            len(trajectories)], dtype=torch.float64, device=env.device)).tolist()  # fmt: skip
         n = max(sums[4], 1.0)
         record = {"val/accuracy": sums[0] / n, "val/reward": sums[1] / n, "val/answered": sums[2] / n,
                   "val/tool_calls_per_traj": sums[3] / n, "time/val": time.perf_counter() - t0}  # fmt: skip
@@ -587,9 +591,17 @@ class _Validation:
         if env.is_main:
             write_jsonl(trajectories, self.out / "rollouts" / f"val-step-{step:08d}.jsonl")
             write_html(trajectories, self.out / "rollouts" / f"val-step-{step:08d}.html",
-                       title=f"GRPO validation at step {step} (rank 0, greedy)")  # fmt: skip
+                       title=f"GRPO validation at step {step} (rank 0, {self.decoding})")  # fmt: skip
         say(env, f"val at step {step}: accuracy {record['val/accuracy']:.3f}, reward {record['val/reward']:.3f} "
-                 f"({len(self.rows)} rows, greedy, {record['time/val']:.0f}s)")  # fmt: skip
+                 f"({len(self.rows)} rows, {self.decoding}, {record['time/val']:.0f}s)")  # fmt: skip
+
+    @property
+    def decoding(self) -> str:
+        """ "greedy", or "2 samples at temperature 0.7"."""
+        val = self.cfg.val
+        if not val.temperature:
+            return "greedy"
+        return f"{val.samples} sample{'s' if val.samples > 1 else ''} at temperature {val.temperature:g}"
 
 
 def _refill_size(wanted: int, kept: int, rolled: int) -> int:
