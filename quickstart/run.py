@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.sampled_test_samples and cfg.grpo_steps:  # the GRPO target's measure: sampled as GRPO samples
         sft_runs["sft + crop" + SAMPLED] = (sft_model, ["crop"])
     beside = Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, _device(cfg), out / "eval" / "log-sft.txt",
-                          "the SFT policy's evaluations, with its crops and with blind ones", _evaluate_runs, sft_runs,
+                          f"the SFT policy's evaluations ({', '.join(sft_runs)})", _evaluate_runs, sft_runs,
                           evaluation)  # fmt: skip
     try:
         grpo_model = None
