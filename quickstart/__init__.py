@@ -14,10 +14,11 @@ Stages (each with its own progress bar; times are reported):
    the gold trajectories plus reading rows (the same trajectories with the crop call shown but not
    trained), and a no-tool baseline on the same rows answered directly, for the same number of steps;
 4. GRPO from the SFT policy, rewarding accuracy, format, crop IoU with the tile, and tool use only
-   when the answer is right; every few steps it answers the val rows greedily, and its best step there,
-   the SFT start included, is the GRPO policy;
-5. evaluation on the test split: the SFT and GRPO policies with the crop tool, the no-tool baseline,
-   and the SFT policy with blind crops (every crop shows the whole image: ``run.blind_crop``); on CPU the
+   when the answer is right; every few steps it samples an answer to each val row at its temperature,
+   and its best step there, the SFT start included, is the GRPO policy;
+5. evaluation on the test split, greedy: the SFT and GRPO policies with the crop tool, the no-tool
+   baseline, and the SFT policy with blind crops (every crop shows the whole image: ``run.blind_crop``);
+   sampled at GRPO's temperature: the SFT and GRPO policies (what the GRPO target compares); on CPU the
    baseline is trained and evaluated beside the crop-tool SFT, and the SFT policy evaluated beside GRPO,
    each in a second process (``quickstart.parallel.Beside``);
 6. ``report.md``: the results table, the targets (``TARGETS``) each with what this run measured,
