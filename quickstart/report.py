@@ -195,9 +195,9 @@ def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any
          f"{median_iou:.2f} ({best}, {len(ious)} rows)", median_iou >= TARGETS["median_iou"]),
     ]  # fmt: skip
     if "grpo + crop" in results:
-        how = "sampled" if "grpo + crop" + SAMPLED in results else "greedy"
-        key = SAMPLED if how == "sampled" else ""
+        key = SAMPLED if "grpo + crop" + SAMPLED in results else ""  # the sampled runs when there are any
         gain = results["grpo + crop" + key][1]["accuracy"] - results["sft + crop" + key][1]["accuracy"]
+        how = "sampled" if key else "greedy"
         rows.append((f"GRPO at least {TARGETS['grpo_gain'] * 100:g} points above its SFT start ({how}, test rows)",
                      f"{gain * 100:+.1f} points", gain >= TARGETS["grpo_gain"] - 1e-9))  # fmt: skip
         rewards = [r["reward"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "reward" in r]

@@ -597,7 +597,7 @@ class _Validation:
 
     @property
     def decoding(self) -> str:
-        """ "greedy", or "2 samples at temperature 0.7"."""
+        """How the val rows are answered: "greedy", or "2 samples at temperature 0.7"."""
         val = self.cfg.val
         if not val.temperature:
             return "greedy"

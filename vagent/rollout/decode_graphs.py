@@ -84,9 +84,10 @@ class DecodeGraphs:
         self.captures = 0
         self.capture_s = 0.0
 
-    def decode(self, ids: list[int], positions: list[int], slots: list[int], lengths: list[int], live: int):
+    def decode(self, ids: list[int], positions: list[int], slots: list[int], lengths: list[int], room: int):
         """Logits (rows, V) of one decode step: row b feeds token ``ids[b]`` at RoPE position ``positions[b]``,
-        written at ``lengths[b]`` of slot ``slots[b]``; ``live`` slots are in use. None when graphs are off."""
+        written at ``lengths[b]`` of slot ``slots[b]``. ``room``: the slots the storage holds, one past every live
+        row's included (the padding rows' scratch is the last). None when graphs are off."""
         if self.failed is not None:
             return None
         rows, needed = len(ids), max(lengths) + 1
@@ -94,7 +95,7 @@ class DecodeGraphs:
         keys = _bucket(needed, _MIN_KEYS)
         if self.cache.capacity >= needed:
             keys = min(keys, self.cache.capacity)  # the storage's whole length: a bucket that needs no growth
-        self.cache.reserve(live + 1, keys)  # the slot past every live one is the padding rows' scratch
+        self.cache.reserve(room, keys)
         if self.cache.growths != self._storage:  # reallocated: the graphs read the old addresses
             self._drop_graphs()
             self._storage = self.cache.growths

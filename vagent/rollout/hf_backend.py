@@ -285,7 +285,7 @@ class HFBackend:
         self._match_cache_dtype()
         capturing = self.graphs.capture_s
         logits = self.graphs.decode([r.last for r in rows], [r.next_pos for r in rows], [r.slot for r in rows],
-                                    lengths, live=len(self._rows) + len(self._free))  # fmt: skip
+                                    lengths, room=self._slot_room())  # fmt: skip
         if logits is not None:
             self._timed(start + self.graphs.capture_s - capturing)  # a capture is counted in graph_capture_s
         return logits
