@@ -119,13 +119,12 @@ def decode_step_ms(
     """Mean wall time of a decode ``step()`` at ``rows`` rows, the median over ``repeat`` rollouts (see the module
     docstring). Uses only what old and new vagent share (``run``, ``HFBackend.step`` and its ``_pending`` queue), so
     ``--baseline`` can run it. ``backend``: one backend for the warm-up and every timed rollout (its CUDA graphs
-    are captured in the warm-up); default a new one per rollout."""
+    are captured in the warm-up); default a new one per rollout. Call ``full_batch_decoding`` first."""
     from vagent.rollout import hf_backend
 
     image = Image.new("RGB", (448, 336), (120, 160, 200))
     work = [Task(id=f"d{i}", question=f"Question number {i}: what is in the picture?", images=[image])
             for i in range(rows)]  # fmt: skip
-    full_batch_decoding(policy)
     limits = RolloutLimits(max_turns=1, max_new_tokens=new_tokens, max_total_tokens=8192, temperature=temperature)
     times: list[float] = []
     original = hf_backend.HFBackend.step

@@ -152,15 +152,15 @@ def profile_decode(policy, args: argparse.Namespace) -> dict[str, float]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if policy.device.type == "cuda" else [])
     # This code: one backend for the warm-up and the profiled run, so its CUDA graphs are captured before the
     # profile (the baseline, --json, makes a backend per run as its run() does).
+    if args.workload == "decode":
+        bench.full_batch_decoding(policy)  # before a backend reads the EOS ids
     backend = None
     if not args.json:
         from vagent.rollout import HFBackend
 
-        if args.workload == "decode":
-            bench.full_batch_decoding(policy)  # before the backend reads the EOS ids
         backend = HFBackend(policy, cuda_graphs=False if args.eager else None)
     if args.workload == "decode":
-        # warm-up at the profiled shapes (the baseline's EOS and stop strings are switched here)
+        # warm-up at the profiled shapes
         bench.decode_step_ms(policy, args.rows, args.decode_tokens, warm_up=False, backend=backend)
         _instrument(policy, all_steps=False)
         with profile(activities=activities) as prof:
