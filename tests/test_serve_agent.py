@@ -77,3 +77,34 @@ def test_agent_mode_speaks_a_published_agents_protocol(tiny_qwen25, tmp_path):
     assert trajectory["tool_results"][0]["native"] == "image_zoom_in_tool"  # what the model wrote
     observation = trajectory["messages"][3]
     assert observation["role"] == "user" and observation["content"][0]["text"].startswith("<tool_response>")
+
+
+def test_agent_mode_serves_a_larger_turn_budget_with_an_image_a_turn(policy):
+    """In process: `--max-turns 32 --max-images 40` (a policy trained at fewer turns, served at more): 32 forced crops
+    each add an image and the 33rd turn is sampled; under the profile's own 8 images the episode stops at the 8th."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from vagent.serve import add_arguments
+    from vagent.serve.app import ServerOptions, create_app
+
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 56, 56]}}</tool_call>'
+    image = Image.new("RGB", (112, 84), (200, 100, 50))  # small: 33 images stay near 3,600 tokens
+    body = {"model": "m", "max_tokens": 4, "temperature": 0,
+            "messages": [_question(image)] + [{"role": "assistant", "content": crop}] * 32}  # fmt: skip
+    trajectories = {}
+    for images in (40, 8):
+        options = ServerOptions(model_name="m", agent=True, max_turns=32, max_images=images)
+        with TestClient(create_app(policy, options)) as http:
+            response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        trajectories[images] = response.json()["choices"][0]["trajectory"]
+    wide, capped = trajectories[40], trajectories[8]
+    assert sum(p["type"] == "image" for m in wide["messages"] for p in m["content"]) == 33
+    assert wide["metrics"]["turns"] == 33 and wide["stop_reason"] != "max_images" and sum(wide["loss_mask"]) >= 1
+    assert capped["stop_reason"] == "max_images" and capped["metrics"]["turns"] == 8
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--max-images", "0"])

@@ -385,9 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage(sub, "sft", "SFT cold start on gold trajectories (one process, or under torchrun).", "SFTConfig", _sft)
     _add_stage(sub, "grpo", "GRPO with verifiable rewards (one process, or under torchrun).", "GRPOConfig", _grpo)
     _add_eval(sub)
-    p = sub.add_parser("eval-report", help="Side-by-side table and bar chart of several eval runs.")
+    p = sub.add_parser("eval-report", help="Side-by-side table and bar chart of several eval runs, and each run's "
+                       "accuracy and turns against the turn budget (1, 2, 4, ... up to its own).")  # fmt: skip
     p.add_argument("runs", nargs="+", help="Eval run dirs (each with metrics.json).")
-    p.add_argument("--out", help="Write comparison.md and comparison.png here.")
+    p.add_argument("--out", help="Write comparison.md/.png and turns.md/.png here.")
     p.set_defaults(func=_eval_report)
     _add_rollout(sub)
     # `vagent demo ...` is handed to demo/app.py whole (see main); this entry lists it in --help.

@@ -6,16 +6,20 @@ Layout of ``out_dir``::
     samples.rank{r}.jsonl        one line per finished sample, appended as it finishes (the resume log)
     trajectories.rank{r}.jsonl   the matching trajectories (export.JsonlWriter: images saved as PNG)
     samples.jsonl                all ranks' samples in benchmark order (rank 0 writes it at the end)
-    metrics.json, metrics.md     overall / pass@k / per-type metrics, tool use, what was skipped
+    metrics.json, metrics.md     overall / pass@k / per-type metrics, tool use, what was skipped, the limits
+    limits.json                  the episode limits and sampling the samples were made under
     trajectories.html            the viewer of the first trajectories with their crops and frames inline
 
 A rerun with the same ``out_dir`` reads the samples logs and runs only what is missing, so an
-interrupted evaluation finishes without repeating finished samples.
+interrupted evaluation finishes without repeating finished samples; it must ask for the same limits (a run
+mixing two turn budgets could not be read off per budget, see ``vagent.eval.turns``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +27,9 @@ from typing import Any
 from tqdm import tqdm
 
 from vagent.data import Row
-from vagent.eval.benchmarks import Benchmark
+from vagent.eval.benchmarks import Benchmark, BenchmarkError
 from vagent.eval.metrics import summarize
+from vagent.eval.turns import turn_record
 from vagent.model import Policy
 from vagent.rewards.answer import gold_answers
 from vagent.rollout import RolloutLimits, Task, run
@@ -54,9 +59,13 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         env: This process's place among ranks (rows are split round-robin); None = a single process.
         skipped: Records the loader could not read, reported in the metrics.
         agent: The agent profile the policy speaks (``vagent.agents.PROFILES``): its prompt, tools and answers.
+
+    Raises:
+        BenchmarkError: ``out_dir`` holds samples made under other limits (a resume must ask for the same).
     """
     rank, world = (env.rank, env.world_size) if env else (0, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _same_limits(out_dir, limits, write=rank == 0)
     log = out_dir / f"samples.rank{rank}.jsonl"
     done = {(s["id"], s["sample"]) for s in read_samples(log)}
     mine = [row for i, row in enumerate(rows) if i % world == rank]
@@ -90,7 +99,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
                       **scores, "tool_calls": [r.name for r in trajectory.tool_results],
                       "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
                       "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
-                      "type": row.extra.get("type") or []}  # fmt: skip
+                      "type": row.extra.get("type") or [], **turn_record(trajectory)}  # fmt: skip
             if clash := [key for key in scores if record[key] != scores[key]]:
                 raise ValueError(f"{benchmark.name} metric names {clash} clash with sample fields")
             samples_log.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -106,11 +115,26 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
     barrier()
     if rank != 0:
         return {}
-    return _merge(benchmark, rows, out_dir, world, skipped, tools, agent)
+    return _merge(benchmark, rows, out_dir, world, skipped, tools, agent, limits)
+
+
+def _same_limits(out_dir: Path, limits: RolloutLimits, write: bool) -> None:
+    """Refuse to resume a run under other limits (its samples would mix two budgets); record them for a new run."""
+    path, asked = out_dir / "limits.json", json.loads(json.dumps(dataclasses.asdict(limits)))  # as read back
+    if path.is_file():
+        made = json.loads(path.read_text())
+        if changed := {k: (made.get(k), v) for k, v in asked.items() if made.get(k) != v}:
+            said = ", ".join(f"{k} {was} (now {now})" for k, (was, now) in changed.items())
+            raise BenchmarkError(f"{out_dir} holds samples made under other limits: {said}; pass the same limits to "
+                                 "resume it, or another --out")  # fmt: skip
+    elif write:  # whole or not at all: another rank may read it while this one writes
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asked, indent=1))
+        os.replace(tmp, path)
 
 
 def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int, skipped, tools,
-           agent: str = "vagent") -> dict[str, Any]:  # fmt: skip
+           agent: str = "vagent", limits: RolloutLimits | None = None) -> dict[str, Any]:  # fmt: skip
     samples = {
         (s["id"], s["sample"]): s for r in range(world) for s in read_samples(out_dir / f"samples.rank{r}.jsonl")
     }
@@ -127,6 +151,7 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     metrics["benchmark"] = benchmark.name
     metrics["tools"] = "none" if tools == [] else ",".join(tools) if tools else ",".join(benchmark.tools) + " (default)"
     metrics["agent"] = agent
+    metrics["limits"] = dataclasses.asdict(limits) if limits is not None else {}
     metrics["skipped"] = [{"record": r, "reason": why} for r, why in skipped]
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
     write_table([metrics], out_dir / "metrics.md", [out_dir.name])

@@ -2,7 +2,8 @@
 
 vagent eval --model DIR --benchmark mat-coding --data FILE [--image-root DIR] [--tools crop,zoom_in|none] --out DIR
 torchrun --nproc_per_node N -m vagent.cli eval ...      (rows split over ranks; rank 0 merges)
-vagent eval-report RUN_DIR [RUN_DIR ...] --out DIR       (side-by-side table + bar chart PNG)
+vagent eval-report RUN_DIR [RUN_DIR ...] --out DIR       (side-by-side table + bar chart PNG, and accuracy and
+                                                         turns against the turn budget, read off each run)
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from vagent.agents import get_profile
 from vagent.eval import BENCHMARKS, BenchmarkError
-from vagent.eval.runner import evaluate, write_table
+from vagent.eval.runner import evaluate, read_samples, write_table
+from vagent.eval.turns import budgets, exactness, turn_scaling
 from vagent.model import load_policy
 from vagent.rollout import RolloutLimits
 from vagent.training.distributed import init_distributed, shutdown
@@ -34,6 +37,11 @@ def run_eval(args: argparse.Namespace) -> int:
     env = init_distributed(args.device)
     try:
         policy = load_policy(args.model, device=env.device, dtype=args.dtype, attn_implementation=args.attn)
+        profile = get_profile(args.agent).limits  # the agent's own turn and image limits, unless given
+        limits = RolloutLimits(max_turns=args.max_turns or profile.max_turns, max_new_tokens=args.max_new_tokens,
+                               max_total_tokens=args.max_total_tokens, max_images=args.max_images or profile.max_images,
+                               temperature=args.temperature, top_p=args.top_p)  # fmt: skip
+        _check_context(policy, limits, profile.max_turns, quiet=not env.is_main)
         import torch
 
         torch.manual_seed(args.seed + env.rank)
@@ -42,10 +50,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
         services = tool_services(ToolboxConfig(search_corpus=args.search_corpus, search_url=args.search_url,
                                                allow_unsandboxed_code=args.unsandboxed))  # fmt: skip
-        own = get_profile(args.agent).limits  # the agent's own turn and image limits, unless given
-        limits = RolloutLimits(max_turns=args.max_turns or own.max_turns, max_new_tokens=args.max_new_tokens,
-                               max_total_tokens=args.max_total_tokens, max_images=args.max_images or own.max_images,
-                               temperature=args.temperature, top_p=args.top_p)  # fmt: skip
         metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
                            n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
                            skipped=errors, progress=env.is_main, agent=args.agent)  # fmt: skip
@@ -57,6 +61,20 @@ def run_eval(args: argparse.Namespace) -> int:
         print((Path(args.out) / "metrics.md").read_text())
         print(f"wrote {args.out}/samples.jsonl, metrics.json, trajectories.html")
     return 0
+
+
+def _check_context(policy, limits: RolloutLimits, own_turns: int, quiet: bool = False) -> None:
+    """An episode must fit the model's positions (an error); a turn budget past the profile's own (test-time turn
+    scaling) with too few images for a tool output every turn is worth a note."""
+    positions = policy.model.config.get_text_config().max_position_embeddings
+    if limits.max_total_tokens > positions:
+        raise BenchmarkError(f"--max-total-tokens {limits.max_total_tokens} is past the model's context of {positions} "
+                             "positions; lower it (an episode stops at max_tokens when it reaches it)")  # fmt: skip
+    if not quiet and limits.max_turns > own_turns and limits.max_images <= limits.max_turns:
+        print(f"note: --max-turns {limits.max_turns} with --max-images {limits.max_images}: an episode whose every "
+              f"turn returns an image stops at max_images before its last turns; for turn scaling give --max-images "
+              f"{limits.max_turns + 1} or more (prompt images count too) and --max-total-tokens to hold them",
+              file=sys.stderr)  # fmt: skip
 
 
 def _judge(args: argparse.Namespace, rows) -> dict[str, Any]:
@@ -116,8 +134,75 @@ def bar_chart(runs: list[dict[str, Any]], names: list[str], path: Path, title: s
     return path
 
 
+def turn_report(run_dirs: list[str], out: Path | None) -> tuple[str, Path | None]:
+    """Accuracy (each run's primary metric), answers, turns and images against the turn budget, read off each run's
+    samples at the budgets up to its own (``vagent.eval.turns``); with ``out``, ``turns.md`` and ``turns.png``.
+    Runs made before turn records are listed as skipped. Returns the markdown and the figure's path (None if none)."""
+    sections, curves = [], []
+    for d in run_dirs:
+        metrics = json.loads((Path(d) / "metrics.json").read_text())
+        samples = read_samples(Path(d) / "samples.jsonl")
+        name, limits = Path(d).name, metrics.get("limits") or {}
+        if not limits or not samples or any("answer_turn" not in s for s in samples):
+            sections.append(f"### {name}\n\nskipped: no per-turn records (a run made before them); rerun it\n")
+            continue
+        metric = BENCHMARKS[metrics["benchmark"]].metrics[0]  # read from the answer alone, 0 without one
+        table = turn_scaling(samples, metric, budgets(limits["max_turns"]))
+        stops = Counter(s["stop_reason"] for s in samples)  # what cut the episodes that did not answer
+        lines = [f"### {name}", "",
+                 f"{metrics['benchmark']}, {metrics['n']} records, {len(samples)} samples, one rollout at "
+                 f"{limits['max_turns']} turns (at most {limits['max_images']} images, {limits['max_total_tokens']} "
+                 f"tokens); the smaller budgets are read off it: {exactness(limits['temperature'])}. This holds as no "
+                 "vagent agent profile tells the model its turn budget. Only the answer's metric is read off.", "",
+                 "stops at the largest budget: " + ", ".join(f"{k} {v}" for k, v in stops.most_common()), "",
+                 f"| turn budget | {metric} | answered | mean turns | mean images |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['budget']} | {r[metric]:.3f} | {r['answered']:.3f} | {r['turns']:.2f} | "
+                  f"{r.get('images', float('nan')):.2f} |" for r in table]  # fmt: skip
+        sections.append("\n".join(lines) + "\n")
+        curves.append((name, table, metric))
+    text = "## Turn scaling\n\n" + "\n".join(sections)
+    if out is None:
+        return text, None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "turns.md").write_text(text)
+    return text, turns_chart(curves, out / "turns.png") if curves else None
+
+
+def turns_chart(curves: list[tuple[str, list[dict[str, Any]], str]], path: Path) -> Path:
+    """Two panels against the turn budget (log 2 axis): each run's primary metric, and the mean turns it used."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ticks = sorted({r["budget"] for _, table, _ in curves for r in table})
+    metrics = sorted({metric for _, _, metric in curves})  # one name for the axis, or each run's in its label
+    for name, table, metric in curves:
+        xs = [r["budget"] for r in table]
+        left.plot(xs, [r[metric] for r in table], marker="o", label=name if len(metrics) == 1 else f"{name} ({metric})")
+        right.plot(xs, [r["turns"] for r in table], marker="o", label=name)
+    right.plot(ticks, ticks, color="grey", linestyle=":", linewidth=1, label="every turn used")
+    for ax, ylabel in ((left, metrics[0] if len(metrics) == 1 else "primary metric"), (right, "mean turns")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("turn budget")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    left.set_ylim(0, 1.05)
+    fig.suptitle("test-time turn scaling: each run read off at the budgets up to its own")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def run_report(args: argparse.Namespace) -> int:
-    print(compare(args.runs, Path(args.out) if args.out else None))
-    if args.out:
-        print(f"wrote {args.out}/comparison.md and comparison.png")
+    out = Path(args.out) if args.out else None
+    print(compare(args.runs, out))
+    text, figure = turn_report(args.runs, out)
+    print(text)
+    if out is not None:
+        print(f"wrote {out}/comparison.md, comparison.png, turns.md" + (", turns.png" if figure else ""))
     return 0

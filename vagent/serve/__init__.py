@@ -26,7 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="With --agent: the protocol the loop speaks (vagent.agents.PROFILES: vagent, deepeyes, "
                    "pixel-reasoner, ...): its prompt, call syntax, tool mapping and observations.")  # fmt: skip
     p.add_argument("--tools", default="crop", help="Comma-separated tools agent mode offers (%(default)s).")
-    p.add_argument("--max-turns", type=int, default=4, help="Assistant turns per agent episode (%(default)s).")
+    p.add_argument("--max-turns", type=_positive, help="Assistant turns per agent episode (default: the agent "
+                   "profile's own, 4 for vagent); any budget, e.g. 32 for a policy trained at 6 (turn scaling).")  # fmt: skip
+    p.add_argument("--max-images", type=_positive, help="Images per agent episode, prompt included (default: the "
+                   "profile's own, 8 for vagent); a turn budget that crops every turn needs turns + 1.")  # fmt: skip
     p.add_argument("--allowed-media-root", action="append", default=[], type=Path,
                    help="Local image paths must be under this dir; repeat for several. Default: data: URLs only.")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=64, help="Requests held at once; more get 429 (%(default)s).")
@@ -41,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:
@@ -69,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     policy = load_policy(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
     positions = policy.model.config.get_text_config().max_position_embeddings
+    own = PROFILES[args.agent_profile].limits  # the agent's own limits, unless given
     options = ServerOptions(
         model_name=args.served_model_name or Path(args.model).resolve().name,
         allowed_media_roots=[root.resolve() for root in args.allowed_media_root],
@@ -79,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
         agent=args.agent,
         agent_profile=args.agent_profile,
         tools=tools,
-        max_turns=args.max_turns,
+        max_turns=args.max_turns or own.max_turns,
+        max_images=args.max_images or own.max_images,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(policy, options)

@@ -65,7 +65,8 @@ class ServerOptions:
         max_request_bytes: Bigger bodies get 413 (images come inline as base64).
         agent: Run the tool loop server-side.
         tools: The tools agent mode offers (a request's ``tools`` may pick a subset by name).
-        max_turns: Assistant turns per agent episode.
+        max_turns: Assistant turns per agent episode (forced turns of a request add to it).
+        max_images: Images per agent episode, prompt included.
     """
 
     model_name: str
@@ -79,6 +80,7 @@ class ServerOptions:
     agent_profile: str = "vagent"  # the protocol agent mode speaks (vagent.agents.PROFILES)
     tools: list[str] = field(default_factory=lambda: ["crop"])
     max_turns: int = 4
+    max_images: int = 8
 
 
 def create_app(policy: Policy, options: ServerOptions) -> FastAPI:
@@ -209,8 +211,8 @@ def _agent_job(request: ChatRequest, options: ServerOptions, sink) -> Job:
                 scripted_turns=[m.plain_text for m in messages[1:]])  # fmt: skip
     budget = request.max_tokens or options.default_max_tokens
     limits = RolloutLimits(max_turns=max(options.max_turns, len(task.scripted_turns) + 1), max_new_tokens=budget,
-                           max_total_tokens=options.max_model_len, temperature=request.temperature,
-                           top_p=request.top_p)  # fmt: skip
+                           max_total_tokens=options.max_model_len, max_images=options.max_images,
+                           temperature=request.temperature, top_p=request.top_p)  # fmt: skip
     seed = (request.seed, request.id) if request.seed is not None else None
     sampling = Sampling(request.temperature, request.top_p, (), seed)
     return Job(request.id, request.n, sampling, sink, tasks=[task] * request.n, limits=limits, seed=request.seed)
