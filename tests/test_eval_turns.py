@@ -39,6 +39,24 @@ def test_a_32_turn_episode_that_crops_every_turn_holds_33_images_and_reencodes_t
     assert turn_record(answered) == {"answer_turn": 32, "images": 32, "images_by_turn": [*range(1, 33), 32]}
 
 
+def test_a_run_at_a_smaller_budget_is_the_larger_runs_episodes_cut_there(policy):
+    """Greedy, with sampled turns between the scripted ones: every episode of a run at 4 turns is the run at 8's, its
+    tokens a prefix and its per-turn record the same up to turn 4 (one row in flight, so batches cannot differ)."""
+    tasks = [Task(id="a", question="Where?", images=[IMAGE], scripted_turns=[None, CROP, None, "<answer>A</answer>"]),
+             Task(id="b", question="Where?", images=[IMAGE], scripted_turns=[CROP, None] * 3 + [CROP])]  # fmt: skip
+    short = run(policy, tasks, 1, RolloutLimits(**{**WIDE.__dict__, "max_turns": 4}), batch_size=1)
+    long = run(policy, tasks, 1, RolloutLimits(**{**WIDE.__dict__, "max_turns": 8}), batch_size=1)
+    assert [t.metrics["sampled_tokens"] > 0 for t in long] == [True, True]
+    for cut, whole in zip(short, long, strict=True):
+        assert (
+            cut.token_ids == whole.token_ids[: len(cut.token_ids)]
+            and cut.loss_mask == whole.loss_mask[: len(cut.loss_mask)]
+        )
+        assert turn_record(cut)["images_by_turn"] == turn_record(whole)["images_by_turn"][:5]
+    assert short[0].token_ids == long[0].token_ids and turn_record(long[0])["answer_turn"] == 4  # answered by 4
+    assert short[1].stop_reason == "max_turns" and long[1].metrics["turns"] > 4
+
+
 def test_read_off_by_hand():
     # answered right at 1, right at 3, wrong at 5, right at 9; one never answers in its 16 turns
     samples = [{"em": 1.0, "answer_turn": 1, "turns": 1}, {"em": 1.0, "answer_turn": 3, "turns": 3},
