@@ -120,7 +120,8 @@ def test_validation_and_file_errors(tmp_path):
 def test_the_call_and_frame_budgets_are_checked_and_reach_the_rollout_limits():
     from quickstart.run import _limits
 
-    cfg = load_config(QuickstartConfig, None, ["rollout.max_tool_calls=3", "rollout.frame_budget=[2, 6]", "seed=5"])
+    budgets = ["rollout.max_tool_calls=3", "rollout.frame_budget=[2, 6]", "rollout.max_images=8"]
+    cfg = load_config(QuickstartConfig, None, [*budgets, "seed=5"])
     limits = _limits(cfg)
     assert (limits.max_tool_calls, list(limits.frame_budget), limits.seed) == (3, [2, 6], 5)
     assert _limits(load_config(QuickstartConfig, None, [])).max_tool_calls is None  # null: only the profile's cap
@@ -129,8 +130,10 @@ def test_the_call_and_frame_budgets_are_checked_and_reach_the_rollout_limits():
     for bad in ("[6, 2]", "[0, 3]", "[4]"):
         with pytest.raises(ConfigError, match=r"frame_budget must be \[lo, hi\]"):
             load_config(QuickstartConfig, None, [f"rollout.frame_budget={bad}"])
+    with pytest.raises(ConfigError, match="leaves no room under max_images"):
+        load_config(QuickstartConfig, None, ["rollout.frame_budget=[2, 8]", "rollout.max_images=8"])
     with pytest.raises(ConfigError, match="frame_budget does not apply to pixel-reasoner"):
-        load_config(QuickstartConfig, None, ["rollout.frame_budget=[2, 6]", "rollout.agent=pixel-reasoner"])
+        load_config(QuickstartConfig, None, [*budgets, "rollout.agent=pixel-reasoner"])
 
 
 def test_defaults_are_not_shared_between_instances():

@@ -312,7 +312,7 @@ class RolloutConfig:
         "[lo, hi]: frames of each video the first view (the prompt) shows, drawn per prompt from this range, the "
         "same for every sample of a group (ParaVT), so the model must call the video tools to see the rest. "
         "vagent's profile then shows that many frames with their times; LongVT shows them instead of 1 fps. null = "
-        "the profile's own view (vagent: the video's name and length only).",
+        "the profile's own view (vagent: the video's name and length only). The frames count toward max_images.",
     )
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
@@ -339,6 +339,11 @@ class RolloutConfig:
         if self.frame_budget is not None:
             if len(self.frame_budget) != 2 or not 1 <= self.frame_budget[0] <= self.frame_budget[1]:
                 raise ValueError(f"frame_budget must be [lo, hi] with 1 <= lo <= hi, got {self.frame_budget}")
+            if self.frame_budget[1] >= self.max_images:  # the prompt's frames count toward max_images
+                raise ValueError(
+                    f"frame_budget {self.frame_budget} leaves no room under max_images "
+                    f"({self.max_images}) for what the video tools return: lower it or raise max_images"
+                )
             if self.agent == "pixel-reasoner":  # its select_frames numbers the prompt's 16 frames: no tool shows more
                 raise ValueError(
                     "frame_budget does not apply to pixel-reasoner: its select_frames only re-shows the "
