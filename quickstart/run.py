@@ -168,7 +168,7 @@ def _device(cfg: QuickstartConfig) -> str:
 def _limits(cfg: QuickstartConfig) -> RolloutLimits:
     """The rollout's episode limits, sampled at GRPO's temperature."""
     return RolloutLimits(
-        **{k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb")}
+        **{k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb")}, seed=cfg.seed
     )
 
 

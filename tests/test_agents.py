@@ -232,11 +232,12 @@ def test_pixel_reasoner_observation_renders_as_its_chat_template(policy):
 
 
 def test_pixel_reasoner_call_budget_ends_the_episode(policy):
+    """The agent's own budget (4 calls) and the rollout's max_tool_calls are one budget: the smaller one holds."""
     task = Task(id="p", question="Q?", images=[ORIGINAL], scripted_turns=[PR_CALL] * 6)
-    traj = rollout(policy, task, RolloutLimits(max_turns=8, max_images=16), agent="pixel-reasoner")
-    assert (
-        traj.metrics["tool_calls"] == 4 and traj.stop_reason == "max_turns" and traj.metrics["max_calls_reached"] == 1
-    )
+    for budget, calls in ((None, 4), (9, 4), (2, 2)):
+        limits = RolloutLimits(max_turns=8, max_images=16, max_tool_calls=budget)
+        traj = rollout(policy, task, limits, agent="pixel-reasoner")
+        assert (traj.metrics["tool_calls"], traj.stop_reason, traj.metrics["turns"]) == (calls, "max_calls", calls + 1)
 
 
 # -- LongVT ---------------------------------------------------------------------------------------------------

@@ -117,6 +117,25 @@ def test_validation_and_file_errors(tmp_path):
         load_config(QuickstartConfig, _write(tmp_path, "- 1\n- 2\n"))
 
 
+def test_the_call_and_frame_budgets_are_checked_and_reach_the_rollout_limits():
+    from quickstart.run import _limits
+
+    budgets = ["rollout.max_tool_calls=3", "rollout.frame_budget=[2, 6]", "rollout.max_images=8"]
+    cfg = load_config(QuickstartConfig, None, [*budgets, "seed=5"])
+    limits = _limits(cfg)
+    assert (limits.max_tool_calls, list(limits.frame_budget), limits.seed) == (3, [2, 6], 5)
+    assert _limits(load_config(QuickstartConfig, None, [])).max_tool_calls is None  # null: only the profile's cap
+    with pytest.raises(ConfigError, match="max_tool_calls must be positive"):
+        load_config(QuickstartConfig, None, ["rollout.max_tool_calls=0"])
+    for bad in ("[6, 2]", "[0, 3]", "[4]"):
+        with pytest.raises(ConfigError, match=r"frame_budget must be \[lo, hi\]"):
+            load_config(QuickstartConfig, None, [f"rollout.frame_budget={bad}"])
+    with pytest.raises(ConfigError, match="leaves no room under max_images"):
+        load_config(QuickstartConfig, None, ["rollout.frame_budget=[2, 8]", "rollout.max_images=8"])
+    with pytest.raises(ConfigError, match="frame_budget does not apply to pixel-reasoner"):
+        load_config(QuickstartConfig, None, [*budgets, "rollout.agent=pixel-reasoner"])
+
+
 def test_defaults_are_not_shared_between_instances():
     a, b = load_config(QuickstartConfig), load_config(QuickstartConfig)
     a.warmup_phases.append("reading")

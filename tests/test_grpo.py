@@ -517,6 +517,20 @@ def test_alarms_say_once_when_tool_use_collapses_or_episodes_mostly_hit_a_cap(ca
     assert out.count("tool use is collapsing") == 1 and out.count("stopped on a cap") == 1
 
 
+def test_a_spent_call_budget_is_a_cap_masked_logged_and_alarmed_like_the_others(capsys):
+    """rollout.max_tool_calls stops an episode with max_calls: a cap, so grpo.mask_truncated masks it, its share is
+    logged as stop/max_calls, and a capped majority made of it raises the cap alarm (which names it)."""
+    from vagent.config import GRPOAlgoConfig
+    from vagent.training.distributed import DistEnv
+
+    assert set(grpo.CAPS) == {"max_turns", "max_tokens", "max_images", "max_calls"} and set(grpo.CAPS) < set(
+        grpo.STOP_REASONS
+    )
+    record = {"tool_call_rate": 0.9, **{f"stop/{r}": 0.0 for r in grpo.STOP_REASONS}, "stop/max_calls": 0.7}
+    grpo._Alarms(GRPOAlgoConfig(), DistEnv(0, 1, 0, torch.device("cpu"))).check(0, record)
+    assert record.get("alarm/capped") == 1.0 and "calls 70%" in capsys.readouterr().out
+
+
 def test_over_turn_masking_trains_nothing_on_episodes_cut_by_a_cap(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch):
     """One turn of 6 tokens: a random policy's every episode is cut by max_tokens. With grpo.mask_truncated they keep
     their rewards (the groups still count) but the update trains on none of them (the weights stay, masked_share 1);

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 from conftest import BOTH_VOCABS
@@ -254,9 +256,12 @@ def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
     assert enc.input_ids.tolist() == traj.token_ids  # frame times are text parts of the tool turn, encoded alike
 
 
-def test_an_observation_that_would_overflow_the_cap_ends_the_episode_before_it(policy):
+@pytest.mark.parametrize("calls", [1, 2])
+def test_an_observation_that_would_overflow_the_cap_ends_the_episode_before_it(policy, calls):
     """The crop's tool turn would carry the episode past max_total_tokens: the episode stops at its cap, before the
-    observation (never with part of its image placeholders), re-encodes to its ids, and counts the call."""
+    observation (never with part of its image placeholders), re-encodes to its ids, and counts the call. With two
+    calls in the turn, a cap one token short of the second observation keeps neither (the turn's results go in
+    whole or not at all)."""
     from vagent.data import encode_messages
 
     min_pixels, max_pixels = policy.pixel_budget
@@ -265,14 +270,15 @@ def test_an_observation_that_would_overflow_the_cap_ends_the_episode_before_it(p
         return encode_messages(messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
                                factor=policy.image_factor).input_ids.tolist()  # fmt: skip
 
-    task = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP, "<answer>grey</answer>"])
+    task = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP * calls, "<answer>grey</answer>"])
     whole = rollout(policy, task, RolloutLimits(max_turns=3, max_total_tokens=4096))
-    tool_turn = next(i for i, m in enumerate(whole.messages) if m.role == "tool")
-    cap = len(ids(whole.messages[: tool_turn + 1])) - 1  # one token short of the observation
+    tool_turns = [i for i, m in enumerate(whole.messages) if m.role == "tool"]
+    assert len(tool_turns) == calls
+    cap = len(ids(whole.messages[: tool_turns[-1] + 1])) - 1  # one token short of the turn's last observation
     cut = rollout(policy, task, RolloutLimits(max_turns=3, max_total_tokens=cap))
     assert cut.stop_reason == "max_tokens" and len(cut.token_ids) <= cap
-    assert [m.role for m in cut.messages] == [m.role for m in whole.messages[:tool_turn]]
-    assert cut.metrics["tool_calls"] == 1
+    assert [m.role for m in cut.messages] == [m.role for m in whole.messages[: tool_turns[0]]]
+    assert cut.metrics["tool_calls"] == calls
     assert ids(cut.messages) == cut.token_ids
 
 
@@ -286,3 +292,159 @@ def test_no_episode_passes_max_total_tokens_whatever_the_cap(policy, agent):
         torch.manual_seed(cap)
         out = run(policy, [task], 3, RolloutLimits(max_turns=3, max_new_tokens=64, max_total_tokens=cap), agent=agent)
         assert all(len(t.token_ids) <= max(cap, prompt + 3) for t in out), (cap, [len(t.token_ids) for t in out])
+
+
+# -- the call budget, concurrent calls, the frame budget ------------------------------------------------------
+
+
+def test_the_call_budget_counts_every_call_across_turns(policy):
+    """max_tool_calls=3: with one call a turn the 4th call attempt ends the episode (stop reason max_calls, its call
+    never runs); two calls in one turn count two, and a turn that would pass the budget runs none of its calls."""
+    limits = RolloutLimits(max_turns=8, max_tool_calls=3)
+    one_a_turn = rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP] * 5), limits)
+    assert (one_a_turn.stop_reason, one_a_turn.metrics["tool_calls"], one_a_turn.metrics["turns"]) == (
+        "max_calls",
+        3,
+        4,
+    )
+    assert [m.role for m in one_a_turn.messages].count("tool") == 3 and one_a_turn.messages[-1].role == "assistant"
+    two_then_one = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP * 2, CROP, CROP])
+    traj = rollout(policy, two_then_one, limits)
+    assert (traj.stop_reason, traj.metrics["tool_calls"], traj.metrics["turns"]) == ("max_calls", 3, 3)
+    two_twice = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP * 2, CROP * 2])
+    traj = rollout(policy, two_twice, limits)
+    assert (traj.stop_reason, traj.metrics["tool_calls"], len(traj.tool_results)) == ("max_calls", 2, 2)
+    answered = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP * 3, "<answer>a</answer>"])
+    assert rollout(policy, answered, limits).stop_reason == "answered"  # spending the budget exactly is allowed
+
+
+def _timed_tool(monkeypatch):
+    """A test tool ``wait``: sleeps ``seconds``, then returns an image of colour ``shade`` and how many images its
+    context held (what the call could see)."""
+    import types
+
+    from vagent import toolbox
+    from vagent.types import Observation
+
+    def call(arguments, context):
+        time.sleep(arguments["seconds"])
+        shade = arguments["shade"]
+        return Observation(text=f"waited {arguments['seconds']} s", images=[Image.new("RGB", (56, 56), (shade,) * 3)],
+                           metadata={"seen": len(context.images), "shade": shade})  # fmt: skip
+
+    tool = types.ModuleType("wait")
+    tool.NAME, tool.call = "wait", call
+    properties = {"seconds": {"type": "number"}, "shade": {"type": "integer"}}
+    tool.SCHEMA = {"name": "wait", "description": "sleeps", "parameters": {"type": "object", "properties": properties}}
+    monkeypatch.setitem(toolbox.TOOLS, "wait", tool)
+
+
+def _wait(seconds: float, shade: int) -> str:
+    return f'<tool_call>{{"name": "wait", "arguments": {{"seconds": {seconds}, "shade": {shade}}}}}</tool_call>'
+
+
+def test_the_calls_of_one_turn_run_concurrently_and_come_back_in_call_order(policy, monkeypatch):
+    """Two 0.5 s calls and an instant one in one turn: the turn waits about one slow call (under 0.9 s; in sequence
+    it takes 1.0 s), and the results come back in call order though the instant one finished first, every call saw
+    only the images from before the turn, and the images are appended in call order (the one encoder agrees). A
+    pool of one thread (fewer threads than the turn has calls) runs them one after another and does not deadlock."""
+    from vagent.data import encode_messages
+
+    _timed_tool(monkeypatch)
+    turn = _wait(0.5, 10) + _wait(0.5, 20) + _wait(0, 30)
+    task = Task(id="t", question="Q?", images=[IMAGE], tools=["wait"], scripted_turns=[turn, "<answer>a</answer>"])
+    for workers in (8, 1):
+        [traj] = run(policy, [task], limits=_limits(), tool_workers=workers)
+        assert traj.stop_reason == "answered" and traj.metrics["tool_calls"] == 3
+        assert [r.metadata["shade"] for r in traj.tool_results] == [10, 20, 30]
+        assert [r.metadata["seen"] for r in traj.tool_results] == [1, 1, 1]
+        tools = [m for m in traj.messages if m.role == "tool"]
+        assert all(m.plain_text.startswith(f"waited {s} s") for m, s in zip(tools, (0.5, 0.5, 0), strict=True))
+        assert [img.getpixel((0, 0))[0] for img in traj.images[1:]] == [10, 20, 30]
+        min_pixels, max_pixels = policy.pixel_budget
+        enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                              factor=policy.image_factor)  # fmt: skip
+        assert enc.input_ids.tolist() == traj.token_ids
+        if workers > 1:
+            assert 0.5 <= traj.metrics["tool_wait_s"] < 0.9, traj.metrics["tool_wait_s"]
+        else:
+            assert traj.metrics["tool_wait_s"] >= 1.0
+
+
+def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results(policy, monkeypatch):
+    import threading
+    import types
+
+    from vagent import toolbox
+    from vagent.types import Observation
+
+    _timed_tool(monkeypatch)
+    release = threading.Event()
+    hang = types.ModuleType("hang")
+    hang.NAME, hang.call = "hang", lambda arguments, context: release.wait(60) and Observation(text="late")
+    hang.SCHEMA = {"name": "hang", "description": "hangs", "parameters": {"type": "object", "properties": {}}}
+    monkeypatch.setitem(toolbox.TOOLS, "hang", hang)
+    turn = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>' + _wait(0, 40)
+    task = Task(
+        id="t", question="Q?", images=[IMAGE], tools=["hang", "wait"], scripted_turns=[turn, "<answer>a</answer>"]
+    )
+    try:
+        [traj] = run(policy, [task], limits=_limits(), tool_timeout_s=0.5)
+    finally:
+        release.set()
+    assert traj.stop_reason == "answered" and [r.error for r in traj.tool_results] == ["timeout", None]
+    tools = [m for m in traj.messages if m.role == "tool"]
+    assert "did not finish within 0.5 s" in tools[0].plain_text and tools[1].plain_text.startswith("waited 0 s")
+    assert len(traj.images) == 2 and traj.images[1].getpixel((0, 0))[0] == 40
+
+
+def test_the_frame_budget_draw_lies_in_its_range_is_fixed_per_prompt_and_seed_and_varies_across_prompts():
+    from vagent.rollout import first_view_frames
+
+    draws = {f"row-{i}": first_view_frames(f"row-{i}", (2, 8), seed=0) for i in range(40)}
+    assert all(2 <= n <= 8 for n in draws.values()) and len(set(draws.values())) >= 4
+    assert all(first_view_frames(key, [2, 8], seed=0) == n for key, n in draws.items())  # a config gives a list
+    assert any(first_view_frames(key, (2, 8), seed=1) != n for key, n in draws.items())
+    assert first_view_frames("row-0", (5, 5), seed=3) == 5
+
+
+def test_a_frame_budget_shows_the_drawn_frames_in_the_first_view_the_same_for_a_group(policy, tmp_path):
+    """vagent's profile shows a video as its name only; under rollout.frame_budget its prompt shows the drawn
+    number of frames (with their times), the same for both samples of a task, and prompts differ across tasks."""
+    from vagent.data import encode_messages
+    from vagent.rollout import first_view_frames
+
+    path = str(write_video(tmp_path / "clip.mp4", frames=40, fps=10.0))
+    budget = (2, 6)
+    ids = ["v0", "v1", "v2", "v3", "v4", "v5"]
+    two = [next(i for i in ids if first_view_frames(i, budget) == n) for n in sorted({first_view_frames(i, budget)
+                                                                                       for i in ids})[:2]]  # fmt: skip
+    tasks = [Task(id=i, question="When?", videos=[path], tools=["sample_frames"], scripted_turns=["<answer>a</answer>"])
+             for i in two]  # fmt: skip
+    plain = run(policy, tasks[:1], limits=_limits())[0]
+    assert plain.messages[1].images == [] and "Video 0: 4.0 s long.\n" in plain.messages[1].plain_text
+    out = run(policy, tasks, n_samples=2, limits=_limits(frame_budget=budget))
+    shown = [len(t.messages[1].images) for t in out]
+    assert shown == [first_view_frames(i, budget) for i in two for _ in range(2)] and shown[0] != shown[2]
+    assert out[0].token_ids == out[1].token_ids and out[0].token_ids != out[2].token_ids
+    user = out[0].messages[1].content
+    stamps = [p.timestamps[0] for p in user if p.type == "image"]
+    assert stamps == sorted(stamps) and 0 < stamps[0] and stamps[-1] < 4.0
+    assert [p.text for p in user if p.type == "text"][1] == f"t={stamps[0]:.2f}s"
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(out[2].messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                          factor=policy.image_factor)  # fmt: skip
+    assert enc.input_ids.tolist() == out[2].token_ids
+
+
+def test_the_frame_budget_sets_longvts_prompt_frames_and_is_refused_by_pixel_reasoner(tmp_path):
+    from vagent.agents import get_profile
+
+    path = str(write_video(tmp_path / "clip.mp4", frames=40, fps=10.0))
+    longvt = get_profile("longvt")
+    assert len(longvt.prompt("Q?", [], [path], ["sample_frames"])[-1].images) == 4  # 1 fps over 4 s
+    assert len(longvt.prompt("Q?", [], [path], ["sample_frames"], frames=7)[-1].images) == 7
+    pixel_reasoner = get_profile("pixel-reasoner")
+    assert len(pixel_reasoner.prompt("Q?", [], [path], [])[-1].images) == 16
+    with pytest.raises(ValueError, match="select_frames only re-shows"):
+        pixel_reasoner.prompt("Q?", [], [path], [], frames=7)

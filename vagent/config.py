@@ -301,6 +301,19 @@ class RolloutConfig:
     max_new_tokens: int = option(96, "Tokens the policy may sample in one turn.")
     max_total_tokens: int = option(4096, "Prompt + all turns; the episode stops at this length (max_tokens).")
     max_images: int = option(8, "Images per episode, prompt and tool outputs together (max_images).")
+    max_tool_calls: int | None = option(
+        None,
+        "Tool calls allowed across the episode (PyVision-RL's interaction budget; every call of a turn counts): a "
+        "turn whose calls would pass it ends the episode unrun (stop reason max_calls). The agent profile's own cap "
+        "(Pixel-Reasoner: 4) also holds; the smaller one applies. null = only the profile's.",
+    )
+    frame_budget: list[int] | None = option(
+        None,
+        "[lo, hi]: frames of each video the first view (the prompt) shows, drawn per prompt from this range, the "
+        "same for every sample of a group (ParaVT), so the model must call the video tools to see the rest. "
+        "vagent's profile then shows that many frames with their times; LongVT shows them instead of 1 fps. null = "
+        "the profile's own view (vagent: the video's name and length only). The frames count toward max_images.",
+    )
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
     agent: str = option("vagent", "Agent profile the policy speaks (vagent.agents.PROFILES; docs/guide/agents.md).")
@@ -321,6 +334,21 @@ class RolloutConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tool_calls is not None and self.max_tool_calls <= 0:
+            raise ValueError(f"max_tool_calls must be positive (or null), got {self.max_tool_calls}")
+        if self.frame_budget is not None:
+            if len(self.frame_budget) != 2 or not 1 <= self.frame_budget[0] <= self.frame_budget[1]:
+                raise ValueError(f"frame_budget must be [lo, hi] with 1 <= lo <= hi, got {self.frame_budget}")
+            if self.frame_budget[1] >= self.max_images:  # the prompt's frames count toward max_images
+                raise ValueError(
+                    f"frame_budget {self.frame_budget} leaves no room under max_images "
+                    f"({self.max_images}) for what the video tools return: lower it or raise max_images"
+                )
+            if self.agent == "pixel-reasoner":  # its select_frames numbers the prompt's 16 frames: no tool shows more
+                raise ValueError(
+                    "frame_budget does not apply to pixel-reasoner: its select_frames only re-shows the "
+                    "16 frames of its prompt, so a smaller first view would hide frames for good"
+                )
 
 
 @dataclass
@@ -525,7 +553,8 @@ class GRPOAlgoConfig:
     max_refill_rounds: int = option(2, "Extra rollout rounds dynamic sampling may run per step to refill.")
     mask_truncated: bool = option(
         False,
-        "Over-turn masking (Mini-o3's ignore_exceed): an episode cut by a cap (max_turns, max_tokens, max_images) "
+        "Over-turn masking (Mini-o3's ignore_exceed): an episode cut by a cap (max_turns, max_tokens, max_images, "
+        "max_calls) "
         "keeps its reward for its group's statistics but adds no policy-gradient loss, so the policy is not "
         "taught to stop early. false reproduces training on every episode.",
     )

@@ -32,8 +32,9 @@ __all__ = [
 Role = Literal["system", "user", "assistant", "tool"]
 
 # Why a trajectory ended; recorded per row so eval and training can report the mix.
-# max_tokens covers both budgets: a turn cut at max_new_tokens without a call or answer, and the episode total.
-StopReason = Literal["answered", "no_action", "max_turns", "max_tokens", "max_images", "failed"]
+# max_tokens covers both budgets: a turn cut at max_new_tokens without a call or answer, and the episode total;
+# max_calls: a turn's calls would pass the episode's tool-call budget (the rollout's and the agent profile's).
+StopReason = Literal["answered", "no_action", "max_turns", "max_tokens", "max_images", "max_calls", "failed"]
 
 
 @dataclass

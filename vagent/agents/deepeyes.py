@@ -82,7 +82,7 @@ class DeepEyesProfile:
     tools = ("crop", "rotate")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
         user = Message("user", [*image_parts(images), ContentPart("text", question + USER_PROMPT)])
         return [Message.text("system", SYSTEM_PROMPT), user]
 

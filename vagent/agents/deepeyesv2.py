@@ -193,7 +193,7 @@ class DeepEyesV2Profile:
     tools = ("code", "search")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
         user = Message("user", [*image_parts(images), ContentPart("text", USER_PROMPT.format(question=question))])
         return [Message.text("system", SYSTEM_PROMPT), user]
 

@@ -91,11 +91,11 @@ class LongVTProfile:
     tools = ("sample_frames",)
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
-        frames = [frame for path in videos[:1] for frame in _video_frames(path)]
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
+        shown = [frame for path in videos[:1] for frame in _video_frames(path, frames)]
         path = videos[0] if videos else ""
         text = f"{question} {TOOL_PROMPT} The Video path for this video is: {path}"
-        user = Message("user", [*image_parts([*images, *frames]), ContentPart("text", text)])
+        user = Message("user", [*image_parts([*images, *shown]), ContentPart("text", text)])
         return [Message.text("system", SYSTEM_PROMPT), user]
 
     def parse(self, text: str) -> ParsedTurn:
@@ -179,11 +179,13 @@ def _video_index(path: str, videos: Sequence[str]) -> int | None:
     return names.index(os.path.basename(path)) if os.path.basename(path) in names else None
 
 
-def _video_frames(path: str) -> list[Image.Image]:
-    """The prompt's view of a video: 1 fps (at most 512 frames), each within 224x224 pixels."""
+def _video_frames(path: str, count: int | None = None) -> list[Image.Image]:
+    """The prompt's view of a video: ``count`` frames spread evenly (a frame budget's draw), by default 1 fps (at
+    most 512 frames); each within 224x224 pixels."""
     try:
         duration = probe_video(path).duration
-        count = max(1, min(PROMPT_MAX_FRAMES, round(duration * PROMPT_FPS)))
+        if count is None:
+            count = max(1, min(PROMPT_MAX_FRAMES, round(duration * PROMPT_FPS)))
         frames, _ = read_frames(path, uniform_timestamps(0.0, duration, count))
     except MediaError:
         return []

@@ -91,7 +91,7 @@ class OpenThinkIMGProfile:
     tools = ("crop", "draw")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
         # Two user messages, as its GRPO trainer builds them (the chat template adds its default system turn).
         return [Message.text("user", SYSTEM_PROMPT),
                 Message("user", [*image_parts(images), ContentPart("text", question)])]  # fmt: skip

@@ -116,9 +116,14 @@ class PixelReasonerProfile:
     tools = ("crop",)
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
-        frames = list(images) + [frame for path in videos[:1] for frame in _video_frames(path)]
-        user = Message("user", [*image_parts(frames), ContentPart("text", question + GUIDELINES)])
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
+        if frames is not None and videos:  # select_frames numbers these 16 frames; no tool shows the others
+            raise ValueError(
+                "a frame budget does not apply to pixel-reasoner: its select_frames only re-shows the "
+                f"{VIDEO_FRAMES} frames of its prompt, so a smaller first view would hide frames for good"
+            )
+        shown = list(images) + [frame for path in videos[:1] for frame in _video_frames(path)]
+        user = Message("user", [*image_parts(shown), ContentPart("text", question + GUIDELINES)])
         return [Message.text("system", SYSTEM_PROMPT), user]
 
     def parse(self, text: str) -> ParsedTurn:

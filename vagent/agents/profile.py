@@ -43,7 +43,8 @@ class AgentLimits:
     Attributes:
         max_turns: Assistant turns per episode the agent's loop allows (the rollout's default for the profile).
         max_images: Images per episode, prompt included (the rollout's default for the profile).
-        max_calls: Tool calls per episode; a turn that would exceed it ends the episode (``max_calls``). None = no cap.
+        max_calls: Tool calls per episode; a turn that would exceed it ends the episode (stop reason ``max_calls``;
+            with the rollout's ``max_tool_calls`` the smaller applies). None = no cap.
         tool_max_pixels: Pixel cap of an image a tool returns (crop, rotation); None = the policy's budget.
         tool_min_pixels: Smallest region a crop cuts (vagent grows smaller boxes to this area); None = the policy's
             minimum. Agents that validate box sizes themselves (DeepEyes, Pixel-Reasoner) set 28x28, so the region
@@ -80,8 +81,11 @@ class AgentProfile(Protocol):
     tools: tuple[str, ...]
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
-        """The system/user messages an episode starts from (image parts in the order the model sees them)."""
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
+        """The system/user messages an episode starts from (image parts in the order the model sees them).
+        ``frames``: how many frames of each video the prompt shows (the rollout's frame budget); None = the agent's
+        own view. Profiles that show no video frames ignore it; one whose tools cannot show the frames it would
+        leave out raises ``ValueError``."""
         ...
 
     def parse(self, text: str) -> ParsedTurn:
@@ -94,7 +98,9 @@ class AgentProfile(Protocol):
         ...
 
     def act(self, parsed: ParsedTurn, context: ToolContext, offered: Sequence[str]) -> list[Observation]:
-        """Run the turn's actions; one observation each, its text already in the agent's wording. Never raises."""
+        """Run the turn's actions; one observation each, its text already in the agent's wording. Never raises.
+        Reads only ``parsed.actions`` and never changes ``context``: the engine runs a turn's calls concurrently, one
+        action per ``act``, every one on the images from before the turn."""
         ...
 
     def observation_message(self, observation: Observation) -> Message:

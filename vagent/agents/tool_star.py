@@ -62,7 +62,7 @@ class ToolStarProfile:
     tools = ("search", "code")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
         return [
             Message.text("system", SYSTEM_PROMPT),
             Message("user", [*image_parts(images), ContentPart("text", question)]),

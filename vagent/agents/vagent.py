@@ -2,6 +2,9 @@
 boxes in the frame the model sees (``Policy.coord_convention``), every call of a turn runs, one ``tool`` turn
 per call (images, then text), answers in ``<answer>``. This profile only forwards to ``vagent.chat`` and
 ``vagent.toolbox``, so choosing it changes nothing against the engine before profiles existed.
+
+A video reaches the prompt as its name and length only, or, under a frame budget, as that many frames with their
+times (sized like the video tools' frames): the first view, after which the video tools show the rest.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from PIL import Image
 
 from vagent.agents.profile import AgentLimits, image_parts
 from vagent.chat import ParsedTurn, ParseError, observation_content, parse_turn, system_prompt
-from vagent.media import MediaError, probe_video
+from vagent.media import MediaError, probe_video, read_frames, resize_to_budget, uniform_timestamps
 from vagent.toolbox import TOOLS as _TOOLS
 from vagent.toolbox import ToolContext, call_tool, tool_schemas
 from vagent.types import ContentPart, Message, Observation, ToolCall
@@ -30,9 +33,13 @@ class VagentProfile:
     tools = tuple(_TOOLS)
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
-        user = Message("user", [*image_parts(images), ContentPart("text", video_lines(videos) + question)])
-        return [Message.text("system", system_prompt(tool_schemas(list(tools)))), user]
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
+        if frames is None:
+            content = [*image_parts(images), ContentPart("text", video_lines(videos) + question)]
+        else:
+            views = [part for index, path in enumerate(videos) for part in first_view(index, path, frames)]
+            content = [*image_parts(images), *views, ContentPart("text", question)]
+        return [Message.text("system", system_prompt(tool_schemas(list(tools)))), Message("user", content)]
 
     def parse(self, text: str) -> ParsedTurn:
         return parse_turn(text)
@@ -79,6 +86,22 @@ def video_lines(videos: Sequence[str]) -> str:
         except MediaError:
             lines.append(f"Video {index}: unreadable.\n")  # the video tools will say why, as observations
     return "".join(lines)
+
+
+def first_view(index: int, path: str, frames: int) -> list[ContentPart]:
+    """Video ``index`` as a frame budget shows it in the prompt: its length, then ``frames`` frames spread evenly
+    (at segment centres), each preceded by its time and sized like a video tool's frames, as a tool turn lays out
+    the frames it returns."""
+    try:
+        duration = probe_video(path).duration
+        images, times = read_frames(path, uniform_timestamps(0.0, duration, frames))
+    except MediaError:
+        return [ContentPart("text", f"Video {index}: unreadable.\n")]  # the video tools will say why
+    parts = [ContentPart("text", f"Video {index}: {duration:.1f} s long; {len(images)} frames of it:\n")]
+    for image, time in zip(images, times, strict=True):
+        sized = resize_to_budget(image, min_pixels=ToolContext.min_pixels, max_pixels=ToolContext.frame_max_pixels)
+        parts += [ContentPart("text", f"t={time:.2f}s"), ContentPart("image", image=sized, timestamps=[time])]
+    return [*parts, ContentPart("text", "\n")]
 
 
 PROFILE = VagentProfile()

@@ -133,7 +133,7 @@ class VisualARFTProfile:
     tools = ("search", "code")
 
     def prompt(self, question: str, images: Sequence[Image.Image | str], videos: Sequence[str],
-               tools: Sequence[str]) -> list[Message]:  # fmt: skip
+               tools: Sequence[str], frames: int | None = None) -> list[Message]:  # fmt: skip
         text = (f"{SEARCH_PROMPT}\n<query> {question} </query>" if "search" in tools
                 else f"{CODING_PROMPT}<query> {question} <query>")  # fmt: skip
         return [Message("user", [*image_parts(images), ContentPart("text", text)])]

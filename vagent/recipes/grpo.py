@@ -100,7 +100,7 @@ from vagent.training.metrics import MetricsLogger
 from vagent.types import StopReason, Trajectory
 
 STOP_REASONS = typing.get_args(StopReason)  # the same keys on every rank: all are logged, 0 when none stopped so
-CAPS = ("max_turns", "max_tokens", "max_images")  # stops that cut an episode rather than end it
+CAPS = ("max_turns", "max_tokens", "max_images", "max_calls")  # stops that cut an episode rather than end it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +286,7 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
     limits = RolloutLimits(
-        **{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb")}
+        **{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb")}, seed=cfg.seed
     )
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)"
@@ -343,7 +343,8 @@ class _Alarms:
         if capped > algo.alarm_cap_share and "capped" not in self.said:
             self._raise(record, "capped", f"step {step + 1}: {capped:.0%} of the episodes stopped on a cap (turns "
                         f"{record['stop/max_turns']:.0%}, tokens {record['stop/max_tokens']:.0%}, images "
-                        f"{record['stop/max_images']:.0%}) instead of answering: raise the caps or check the prompts")  # fmt: skip
+                        f"{record['stop/max_images']:.0%}, calls {record['stop/max_calls']:.0%}) instead of "
+                        "answering: raise the caps or check the prompts")  # fmt: skip
 
     def _raise(self, record: dict[str, Any], name: str, message: str) -> None:
         self.said.add(name)

@@ -1,7 +1,16 @@
 """Multi-turn rollouts: a per-row state machine over a generation backend and the toolbox."""
 
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnBarrier, TurnRequest, TurnResult
-from vagent.rollout.engine import RolloutLimits, RowState, Task, act, prompt_messages, rollout, run
+from vagent.rollout.engine import (
+    RolloutLimits,
+    RowState,
+    Task,
+    act,
+    first_view_frames,
+    prompt_messages,
+    rollout,
+    run,
+)
 from vagent.rollout.generate import Generation, generate
 from vagent.rollout.hf_backend import HFBackend
 
@@ -17,6 +26,7 @@ __all__ = [
     "TurnRequest",
     "TurnResult",
     "act",
+    "first_view_frames",
     "generate",
     "prompt_messages",
     "rollout",

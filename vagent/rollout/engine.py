@@ -11,11 +11,12 @@ is only ever *read* (to parse calls); it is never tokenized back into the row. E
 ``trajectory.token_ids``.
 
 Each row is in exactly one ``RowState`` and the driver loop dispatches on it: GENERATING (its turn request
-is with the backend), TOOLS (its calls run in a thread pool, with the encoding of their outputs) or DONE.
+is with the backend), TOOLS (its calls run concurrently in a thread pool, each with the encoding of its output;
+the results come back in call order) or DONE.
 Rows generate together in a ``GenerationBackend``'s batch (``HFBackend`` by default: continuous batching,
 a KV slot per row kept across turns); a row running tools leaves the batch and rejoins when its
-observations are ready, so the other rows keep generating. A tool that does not return within
-``tool_timeout_s`` is abandoned: the row gets a ``timeout`` error observation and goes on (the stuck thread
+observations are ready, so the other rows keep generating. A call that does not return within
+``tool_timeout_s`` is abandoned: the row gets a ``timeout`` error observation for it and goes on (the stuck thread
 is left to finish on its own; tools with their own limits, like the ``code`` sandbox, never get that far).
 
 The agent protocol (how model text becomes tool calls, how observations are rendered, the prompt, the stop
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -48,7 +50,17 @@ from vagent.rollout.hf_backend import HFBackend
 from vagent.toolbox import ToolContext, ToolServices
 from vagent.types import ContentPart, Frame, Message, Observation, ToolCall, ToolResult, Trajectory
 
-__all__ = ["STOP_STRINGS", "RolloutLimits", "RowState", "Task", "act", "prompt_messages", "rollout", "run"]
+__all__ = [
+    "STOP_STRINGS",
+    "RolloutLimits",
+    "RowState",
+    "Task",
+    "act",
+    "first_view_frames",
+    "prompt_messages",
+    "rollout",
+    "run",
+]
 
 STOP_STRINGS = get_profile("vagent").stop_strings  # vagent's own protocol; each profile has its own
 
@@ -89,7 +101,16 @@ class Task:
 
 @dataclass
 class RolloutLimits:
-    """Per-episode limits and sampling settings."""
+    """Per-episode limits and sampling settings.
+
+    Attributes:
+        max_tool_calls: Tool calls allowed across the episode, every call of a turn counted (None = no cap beyond
+            the agent profile's own ``limits.max_calls``; the smaller of the two applies). A turn whose calls would
+            pass it ends the episode before they run (stop reason ``max_calls``).
+        frame_budget: ``(lo, hi)``: frames of each video the prompt shows, drawn per task (``first_view_frames``) so
+            that the first view does not already show everything. None = the profile's own view.
+        seed: Seeds the per-task draws (``frame_budget``); tokens are sampled from torch's generator, not from it.
+    """
 
     max_turns: int = 4
     max_new_tokens: int = 96
@@ -97,6 +118,21 @@ class RolloutLimits:
     max_images: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    max_tool_calls: int | None = None
+    frame_budget: tuple[int, int] | None = None
+    seed: int = 0
+
+
+def first_view_frames(task_id: str, budget: tuple[int, int] | Sequence[int], seed: int = 0) -> int:
+    """How many frames of each video the first view of task ``task_id`` shows: drawn uniformly from ``budget``
+    (``[lo, hi]``, both included) by a generator seeded with the task and ``seed``, so every sample of a task (a
+    GRPO group) shares its prompt, a rerun draws the same, and different tasks draw differently.
+
+    >>> first_view_frames("q1", (4, 4))
+    4
+    """
+    lo, hi = budget
+    return random.Random(f"{seed}/{task_id}").randint(lo, hi)  # a str seed is hashed by sha512: stable across runs
 
 
 def act(parsed: ParsedTurn, context: ToolContext, offered: list[str], agent: str | AgentProfile = "vagent"
@@ -127,12 +163,13 @@ class _Segment:
 
 
 @dataclass
-class _ToolOutcome:
-    messages: list[Message]
-    segments: list[_Segment]
-    context: ToolContext  # the row's context with the new images appended
-    observations: list[Observation]
-    out_of_images: bool
+class _CallOutcome:
+    """One call's result, made in a worker thread: the observation, the turn that carries it back, encoded."""
+
+    observation: Observation
+    message: Message
+    segment: _Segment
+    model_sizes: list[tuple[int, int]]  # of the observation's images as the model sees them
 
 
 @dataclass
@@ -150,9 +187,8 @@ class _Row:
     metrics: Counter[str] = field(default_factory=Counter)
     state: RowState = RowState.GENERATING
     turns: int = 0
-    future: Future | None = None
+    futures: list[Future] = field(default_factory=list)  # one per call of the turn, in call order
     deadline: float = 0.0
-    pending_calls: int = 0
     pending_actions: list[ToolCall | ParseError] = field(default_factory=list)
     tool_results: list[ToolResult] = field(default_factory=list)  # Trajectory.tool_results
     frames: list[Frame] = field(default_factory=list)  # Trajectory.frames
@@ -184,6 +220,9 @@ class _Engine:
         self.in_flight = min(batch_size, max(held, 1)) if held is not None else batch_size  # 0: its step says why
         self.on_turn, self.progress = on_turn, progress
         self.sampling = dict(temperature=limits.temperature, top_p=limits.top_p, stop_strings=self.profile.stop_strings)
+        # one call budget: the rollout's and the agent's own (Pixel-Reasoner: 4), whichever is smaller
+        budgets = [b for b in (limits.max_tool_calls, self.profile.limits.max_calls) if b is not None]
+        self.max_calls = min(budgets) if budgets else None
         self.pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="vagent-tool")
         tokenizer = policy.tokenizer
         self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
@@ -206,7 +245,8 @@ class _Engine:
                 else:  # nothing to generate: sleep until a tool returns or times out
                     self._wait_for_tools()
                 for key, row in list(self.rows.items()):
-                    if row.state is RowState.TOOLS and (row.future.done() or time.monotonic() >= row.deadline):
+                    if row.state is RowState.TOOLS and (all(f.done() for f in row.futures)
+                                                        or time.monotonic() >= row.deadline):  # fmt: skip
                         self._on_tools_done(row)  # GENERATING or DONE next
                     if row.state is RowState.DONE:
                         done[key] = self._finish(self.rows.pop(key))
@@ -222,7 +262,8 @@ class _Engine:
         waiting = [r for r in self.rows.values() if r.state is RowState.TOOLS]
         if waiting:
             timeout = max(0.0, min(r.deadline for r in waiting) - time.monotonic())
-            wait([r.future for r in waiting], timeout=timeout, return_when=FIRST_COMPLETED)
+            running = [f for r in waiting for f in r.futures if not f.done()]  # a done one would return at once
+            wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
 
     # -- row life cycle -----------------------------------------------------------------------------
 
@@ -231,7 +272,10 @@ class _Engine:
         and shared by its samples (a GRPO group), whose identical prompts the backend then prefills once."""
         made = self.last_prompt  # a task's samples start one after another: one slot is enough, and memory stays flat
         if made is None or made[0] is not task:
-            messages = prompt_messages(task, [load_image(img) for img in task.images], self.profile)
+            budget, frames = self.limits.frame_budget, None
+            if budget is not None and task.videos:  # drawn per task: every sample of a group sees the same view
+                frames = first_view_frames(task.id, budget, self.limits.seed)
+            messages = prompt_messages(task, [load_image(img) for img in task.images], self.profile, frames=frames)
             # The profile may add images of its own (LongVT and Pixel-Reasoner show a video as frames).
             originals = [part.image for m in messages for part in m.content if part.type == "image"]
             shown = [self.policy.model_view(img) for img in originals]
@@ -301,8 +345,7 @@ class _Engine:
         parsed = self.profile.parse(text)
         for error in parsed.errors:
             row.metrics[f"parse_error/{error.kind}"] += 1
-        max_calls = self.profile.limits.max_calls
-        over_budget = max_calls is not None and row.metrics["tool_calls"] + len(parsed.actions) > max_calls
+        over_budget = self.max_calls is not None and row.metrics["tool_calls"] + len(parsed.actions) > self.max_calls
         # An inline profile (Tool-Star) keeps the turn open across a call: its result continues the same turn.
         # A sampled turn that ended at EOS ended the turn, whatever it wrote.
         inline = (self.profile.inline and parsed.answer is None and bool(parsed.actions) and not over_budget
@@ -340,76 +383,87 @@ class _Engine:
         elif not parsed.actions:
             self._stop(row, "max_tokens" if result.stop == "length" else "no_action")
         elif over_budget:
-            self._stop(row, "max_turns")  # the agent's own call budget is spent (e.g. Pixel-Reasoner: 4)
-            row.metrics["max_calls_reached"] += 1
+            self._stop(row, "max_calls")  # none of the turn's calls runs: the budget is the episode's, not the turn's
         else:
             row.state = RowState.TOOLS
-            row.pending_calls = len(parsed.actions)
             row.pending_actions = list(parsed.actions)
             row.tool_started = time.monotonic()
-            row.deadline = time.monotonic() + self.tool_timeout_s
-            row.future = self.pool.submit(self._call_tools, parsed, row.context, row.task.tools)
+            row.deadline = row.tool_started + self.tool_timeout_s
+            # The turn's calls run at once, each its own job in the pool: none waits for another, so a bounded pool
+            # cannot deadlock, and calls queue first come first served whatever row they belong to. All of them see
+            # the images from before the turn (a copy: an abandoned call can never change the row after it moved on).
+            before = dataclasses.replace(row.context, images=list(row.context.images),
+                                         model_sizes=list(row.context.model_sizes))  # fmt: skip
+            row.futures = [self.pool.submit(self._call_tool, dataclasses.replace(parsed, actions=[action]), before,
+                                            row.task.tools) for action in parsed.actions]  # fmt: skip
 
     def _stop(self, row: _Row, reason: str) -> None:
         row.state, row.stop = RowState.DONE, reason
 
-    def _call_tools(self, parsed: ParsedTurn, context: ToolContext, offered: list[str]) -> _ToolOutcome:
-        """Worker thread: run the calls and encode their tool turns. Works on a copy of the context, so an
-        abandoned (timed-out) call can never change the row after it moved on."""
-        context = dataclasses.replace(context, images=list(context.images), model_sizes=list(context.model_sizes))
-        messages, segments, observations = [], [], []
-        for observation in self.profile.act(parsed, context, offered):
-            if len(context.images) + len(observation.images) > self.limits.max_images:
-                return _ToolOutcome(messages, segments, context, observations, out_of_images=True)
-            shown = [self.policy.model_view(img) for img in observation.images]
-            context.images += observation.images
-            context.model_sizes += [img.size for img in shown]
-            message = self.profile.observation_message(observation)
-            if self.profile.inline:  # text inside the open assistant turn, tokenized as the agent's loop does
-                segments.append(_Segment(self.policy.tokenizer.encode(message.plain_text)))
-            else:
-                segments.append(_segment(encode_message(self.policy.processor, message, shown)))
-            messages.append(message)
-            observations.append(observation)
-        return _ToolOutcome(messages, segments, context, observations, out_of_images=False)
+    def _call_tool(self, turn: ParsedTurn, context: ToolContext, offered: list[str]) -> _CallOutcome:
+        """Worker thread: run one call (``turn`` holds only it) and encode the turn that carries its result back."""
+        [observation] = self.profile.act(turn, context, offered)
+        shown = [self.policy.model_view(img) for img in observation.images]
+        return self._outcome(observation, shown)
+
+    def _outcome(self, observation: Observation, shown: list[Image.Image]) -> _CallOutcome:
+        message = self.profile.observation_message(observation)
+        if self.profile.inline:  # text inside the open assistant turn, tokenized as the agent's loop does
+            segment = _Segment(self.policy.tokenizer.encode(message.plain_text))
+        else:
+            segment = _segment(encode_message(self.policy.processor, message, shown))
+        return _CallOutcome(observation, message, segment, [img.size for img in shown])
 
     def _on_tools_done(self, row: _Row) -> None:
-        future, row.future = row.future, None
-        if future.done() and future.exception() is None:
-            outcome = future.result()
-        else:  # timed out (or the encoding failed): the model hears about it and the episode goes on
-            reason = "timeout" if not future.done() else "tool_exception"
-            detail = (
-                f"did not finish within {self.tool_timeout_s:g} s" if not future.done() else str(future.exception())
-            )
-            observation = Observation(text=f"the tool call {detail}.", error=reason)
-            message = self.profile.observation_message(observation)
-            segment = (_Segment(self.policy.tokenizer.encode(message.plain_text)) if self.profile.inline
-                       else _segment(encode_message(self.policy.processor, message, [])))  # fmt: skip
-            observations = [observation] * row.pending_calls
-            outcome = _ToolOutcome([message] * row.pending_calls, [segment] * row.pending_calls, row.context,
-                                   observations, out_of_images=False)  # fmt: skip
-        row.context = outcome.context
+        """The turn's calls returned or its deadline passed: append their results in call order, up to the caps."""
+        outcomes = []
+        for future in row.futures:
+            done = future.done()  # read once: a call may finish while this runs
+            if done and future.exception() is None:
+                outcomes.append(future.result())
+                continue
+            # timed out (or the call or its encoding raised): the model hears about it and the episode goes on
+            if done:
+                observation = Observation(text=f"the tool call {future.exception()}.", error="tool_exception")
+            else:
+                future.cancel()  # still queued: it never starts (a running one is left to finish on its own)
+                observation = Observation(text=f"the tool call did not finish within {self.tool_timeout_s:g} s.",
+                                          error="timeout")  # fmt: skip
+            outcomes.append(self._outcome(observation, []))
+        row.futures = []
         row.metrics["tool_wait_s"] += time.monotonic() - row.tool_started  # in the calling-tools state
-        for action, observation in zip(row.pending_actions, outcome.observations, strict=False):
+        kept, images = [], len(row.context.images)
+        for outcome in outcomes:  # the image cap counts in call order, whichever call finished first
+            images += len(outcome.observation.images)
+            if images > self.limits.max_images:
+                break
+            kept.append(outcome)
+        out_of_images = len(kept) < len(outcomes)
+        for action, outcome in zip(row.pending_actions, kept, strict=False):
             row.metrics["tool_calls"] += 1
-            if observation.error:
-                row.metrics[f"tool_error/{observation.error}"] += 1
-            row.tool_results.append(self._tool_result(action, observation))
+            if outcome.observation.error:
+                row.metrics[f"tool_error/{outcome.observation.error}"] += 1
+            row.tool_results.append(self._tool_result(action, outcome.observation))
         closing = 1 + len(self.newline) if row.open_turn is not None else 0  # what _finish adds to close the turn
-        if len(row.ids) + sum(len(s.ids) for s in outcome.segments) + closing > self.limits.max_total_tokens:
+        if len(row.ids) + sum(len(o.segment.ids) for o in kept) + closing > self.limits.max_total_tokens:
             # the observation would carry the episode past its cap: stop before it, never with part of an image's
             # placeholders (the calls ran and are counted; the policy just does not see their output)
             self._stop(row, "max_tokens")
             return
-        for message, segment, observation in zip(outcome.messages, outcome.segments, outcome.observations, strict=True):
-            row.force(segment)
+        row.context = dataclasses.replace(
+            row.context,
+            images=row.context.images + [img for o in kept for img in o.observation.images],
+            model_sizes=row.context.model_sizes + [size for o in kept for size in o.model_sizes],
+        )
+        for outcome in kept:
+            row.force(outcome.segment)
             if row.open_turn is not None:  # an inline result: forced text inside the open assistant turn
-                result = Message("assistant", message.content, token_ids=segment.ids, sampled=[0] * len(segment.ids))
+                ids = outcome.segment.ids
+                result = Message("assistant", outcome.message.content, token_ids=ids, sampled=[0] * len(ids))
                 row.open_turn = _joined(row.open_turn, result)
             else:
-                self._emit(row, message, observation)
-        if outcome.out_of_images:
+                self._emit(row, outcome.message, outcome.observation)
+        if out_of_images:
             row.metrics["tool_calls"] += 1
             self._stop(row, "max_images")
         elif len(row.ids) >= self.limits.max_total_tokens:
@@ -456,8 +510,8 @@ class _Engine:
         return trajectory
 
 
-def prompt_messages(task: Task, images: list[Image.Image | str] | None = None, agent: str | AgentProfile = "vagent"
-                    ) -> list[Message]:  # fmt: skip
+def prompt_messages(task: Task, images: list[Image.Image | str] | None = None, agent: str | AgentProfile = "vagent",
+                    frames: int | None = None) -> list[Message]:  # fmt: skip
     """The system and user messages an episode of ``task`` starts from, as the agent profile writes them (vagent:
     the system prompt with the schemas of the offered tools, then the prompt images, the videos' names and
     lengths, and the question). SFT builds its prompts here too, so the cold start trains on exactly the prompt
@@ -467,9 +521,11 @@ def prompt_messages(task: Task, images: list[Image.Image | str] | None = None, a
         task: The episode.
         images: The prompt images (default: ``task.images`` as given: paths or PIL images).
         agent: The agent profile (``vagent.agents.PROFILES``) or its name.
+        frames: Frames of each video the prompt shows (``RolloutLimits.frame_budget``'s draw); None = the profile's
+            own view of a video.
     """
     images = list(task.images if images is None else images)
-    return get_profile(agent).prompt(task.question, images, task.videos, task.tools)
+    return get_profile(agent).prompt(task.question, images, task.videos, task.tools, frames=frames)
 
 
 def _joined(first: Message, then: Message) -> Message:
@@ -519,8 +575,9 @@ def run(
         progress: Called with each trajectory as it finishes.
         backend: What generates (default: a new ``HFBackend`` over ``policy``). Pass one to keep its KV storage
             across calls, to read its ``stats()``, or to run a reference configuration (tests, benchmarks).
-        tool_workers: Threads running tool calls.
-        tool_timeout_s: A tool turn that takes longer is abandoned with a ``timeout`` observation.
+        tool_workers: Threads running tool calls, shared by all rows; the calls of one turn run concurrently.
+        tool_timeout_s: A call of a turn that has not returned this long after the turn ended is abandoned with a
+            ``timeout`` observation (a call still queued then never runs).
         on_turn: Called with every new assistant/tool message (streaming displays), and for a tool message the
             ``Observation`` it renders (its ``metadata`` has e.g. a crop's box in original pixels), else None.
         agent: The agent profile (``vagent.agents.PROFILES``) or its name: prompt, call syntax, tool mapping,

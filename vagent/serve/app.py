@@ -286,7 +286,7 @@ async def _complete(policy: Policy, request: ChatRequest, job: Job, events: asyn
 
 def _agent_choice(index: int, trajectory: Trajectory) -> dict[str, Any]:
     last = next((m.plain_text for m in reversed(trajectory.messages) if m.role == "assistant"), "")
-    finish = "length" if trajectory.stop_reason in ("max_tokens", "max_turns", "max_images") else "stop"
+    finish = "length" if trajectory.stop_reason in ("max_tokens", "max_turns", "max_images", "max_calls") else "stop"
     record = trajectory.to_dict(save_image=_data_url)
     return {"index": index, "message": {"role": "assistant", "content": trajectory.answer or last},
             "finish_reason": finish, "logprobs": None, "trajectory": record}  # fmt: skip
