@@ -295,7 +295,14 @@ def test_rollout_arguments_parse(capsys):
     args = build_parser().parse_args([*base, "--tools", "none", "--samples", "4", "--max-turns", "3", "--top-p", "0.9"])
     assert args.tools == [] and args.samples == 4 and args.max_turns == 3 and args.top_p == 0.9
     assert build_parser().parse_args([*base, "--tools", "crop, zoom_in"]).tools == ["crop", "zoom_in"]
-    for bad in (["--tools", "crop,zoom"], ["--samples", "0"]):
+    # the episode limits eval and rollout share: the profile's own budgets unless given
+    from vagent.recipes.evaluate import episode_limits
+
+    limits = episode_limits(build_parser().parse_args([*base, "--max-tool-calls", "2", "--max-images", "12"]))
+    assert (limits.max_tool_calls, limits.max_images, limits.max_turns) == (2, 12, 4)
+    limits = episode_limits(build_parser().parse_args([*base, "--agent", "pixel-reasoner"]))
+    assert (limits.max_tool_calls, limits.max_turns) == (None, 5)  # its own call budget (4) applies in the engine
+    for bad in (["--tools", "crop,zoom"], ["--samples", "0"], ["--max-tool-calls", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args([*base, *bad])
         assert exit_info.value.code == 2

@@ -295,10 +295,10 @@ def _rollout(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from vagent.agents import get_profile
     from vagent.data import load_rows
     from vagent.model import load_policy
-    from vagent.rollout import RolloutLimits, Task, run
+    from vagent.recipes.evaluate import episode_limits
+    from vagent.rollout import Task, run
     from vagent.rollout.export import write_html, write_jsonl
     from vagent.toolbox import TOOLS
 
@@ -307,14 +307,7 @@ def _rollout(args: argparse.Namespace) -> int:
     services = _tool_services(args)
     if services.search is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
-    limits = RolloutLimits(
-        max_turns=args.max_turns or get_profile(args.agent).limits.max_turns,
-        max_new_tokens=args.max_new_tokens,
-        max_total_tokens=args.max_total_tokens,
-        max_images=args.max_images or get_profile(args.agent).limits.max_images,
-        temperature=args.temperature,
-        top_p=args.top_p,
-    )
+    limits = episode_limits(args)
     policy = load_policy(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
     torch.manual_seed(args.seed)
 
@@ -423,6 +416,8 @@ def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature
     p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
     p.add_argument("--max-images", type=_positive, default=None,
                    help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
+    p.add_argument("--max-tool-calls", type=_positive, default=None, help="Tool calls per episode across its turns "
+                   "(stop reason max_calls; default: the agent profile's own budget, none for vagent).")  # fmt: skip
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s).")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")

@@ -37,11 +37,8 @@ def run_eval(args: argparse.Namespace) -> int:
     env = init_distributed(args.device)
     try:
         policy = load_policy(args.model, device=env.device, dtype=args.dtype, attn_implementation=args.attn)
-        profile = get_profile(args.agent).limits  # the agent's own turn and image limits, unless given
-        limits = RolloutLimits(max_turns=args.max_turns or profile.max_turns, max_new_tokens=args.max_new_tokens,
-                               max_total_tokens=args.max_total_tokens, max_images=args.max_images or profile.max_images,
-                               temperature=args.temperature, top_p=args.top_p)  # fmt: skip
-        _check_context(policy, limits, profile.max_turns, quiet=not env.is_main)
+        limits = episode_limits(args)
+        _check_context(policy, limits, get_profile(args.agent).limits.max_turns, quiet=not env.is_main)
         import torch
 
         torch.manual_seed(args.seed + env.rank)
@@ -61,6 +58,16 @@ def run_eval(args: argparse.Namespace) -> int:
         print((Path(args.out) / "metrics.md").read_text())
         print(f"wrote {args.out}/samples.jsonl, metrics.json, trajectories.html")
     return 0
+
+
+def episode_limits(args: argparse.Namespace) -> RolloutLimits:
+    """The episode limits of ``vagent eval`` and ``vagent rollout`` (``--max-turns`` ... ``--top-p``): the agent
+    profile's own turn and image limits unless given."""
+    profile = get_profile(args.agent).limits
+    return RolloutLimits(max_turns=args.max_turns or profile.max_turns, max_new_tokens=args.max_new_tokens,
+                         max_total_tokens=args.max_total_tokens, max_images=args.max_images or profile.max_images,
+                         max_tool_calls=args.max_tool_calls, temperature=args.temperature,
+                         top_p=args.top_p)  # fmt: skip
 
 
 def _check_context(policy, limits: RolloutLimits, own_turns: int, quiet: bool = False) -> None:
