@@ -168,7 +168,8 @@ def _device(cfg: QuickstartConfig) -> str:
 def _limits(cfg: QuickstartConfig) -> RolloutLimits:
     """The rollout's episode limits, sampled at GRPO's temperature."""
     return RolloutLimits(
-        **{k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb")}, seed=cfg.seed
+        **{k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb", "attention")},
+        seed=cfg.seed,
     )
 
 

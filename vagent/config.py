@@ -323,6 +323,12 @@ class RolloutConfig:
         "and GRPO steps; episodes beyond what it holds wait for a slot. Counted by `vagent memory`. null = grow on "
         "demand (each growth briefly holds the old storage beside the new).",
     )
+    attention: Literal["sdpa", "flex"] = option(
+        "sdpa",
+        "The rollout's attention over its KV storage: sdpa (the batch's slots gathered, a dense mask) or flex "
+        "(FlexAttention over the storage with a block mask of each row's length; compiled on CUDA; not yet measured on "
+        "a GPU: docs/decisions/decode-attention.md). Same greedy tokens; training forwards keep model.attn_implementation.",
+    )
 
     def validate(self) -> None:
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

@@ -158,7 +158,7 @@ class _Run:
             gb = self.cfg.rollout.kv_cache_gb
             budget = {"kv_cache_bytes": int(gb * 2**30), "row_tokens": self.cfg.rollout.max_total_tokens,
                       "row_limit": self.cfg.grpo.rollout_batch_size} if gb else {}  # fmt: skip
-            self.sampler = HFBackend(policy, **budget)
+            self.sampler = HFBackend(policy, attention=self.cfg.rollout.attention, **budget)
         return self.sampler
 
 
@@ -286,7 +286,8 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
     limits = RolloutLimits(
-        **{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb")}, seed=cfg.seed
+        **{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb", "attention")},
+        seed=cfg.seed,
     )
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
              f"{algo.group_size} samples per step -> {total_steps} steps ({optimizer_steps} optimizer steps)"

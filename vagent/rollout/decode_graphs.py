@@ -6,12 +6,16 @@ kernels per layer through transformers' Python, and on an H100 the GPU was busy 
 
 A graph fixes its shapes and the addresses it reads, so every decode step is padded to a bucket:
 
-* batch: the next power of two >= the generating rows; the padding rows decode into a scratch slot (one slot past
-  every live row's) and their logits are dropped;
-* keys: attention reads each row's slot up to the next power of two >= the step's key length (>= 128; at most the
-  storage's capacity when that holds the step), masked to the row's own tokens as in the eager step;
-* inputs (token ids, positions, slots, write positions, mask) are copied into static buffers before a replay,
-  and the cache is planned with those buffers (``SlotCache.plan_static``).
+* batch: the next power of two >= the generating rows (256 rows: 256), but never past ``max_batch`` (the backend's
+  row limit, GRPO's rollout batch: 320 rows of a 320-row rollout are not padded to 512); the padding rows decode
+  into a scratch slot (one slot past every live row's) and their logits are dropped;
+* keys (SDPA): attention reads each row's slot up to the next power of two >= the step's key length (>= 128; at most
+  the storage's capacity when that holds the step), masked to the row's own tokens as in the eager step. With
+  ``attention="flex"`` the key length is the storage's capacity, always: the block mask lists only each row's own
+  blocks, so a longer bucket costs nothing and one graph per batch bucket serves every context length;
+* inputs (token ids, positions, slots, write positions, SDPA's mask) are copied into static buffers before a replay,
+  and the cache is planned with those buffers (``SlotCache.plan_static``). Flex's block mask is computed inside the
+  graph from the slot and length buffers.
 
 Graphs are keyed by (batch bucket, key bucket) and dropped when the KV storage is reallocated (its addresses
 change). All graphs share one memory pool; a capture costs one eager warm-up forward and the capture itself.
@@ -34,6 +38,7 @@ import torch
 
 from vagent.model import attention_implementation, decoder_and_head
 from vagent.rollout.kv_cache import SlotCache, causal_mask
+from vagent.rollout.slot_attention import KERNELS, slot_block_mask
 
 __all__ = ["DecodeGraphs", "graphs_safe"]
 
@@ -47,8 +52,10 @@ def graphs_safe(model: torch.nn.Module) -> bool:
     return not any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _bucket(n: int, least: int = 1) -> int:
-    return max(least, 1 << (n - 1).bit_length())
+def _bucket(n: int, least: int = 1, most: int | None = None) -> int:
+    """The next power of two >= ``n`` (and >= ``least``), capped at ``most`` (never below ``n``)."""
+    bucket = max(least, 1 << (n - 1).bit_length())
+    return bucket if most is None else min(bucket, max(most, n))
 
 
 @dataclass
@@ -59,7 +66,8 @@ class _Graph:
     positions: torch.Tensor  # (3, B, 1)
     slots: torch.Tensor  # (B,)
     writes: torch.Tensor  # (B, 1)
-    mask: torch.Tensor  # (B, 1, 1, K) bool
+    keys: int  # K, the key length attention reads
+    mask: torch.Tensor | None  # (B, 1, 1, K) bool (SDPA); None under flex (its block mask is made in the forward)
     logits: torch.Tensor | None = None  # (B, V) float
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -72,10 +80,14 @@ class DecodeGraphs:
         cache: The backend's KV storage.
         cache_argument: The keyword the model's forward takes the cache by.
         capture: Capture CUDA graphs (False: run the bucketed forward eagerly).
+        attention: The backend's attention kernel, ``"sdpa"`` or ``"flex"`` (``slot_attention.KERNELS``).
+        max_batch: The largest batch bucket (the backend's row limit); None: powers of two without end.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, cache_argument: str, capture: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, cache_argument: str, capture: bool = True,
+                 attention: str = "sdpa", max_batch: int | None = None) -> None:  # fmt: skip
         self.model, self.cache, self.cache_argument, self.capture = model, cache, cache_argument, capture
+        self.attention, self.max_batch = attention, max_batch
         self.decoder, self.head = decoder_and_head(model)  # through peft and DDP wrappers
         self.device = next(model.parameters()).device
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -93,11 +105,15 @@ class DecodeGraphs:
         if self.failed is not None:
             return None
         rows, needed = len(ids), max(lengths) + 1
-        batch = _bucket(rows)
-        keys = _bucket(needed, _MIN_KEYS)
-        if self.cache.capacity >= needed:
-            keys = min(keys, self.cache.capacity)  # the storage's whole length: a bucket that needs no growth
-        self.cache.reserve(room, keys)
+        batch = _bucket(rows, most=self.max_batch)
+        if self.attention == "flex":
+            self.cache.reserve(room, needed)
+            keys = self.cache.capacity  # the block mask reads each row's own blocks only: one bucket for all lengths
+        else:
+            keys = _bucket(needed, _MIN_KEYS)
+            if self.cache.capacity >= needed:
+                keys = min(keys, self.cache.capacity)  # the storage's whole length: a bucket that needs no growth
+            self.cache.reserve(room, keys)
         if self.cache.growths != self._storage:  # reallocated: the graphs read the old addresses
             self._drop_graphs()
             self._storage = self.cache.growths
@@ -131,13 +147,16 @@ class DecodeGraphs:
 
     def _buffers(self, batch: int, keys: int) -> _Graph:
         long = dict(dtype=torch.long, device=self.device)
+        mask = None  # flex: its block mask is made in the forward
+        if self.attention != "flex":
+            mask = torch.zeros(batch, 1, 1, keys, dtype=torch.bool, device=self.device)
         return _Graph(ids=torch.zeros(batch, 1, **long), positions=torch.zeros(3, batch, 1, **long),
-                      slots=torch.zeros(batch, **long), writes=torch.zeros(batch, 1, **long),
-                      mask=torch.zeros(batch, 1, 1, keys, dtype=torch.bool, device=self.device))  # fmt: skip
+                      slots=torch.zeros(batch, **long), writes=torch.zeros(batch, 1, **long), keys=keys,
+                      mask=mask)  # fmt: skip
 
     def _fill(self, entry: _Graph, ids, positions, slots, lengths, scratch: int) -> None:
         """Copy one step's inputs into the static buffers; padding rows write at 0 of the scratch slot and see it."""
-        batch, keys = entry.mask.shape[0], entry.mask.shape[-1]
+        batch = entry.ids.shape[0]
         pad = batch - len(ids)
         writes = [*lengths, *[0] * pad]
         entry.ids.copy_(torch.tensor([*ids, *[0] * pad])[:, None], non_blocking=True)
@@ -145,15 +164,19 @@ class DecodeGraphs:
         entry.positions.copy_(positions_t.view(1, -1, 1).expand(3, -1, -1), non_blocking=True)
         entry.slots.copy_(torch.tensor([*slots, *[scratch] * pad]), non_blocking=True)
         entry.writes.copy_(torch.tensor(writes)[:, None], non_blocking=True)
-        entry.mask.copy_(causal_mask(writes, [1] * batch, keys), non_blocking=True)  # own tokens and the new one
+        if entry.mask is not None:  # own tokens and the new one
+            entry.mask.copy_(causal_mask(writes, [1] * batch, entry.keys), non_blocking=True)
 
     def _forward(self, entry: _Graph, autocast: torch.dtype | None) -> torch.Tensor:
         """The bucketed decode forward on the static buffers (what a graph records)."""
-        self.cache.plan_static(entry.slots, entry.writes, entry.mask.shape[-1])
+        self.cache.plan_static(entry.slots, entry.writes, entry.keys)
+        mask = entry.mask
+        if mask is None:  # recorded with the forward: replays recompute it from the slot and length buffers
+            mask = slot_block_mask(entry.slots, entry.writes[:, 0], 1, self.cache.capacity, self.cache.slots)
         # a graph cannot hold autocast's cache of cast weights: cast inside the graph, every replay
         cast = torch.autocast(self.device.type, dtype=autocast, cache_enabled=False) if autocast else nullcontext()
-        with cast, attention_implementation(self.model, "sdpa"):  # the kernel that reads the boolean slot mask
-            out = self.decoder(input_ids=entry.ids, attention_mask=entry.mask, position_ids=entry.positions,
+        with cast, attention_implementation(self.model, KERNELS[self.attention]):  # the kernel that reads our mask
+            out = self.decoder(input_ids=entry.ids, attention_mask=mask, position_ids=entry.positions,
                                **{self.cache_argument: self.cache}, use_cache=True)  # fmt: skip
             return self.head(out.last_hidden_state[:, 0]).float()
 

@@ -23,6 +23,10 @@ Why the cache is exact:
 On CUDA, decode steps replay CUDA graphs captured at bucketed shapes (``decode_graphs.py``): a decode forward
 is otherwise bound by the host's kernel launches. Prefills run eagerly (their shapes vary with every turn).
 
+The language model attends with SDPA over the batch's gathered slots and a dense mask (the default), or with
+``attention="flex"`` with FlexAttention over the whole storage and a block mask of each row's slot and length
+(``slot_attention.py``); both give the same greedy tokens on the CPU in fp32 (tested).
+
 Reference switches for tests and benchmarks (constructor arguments, not engine options):
 ``reuse_cache=False`` forgets each row's cache at the end of its turn (every turn re-prefills the whole
 sequence); ``share_prefix=False`` prefills every row's prefix itself; ``cuda_graphs=False`` decodes eagerly.
@@ -50,6 +54,7 @@ from vagent.model import (
 from vagent.rollout.backend import BackendStats, Sampling, TurnRequest, TurnResult
 from vagent.rollout.decode_graphs import DecodeGraphs, graphs_safe
 from vagent.rollout.kv_cache import SlotCache, causal_mask
+from vagent.rollout.slot_attention import COMPILE, KERNELS, slot_block_mask
 from vagent.rollout.stops import StopMatcher
 
 __all__ = ["HFBackend"]
@@ -84,10 +89,13 @@ class HFBackend:
             ``max_rows`` tells the engine how many rows it may keep in flight. None: grow on demand.
         row_tokens: The longest row the fixed storage must hold (``max_total_tokens``).
         row_limit: The most rows ever in flight (the engine's batch size): a budget larger than they need
-            allocates only what they need.
+            allocates only what they need, and decode graphs pad no batch past it.
+        attention: The language model's attention over the KV storage: ``"sdpa"`` (gathered slots, dense mask) or
+            ``"flex"`` (FlexAttention over the whole storage, a block mask per row: ``slot_attention.py``).
 
     Attributes:
-        graphs: The decode graphs, or None (CPU, sharded parameters, ``cuda_graphs=False``). Graphs replay from
+        graphs: The decode graphs, or None (CPU, sharded parameters, ``cuda_graphs=False``; a compiled flex kernel
+            keeps the bucketed decode uncaptured, ``graphs.capture`` False, in the last two cases). Graphs replay from
             the addresses of the parameters they were captured with: while a backend lives, update the weights in
             place (``copy_``, an optimizer step), never by assigning new tensors (``.to()``, ``load_state_dict``
             with ``assign=True``).
@@ -103,7 +111,10 @@ class HFBackend:
         kv_cache_bytes: int | None = None,
         row_tokens: int | None = None,
         row_limit: int | None = None,
+        attention: str = "sdpa",
     ) -> None:
+        if attention not in KERNELS:
+            raise ValueError(f"attention must be one of {sorted(KERNELS)}, got {attention!r}")
         text_config = policy.model.config.get_text_config()
         if "sliding_attention" in (getattr(text_config, "layer_types", None) or []):
             raise ValueError("sliding-window attention layers are not supported by the HF rollout backend")
@@ -118,8 +129,9 @@ class HFBackend:
         self._pad = policy.tokenizer.pad_token_id or 0
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        self.attention = attention
         self.cache = SlotCache(text_config.num_hidden_layers, text_config.num_key_value_heads, head_dim,
-                               policy.dtype, policy.device)  # fmt: skip
+                               policy.dtype, policy.device, flat=attention == "flex")  # fmt: skip
         self._rows: dict[Hashable, _Row] = {}  # every submitted, unreleased row
         self._free: list[int] = []  # slots of released rows
         self._pending: list[TurnRequest] = []
@@ -128,10 +140,16 @@ class HFBackend:
         self._stats = BackendStats()
         if cuda_graphs is None:
             cuda_graphs = policy.device.type == "cuda" and graphs_safe(policy.model)
-        self.graphs = DecodeGraphs(policy.model, self.cache, self._cache_argument) if cuda_graphs else None
+        self.graphs = None
+        # a compiled flex kernel compiles once per batch shape: decode batches go through the buckets, graphs or not
+        if cuda_graphs or (attention == "flex" and COMPILE.get(policy.device.type, False)):
+            self.graphs = DecodeGraphs(policy.model, self.cache, self._cache_argument, capture=bool(cuda_graphs),
+                                       attention=attention, max_batch=row_limit)  # fmt: skip
         if (kv_cache_bytes is None) != (row_tokens is None):
             raise ValueError("kv_cache_bytes and row_tokens go together")
-        self._budget = (kv_cache_bytes, row_tokens + 1) if kv_cache_bytes is not None else None  # +1: a decode's write
+        # +1: a decode's write; rounded up to the capacity the layout allocates
+        self._budget = (kv_cache_bytes, self.cache.aligned(row_tokens + 1)) if kv_cache_bytes is not None else None
+        self._row_tokens = row_tokens
         self._row_limit = row_limit
 
     # -- GenerationBackend --------------------------------------------------------------------------
@@ -269,7 +287,7 @@ class HFBackend:
         positions = torch.arange(length).view(1, 1, -1).expand(3, 1, -1)
         self.cache.reserve(self._slot_room(), length)
         self.cache.plan([first.slot], [0], length, length)
-        self._forward(ids, positions, causal_mask([0], [length], length), torch.tensor([length - 1]))
+        self._forward(ids, positions, self._mask([first.slot], [0], length, length), torch.tensor([length - 1]))
         self._stats.prefill_tokens += length
         for i in fresh:
             if rows[i] is not first:
@@ -302,8 +320,8 @@ class HFBackend:
             device = self.policy.device
             vision = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
         last = torch.tensor([len(n) - 1 for n in new])
-        logits = self._forward(input_ids, positions, causal_mask(cached, [width] * len(rows), key_length), last,
-                               **vision)  # fmt: skip
+        mask = self._mask([row.slot for row in rows], cached, width, key_length)
+        logits = self._forward(input_ids, positions, mask, last, **vision)
         self._stats.prefill_tokens += sum(len(n) for n in new)
         for request, row in zip(requests, rows, strict=True):
             row.length, row.images = len(request.ids), len(request.image_grid_thw)
@@ -322,7 +340,7 @@ class HFBackend:
             self.cache.plan([row.slot for row in rows], lengths, 1, key_length)
             input_ids = torch.tensor([[row.last] for row in rows])
             positions = torch.tensor([row.next_pos for row in rows]).view(1, -1, 1).expand(3, -1, -1)
-            sees = causal_mask(lengths, [1] * len(rows), key_length)  # each row's own tokens and the new one
+            sees = self._mask([row.slot for row in rows], lengths, 1, key_length)  # own tokens and the new one
             logits = self._forward(input_ids, positions, sees, torch.zeros(len(rows), dtype=torch.long))
         for row in rows:
             row.length += 1
@@ -343,15 +361,25 @@ class HFBackend:
 
     # -- shared -------------------------------------------------------------------------------------
 
+    def _mask(self, slots: list[int], cached: list[int], width: int, key_length: int):
+        """What a forward attends with (on the device): row ``b`` (slot ``slots[b]``, ``cached[b]`` tokens in it) sees
+        its slot up to ``cached[b] + j`` from its new token ``j``. SDPA: (B, 1, width, key_length) bool over the
+        gathered slots; flex: the block mask over the whole storage (``slot_block_mask``)."""
+        device = self.policy.device
+        if self.attention == "flex":
+            slot_index, lengths = torch.tensor(slots, device=device), torch.tensor(cached, device=device)
+            return slot_block_mask(slot_index, lengths, width, self.cache.capacity, self.cache.slots)
+        return causal_mask(cached, [width] * len(cached), key_length).to(device)
+
     def _forward(self, input_ids, positions, mask, last_index, **vision) -> torch.Tensor:
-        """One forward through the slot cache; returns logits at ``last_index`` of each row (B, V). ``mask`` is
-        (B, 1, new tokens, keys) bool, True where a query may attend."""
+        """One forward through the slot cache; returns logits at ``last_index`` of each row (B, V). ``mask``: from
+        ``_mask``."""
         device = self.policy.device
         start = time.perf_counter()
-        with attention_implementation(self.policy.model, "sdpa"):  # whatever the model was loaded with
+        with attention_implementation(self.policy.model, KERNELS[self.attention]):  # whatever it was loaded with
             out = self._decoder(
                 input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),  # 4-D bool: transformers hands it to SDPA as-is
+                attention_mask=mask,  # 4-D (bool or a BlockMask): transformers hands it to the kernel as-is
                 position_ids=positions.to(device),
                 **{self._cache_argument: self.cache},
                 use_cache=True,
@@ -373,7 +401,7 @@ class HFBackend:
         if self.max_rows < 1:
             budget, tokens = self._budget
             per_row = self.cache.token_bytes(self._compute_dtype()) * tokens * (1 + (self.graphs is not None))
-            raise ValueError(f"a KV budget of {budget / 2**30:.2f} GiB holds no row of {tokens - 1} tokens (one "
+            raise ValueError(f"a KV budget of {budget / 2**30:.2f} GiB holds no row of {self._row_tokens} tokens (one "
                              f"takes {per_row / 2**30:.2f} GiB with its padding slot): raise rollout.kv_cache_gb or "
                              "lower rollout.max_total_tokens")  # fmt: skip
 
@@ -384,8 +412,7 @@ class HFBackend:
 
     def _match_cache_dtype(self) -> None:
         """Keys are stored in the dtype the layers make them in: bf16 under the GRPO recipe's autocast, else the
-        model's; a budgeted storage is allocated here, once, in that dtype. (On a GPU a varlen/paged kernel would
-        take each row's length instead of the mask: kv_cache.py.)"""
+        model's; a budgeted storage is allocated here, once, in that dtype."""
         if self._budget is not None and not self.cache.fixed:
             self._check_budget()
             self.cache.fix(self.max_rows + (self.graphs is not None), self._budget[1], self._compute_dtype())

@@ -16,18 +16,24 @@ over. Here that is the batch's slots up to the longest row: a view when the batc
 transformers returns as-is to SDPA.
 
 On a GPU the storage is also what CUDA graphs need, fixed addresses: ``decode_graphs.py`` captures the decode
-forward at bucketed shapes, planned by ``plan_static`` from its static input buffers. Not done: flash-attn's
-``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, cache_batch_idx=slots)`` would do the
-in-place write and the attention over each row's valid length in one kernel, with no gather and no dense mask.
+forward at bucketed shapes, planned by ``plan_static`` from its static input buffers.
+
+``flat=True`` lays each layer out as ``(kv_heads, slots, capacity, head_dim)`` instead, with capacities in multiples
+of ``BLOCK``, and ``update`` returns the whole storage as one ``(1, kv_heads, slots x capacity, head_dim)`` view: the
+layout FlexAttention reads by slot and length through a block mask, with no gather and no dense mask
+(``slot_attention.py``, ``HFBackend(attention="flex")``). ``keys``/``values`` are slot-first views either way.
+Not done: flash-attn's ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+cache_batch_idx=slots)`` would do the in-place write and the attention over each row's length in one kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["SlotCache", "causal_mask"]
+__all__ = ["BLOCK", "SlotCache", "causal_mask"]
 
 _GROW_TOKENS = 256  # capacity grows in multiples of this (and at least doubles), so growth is rare
+BLOCK = 128  # FlexAttention's key block: in the flat layout every slot starts at a multiple of it
 
 
 class SlotCache:
@@ -38,13 +44,19 @@ class SlotCache:
         kv_heads: Key/value heads per layer.
         head_dim: Size of one head.
         dtype, device: Of the stored keys and values.
+        flat: Store each layer as ``(kv_heads, slots, capacity, head_dim)`` and attend over all of it (FlexAttention
+            with a block mask); False: ``(slots, kv_heads, capacity, head_dim)``, the batch's slots gathered (SDPA).
+
+    Attributes:
+        keys, values: Per layer, the storage as ``(slots, kv_heads, capacity, head_dim)`` (a view in the flat layout).
     """
 
     is_compileable = False  # transformers asks (torch.compile); CUDA graphs capture it as it is: decode_graphs.py
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 flat: bool = False) -> None:  # fmt: skip
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.flat = dtype, device, flat
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.slots = self.capacity = 0
@@ -66,12 +78,16 @@ class SlotCache:
         size = torch.empty(0, dtype=dtype or self.dtype).element_size()
         return 2 * self.layers * self.kv_heads * self.head_dim * size
 
+    def aligned(self, tokens: int) -> int:
+        """The capacity that holds ``tokens`` in this layout (flat: the next multiple of ``BLOCK``)."""
+        return -(-tokens // BLOCK) * BLOCK if self.flat else tokens
+
     def fix(self, slots: int, capacity: int, dtype: torch.dtype) -> None:
         """Allocate ``slots`` rows of ``capacity`` tokens once and never grow: a ``reserve`` beyond them is an error
         (the caller admits only rows that fit). Growing by doubling holds the old and the new storage at once
         (at 7B, 17 + 34 GB for 65 rows past 4,608 tokens); a storage sized once from a budget never does."""
         self.keys, self.values, self.dtype = [], [], dtype  # what was stored is dropped
-        self._allocate(slots, capacity)
+        self._allocate(slots, self.aligned(capacity))
         self.growths += 1
         self.fixed = True
 
@@ -105,22 +121,28 @@ class SlotCache:
     def _allocate(self, slots: int, capacity: int) -> None:
         """New storage with what is stored copied in, one layer at a time: the old layer is freed as soon as it
         is copied, so the transient is one layer's old storage, not the whole cache twice."""
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
         for store in (self.keys, self.values):
             for i in range(self.layers if store else 0):
-                old, store[i] = store[i], torch.zeros(shape, dtype=self.dtype, device=self.device)
+                old, store[i] = store[i], self._zeros(slots, capacity, self.dtype)
                 rows, length = min(old.shape[0], slots), min(old.shape[2], capacity)
                 store[i][:rows, :, :length] = old[:rows, :, :length]
                 del old
             if not store:
-                store += [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+                store += [self._zeros(slots, capacity, self.dtype) for _ in range(self.layers)]
         self.slots, self.capacity = slots, capacity
+
+    def _zeros(self, slots: int, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+        """One layer's storage as (slots, kv_heads, capacity, head_dim), laid out as ``flat`` says."""
+        if self.flat:
+            shape = (self.kv_heads, slots, capacity, self.head_dim)
+            return torch.zeros(shape, dtype=dtype, device=self.device).transpose(0, 1)
+        return torch.zeros(slots, self.kv_heads, capacity, self.head_dim, dtype=dtype, device=self.device)
 
     def ensure_dtype(self, dtype: torch.dtype) -> None:
         """Store keys/values in ``dtype`` from now on (converts what is stored, once, if it differs)."""
         if dtype != self.dtype:
-            self.keys = [t.to(dtype) for t in self.keys]
-            self.values = [t.to(dtype) for t in self.values]
+            self.keys = [self._zeros(self.slots, self.capacity, dtype).copy_(t) for t in self.keys]
+            self.values = [self._zeros(self.slots, self.capacity, dtype).copy_(t) for t in self.values]
             self.dtype = dtype
             self.growths += 1
 
@@ -157,12 +179,15 @@ class SlotCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a forward's new (B, kv_heads, width, head_dim) keys/values into their slots; return the batch's
-        keys/values over ``[0, key_length)``: (B, kv_heads, key_length, head_dim)."""
+        keys/values over ``[0, key_length)``: (B, kv_heads, key_length, head_dim). Flat: the whole storage,
+        (1, kv_heads, slots * capacity, head_dim), a view."""
         out = []
         for store, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
             # advanced indices around a slice put the indexed dims first: the target is (B, width, heads, dim)
             store[self._slot_index[:, None], :, self._positions] = new.transpose(1, 2).to(store.dtype)
-            if self._window is not None:
+            if self.flat:
+                out.append(store.transpose(0, 1).view(1, self.kv_heads, -1, self.head_dim))
+            elif self._window is not None:
                 out.append(store[self._window, :, : self._key_length])  # a view: no copy
             else:
                 out.append(store[:, :, : self._key_length].index_select(0, self._slot_index))
