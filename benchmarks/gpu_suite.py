@@ -14,8 +14,9 @@ to ``DIR/results.json`` and, with ``--doc``, to docs/benchmarks.md (section ``gp
 so that two calls of under 9 minutes cover everything:
 
 * ``env``: device, driver, torch and transformers, the copy bandwidth and the dense matmul TFLOP/s measured here.
-* ``rollout``: the decode step at each ``--decode-rows`` (CUDA graphs and eager on CUDA), against the time to read
-  the weights and the KV cache once at the measured bandwidth; a rollout whose tool sleeps 200 ms, run with rows
+* ``rollout``: the decode step at 16, 64 and 256 rows with each attention kernel side by side (``rollout.attention``:
+  SDPA over the gathered slots, FlexAttention over the whole storage; CUDA graphs and eager on CUDA), against the time
+  to read the weights and the KV cache once at the measured bandwidth, and flex's step over SDPA's; a rollout whose tool sleeps 200 ms, run with rows
   overlapping their tools and turn-synchronously; the image prefill (vision tower + prefill) of 1000 x 750 images.
 * ``grpo_step``: ``configs/grpo/qwen2_5_vl_3b.yaml`` under FSDP on one process, sizes scaled to one device: episodes
   of two scripted crop turns (random weights call no tools) and a sampled answer, a reward that spreads within every
@@ -234,19 +235,25 @@ def part_rollout(args, scale, ckpt: Path, out: Path) -> dict:
                                 "tokens": backend.stats().prefill_tokens,
                                 "tokens_per_s": backend.stats().prefill_tokens / elapsed}  # fmt: skip
     full_batch_decoding(policy)
-    kinds = (
-        {"graphs": None, "eager": lambda p: HFBackend(p, cuda_graphs=False)}
-        if device.type == "cuda"
-        else {"eager": None}
-    )
+    kinds = {"graphs": None, "eager": False} if device.type == "cuda" else {"eager": None}  # HFBackend's cuda_graphs
     for rows in scale["decode_rows"]:
-        for kind, make in kinds.items():
-            timing = decode_step_ms(policy, rows, scale["decode_tokens"], repeat=1,
-                                    backend=make(policy) if make else HFBackend(policy))  # fmt: skip
-            bound_ms = 1000 * decode_read_bytes(policy, rows, timing["context"]) / bandwidth
-            numbers["decode"].append({"rows": rows, "kind": kind, "step_ms": timing["step_ms"], "bound_ms": bound_ms,
-                                      "step_over_bound": timing["step_ms"] / bound_ms,
-                                      "tokens_per_s": rows * 1000 / timing["step_ms"]})  # fmt: skip
+        for attention in ("sdpa", "flex"):  # side by side: the measurement docs/decisions/decode-attention.md waits on
+            for kind, cuda_graphs in kinds.items():
+                entry = {"rows": rows, "attention": attention, "kind": kind}
+                try:
+                    backend = HFBackend(policy, attention=attention, cuda_graphs=cuda_graphs)
+                    # untimed first on CUDA (graphs captured, kernels compiled); the CPU's run is a smoke test
+                    timing = decode_step_ms(policy, rows, scale["decode_tokens"], repeat=1, backend=backend,
+                                            warm_up=device.type == "cuda")  # fmt: skip
+                except Exception:  # one kernel failing (a compile on a new GPU) keeps the other's numbers
+                    numbers["status"] = "failed"
+                    numbers["decode"].append({**entry, "error": traceback.format_exc()[-1500:]})
+                    traceback.print_exc()
+                    continue
+                bound_ms = 1000 * decode_read_bytes(policy, rows, timing["context"]) / bandwidth
+                numbers["decode"].append({**entry, "step_ms": timing["step_ms"], "bound_ms": bound_ms,
+                                          "step_over_bound": timing["step_ms"] / bound_ms,
+                                          "tokens_per_s": rows * 1000 / timing["step_ms"]})  # fmt: skip
     return numbers
 
 
@@ -431,13 +438,22 @@ def table(results: dict) -> str:
             add(name, "device", part.get("device_name", "cpu"))
             add(name, "copy bandwidth", f"{part['copy_gb_s']:.0f} GB/s")
             add(name, "dense matmul", f"{part['matmul_tflops']:.3g} TFLOP/s")
-        if name == "rollout" and part["status"] == "ok":
+        if name == "rollout" and "decode" in part:
+            steps = {(d["rows"], d["attention"], d["kind"]): d.get("step_ms") for d in part["decode"]}
             for d in part["decode"]:
+                what = f"decode, {d['rows']} rows, {d['attention']}, {d['kind']}"
+                if "error" in d:
+                    add(name, what, f"failed ({d['error'].strip().splitlines()[-1][:80]})")
+                    continue
+                sdpa = steps.get((d["rows"], "sdpa", d["kind"]))
+                versus = f"; {d['step_ms'] / sdpa:.2f}x sdpa's step" if d["attention"] == "flex" and sdpa else ""
                 add(
                     name,
-                    f"decode, {d['rows']} rows, {d['kind']}",
-                    f"{d['step_ms']:.2f} ms a step ({d['step_over_bound']:.1f}x its read bound), {d['tokens_per_s']:,.0f} tokens/s",
+                    what,
+                    f"{d['step_ms']:.2f} ms a step ({d['step_over_bound']:.1f}x its read bound), "
+                    f"{d['tokens_per_s']:,.0f} tokens/s{versus}",
                 )
+        if name == "rollout" and "tool_overlap" in part:
             overlap = part["tool_overlap"]
             add(name, f"200 ms tool, {overlap['rows']} rows", f"{overlap['async_s']:.2f} s overlapped, "
                 f"{overlap['sync_s']:.2f} s turn-synchronous")  # fmt: skip

@@ -20,7 +20,9 @@ def test_the_gpu_suite_runs_every_part_on_cpu(tmp_path):
         assert parts[name]["status"] == "ok", (name, parts[name].get("error", "")[-2000:])
         assert (tmp_path / f"{name}.log").is_file()
     assert parts["env"]["copy_gb_s"] > 0 and parts["env"]["matmul_tflops"] > 0
-    assert [d["rows"] for d in parts["rollout"]["decode"]] == [2, 4]
+    decode = [(d["rows"], d["attention"]) for d in parts["rollout"]["decode"]]
+    assert decode == [(2, "sdpa"), (2, "flex"), (4, "sdpa"), (4, "flex")]  # both kernels side by side
+    assert "| rollout | decode, 4 rows, flex, eager |" in done.stdout and "x sdpa's step" in done.stdout
     assert all(d["step_ms"] > 0 and d["step_over_bound"] > 0 for d in parts["rollout"]["decode"])
     assert parts["rollout"]["tool_overlap"]["async_s"] > 0 and parts["rollout"]["tool_overlap"]["sync_s"] > 0
     grpo = parts["grpo_step"]

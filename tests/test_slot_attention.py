@@ -205,14 +205,20 @@ def test_decode_buckets_reach_256_rows_and_stop_at_the_row_limit(policy):
     assert max(batch for batch, _, _ in bucketed.graphs.graphs) == 256
 
 
-def test_rollout_attention_is_a_checked_config_key():
+def test_rollout_attention_is_a_checked_config_key_that_grpo_hands_its_sampler(policy):
+    import types
+
     from vagent.config import ConfigError, GRPOConfig, load_config
+    from vagent.recipes.grpo import _Run
 
     required = ["data.train=x", "model.path=y"]
-    assert load_config(GRPOConfig, None, [*required, "rollout.attention=flex"]).rollout.attention == "flex"
+    cfg = load_config(GRPOConfig, None, [*required, "rollout.attention=flex", "rollout.kv_cache_gb=null"])
     assert load_config(GRPOConfig, None, required).rollout.attention == "sdpa"
     with pytest.raises(ConfigError, match="must be one of"):
         load_config(GRPOConfig, None, [*required, "rollout.attention=flash"])
+    run_state = types.SimpleNamespace(cfg=cfg, sampler=None)  # the two fields generation_backend reads
+    sampler = _Run.generation_backend(run_state, policy)
+    assert sampler.attention == "flex" and sampler.cache.flat
 
 
 @pytest.mark.gpu

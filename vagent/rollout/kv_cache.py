@@ -11,7 +11,7 @@ every decode step copied it again (``torch.cat`` in ``DynamicLayer.update``).
 The cache plugs into transformers' attention through the one call the Qwen-VL attention makes,
 ``cache.update(key_states, value_states, layer_idx)``, which must return the keys and values to attend
 over. Here that is the batch's slots up to the longest row: a view when the batch's slots are consecutive
-(``rows[a:b]``, no copy), else one gather of those rows. The backend passes a matching boolean
+(``rows[a:b]``, no copy), else one gather of those rows. With SDPA the backend passes a matching boolean
 ``(B, 1, query, keys)`` mask (each row sees its own ``[0, length)`` plus causal new tokens), which
 transformers returns as-is to SDPA.
 
