@@ -11,10 +11,11 @@ from vagent.rollout import slot_attention as sa
 from vagent.rollout.decode_graphs import DecodeGraphs, _bucket
 from vagent.rollout.kv_cache import BLOCK, SlotCache, causal_mask
 
-# rows of a forward over a 5-slot, 3-block-per-slot storage: (slot, cached tokens). The lengths sit on both sides of
-# block boundaries (127 | 128), at 0 and near the end of a slot; slots are out of order and not consecutive.
-ROWS = [(3, 0), (0, 127), (4, 128), (1, 255), (2, 40)]
-SLOTS, CAPACITY = 5, 3 * BLOCK
+# rows of a forward over a 6-slot, 3-block-per-slot storage: (slot, cached tokens). The lengths sit on both sides of
+# block boundaries (126, 127 | 128: a block is full for a query from cached 127 on), at 0 and near the end of a slot;
+# slots are out of order and not consecutive.
+ROWS = [(3, 0), (0, 127), (4, 128), (1, 255), (2, 40), (5, 126)]
+SLOTS, CAPACITY = 6, 3 * BLOCK
 
 
 def _expected(rows, width):
@@ -28,7 +29,7 @@ def _expected(rows, width):
 
 def _from_blocks(mask, width):
     """What the fused kernel computes with: full blocks whole, partial blocks through ``mask_mod``, nothing else.
-    Also checks that no listed block is wasted (a partial block holds a True, a full one is True throughout)."""
+    Also checks that each listed block is classified exactly (full: True throughout; partial: mixed)."""
     rows = mask.kv_num_blocks.shape[0]
     out = torch.zeros(rows, width, SLOTS * CAPACITY, dtype=torch.bool)
     lists = ((mask.full_kv_num_blocks, mask.full_kv_indices, True), (mask.kv_num_blocks, mask.kv_indices, False))
@@ -40,7 +41,8 @@ def _from_blocks(mask, width):
                     keys = torch.arange(block * BLOCK, (block + 1) * BLOCK)
                     q, k = torch.meshgrid(queries, keys, indexing="ij")
                     seen = mask.mask_mod(torch.tensor(b), torch.tensor(0), q, k)
-                    assert bool(seen.all()) if full else bool(seen.any()), (b, tile, block, full)
+                    # full: visible throughout; partial: mixed (a block seen whole would skip the mask as full)
+                    assert bool(seen.all()) if full else bool(seen.any()) and not bool(seen.all()), (b, tile, block)
                     out[b, q, k] = True if full else seen
     return out
 
@@ -165,6 +167,15 @@ def test_flex_and_sdpa_backends_sample_the_same_greedy_tokens(policy, monkeypatc
     assert len({len(t.token_ids) for t in out}) == 4
     with pytest.raises(ValueError, match="attention must be one of"):
         HFBackend(policy, attention="flash")
+
+
+def test_under_autocast_flex_reads_the_bf16_storage(policy):
+    """The GRPO recipe rolls out under bf16 autocast: the flat storage holds bf16 keys and flex attends over them."""
+    backend = HFBackend(policy, attention="flex")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(policy, _tasks()[:2], limits=RolloutLimits(max_turns=2, max_new_tokens=6), backend=backend)
+    assert backend.cache.dtype == torch.bfloat16 and backend.cache.flat
+    assert all(t.metrics["sampled_tokens"] > 0 and len(t.token_ids) == len(t.logprobs) for t in out)
 
 
 def test_flex_bucketed_decode_steps_give_the_eager_tokens(policy):
