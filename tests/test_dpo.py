@@ -396,8 +396,12 @@ def test_two_fsdp_ranks_give_the_dpo_losses_of_one_rank(tmp_path, tiny_qwen25, p
     result = _torchrun(2, [*_args(two, tiny_qwen25, pairs_file, val, *common), "train.sharding=fsdp"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert " 2 rank(s) x 1 accum" in result.stdout
-    for key in ("loss", "grad_norm", "logratio/chosen", "logratio/rejected", "rewards/accuracy"):
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/accuracy"):
         assert _curve(two, key) == pytest.approx(_curve(one, key), rel=1e-4, abs=1e-5), key
+    # a log-ratio is the difference of two sums of about -400 nats: the sharded sums' rounding (measured 8.5e-4 at
+    # step 3, 3e-6 of the sums) is all that is left of it
+    for key in ("logratio/chosen", "logratio/rejected"):
+        assert _curve(two, key) == pytest.approx(_curve(one, key), abs=5e-3), key
     evals = [[r["eval/loss"] for r in read_metrics(out / "metrics.jsonl") if "eval/loss" in r] for out in (one, two)]
     assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], rel=1e-4, abs=1e-5)  # 3 val pairs over 2 ranks
-    assert _curve(one, "loss")[-1] < _curve(one, "loss")[0]
+    assert abs(_curve(one, "logratio/chosen")[-1]) > 0.1  # the policy moved off its reference
