@@ -188,6 +188,22 @@ def pairs_file(tmp_path_factory, policy):
     return out / "train.jsonl"
 
 
+# Text-only pairs (no tools offered, so a short system prompt): the recipe's mechanics at a fraction of a zoom pair's
+# tokens. The rejected answer is wrong; each answer is chosen in one pair and rejected in none.
+TEXT_QA = [("What is 2 + 3?", "5", "6"), ("Which is larger, 7 or 4?", "7", "4"), ("What is 6 minus 4?", "2", "3"),
+           ("How many sides has a triangle?", "3", "8")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def text_pairs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dpo-text") / "pairs.jsonl"
+    side = lambda a: [{"role": "assistant", "content": f"<think>Plain arithmetic.</think>\n<answer>{a}</answer>"}]  # noqa: E731
+    rows = [_row(id=f"t{i}", question=q, answer=a, tools=[], chosen=side(a), rejected=side(b))
+            for i, (q, a, b) in enumerate(TEXT_QA)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _datasets(policy, pairs_file, micro_batch_size=1):
     min_pixels, max_pixels = policy.pixel_budget
     common = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor, default_tools=["crop"],
@@ -286,20 +302,20 @@ def test_a_few_dpo_steps_raise_the_chosen_over_rejected_log_ratio(tmp_path, tiny
     assert len(final_eval) == 1 and final_eval[0]["eval/pairs"] == 3.0  # every val pair once
 
 
-def test_precomputed_and_lora_references_are_the_start_policy(tmp_path, tiny_qwen25, pairs_file, capsys):
+def test_precomputed_and_lora_references_are_the_start_policy(tmp_path, tiny_qwen25, text_pairs, capsys):
     """dpo.precompute_ref scores each pair once with the start policy, which is what the frozen copy scores at every
     step: the same losses. With LoRA the reference is the policy with its adapters off: the first step's log-ratios
     are 0, as they are against a copy."""
     copy = tmp_path / "copy"
-    dpo.train(load_config(DPOConfig, CONFIG, _args(copy, tiny_qwen25, pairs_file, "train.max_steps=3")))
+    dpo.train(load_config(DPOConfig, CONFIG, _args(copy, tiny_qwen25, text_pairs, "train.max_steps=3")))
     pre = tmp_path / "precomputed"
     dpo.train(load_config(DPOConfig, CONFIG,
-                          _args(pre, tiny_qwen25, pairs_file, "train.max_steps=3", "dpo.precompute_ref=true")))  # fmt: skip
+                          _args(pre, tiny_qwen25, text_pairs, "train.max_steps=3", "dpo.precompute_ref=true")))  # fmt: skip
     assert "scored 4 pairs once" in capsys.readouterr().out and (pre / "reference_logprobs.pt").is_file()
     for key in ("loss", "logratio/chosen", "rewards/margin"):
         assert _curve(pre, key) == pytest.approx(_curve(copy, key), rel=1e-4, abs=1e-5), key
     lora = tmp_path / "lora"
-    dpo.train(load_config(DPOConfig, CONFIG, _args(lora, tiny_qwen25, pairs_file, "train.max_steps=2",
+    dpo.train(load_config(DPOConfig, CONFIG, _args(lora, tiny_qwen25, text_pairs, "train.max_steps=2",
                                                    "train.lora.enabled=true", "train.lora.r=4")))  # fmt: skip
     assert "adapters disabled" in capsys.readouterr().out
     assert _curve(lora, "logratio/chosen")[0] == 0.0 and _curve(lora, "loss")[0] == pytest.approx(math.log(2))
@@ -311,7 +327,7 @@ class _Killed(Exception):
 
 
 @pytest.mark.parametrize("precompute", [False, True], ids=["frozen-copy", "precomputed"])
-def test_a_stopped_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, pairs_file, monkeypatch, precompute):
+def test_a_stopped_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, text_pairs, monkeypatch, precompute):
     """A checkpoint at step 2; the run stops after step 3 and resumes from step 2 to the uninterrupted losses.
     Precomputed, the resume reads the reference's log-probs back; with the file gone, a copy of the start scores them
     again."""
@@ -319,7 +335,7 @@ def test_a_stopped_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, pairs_f
 
     extra = ["train.max_steps=4", "train.save_every=2", f"dpo.precompute_ref={str(precompute).lower()}"]
     full = tmp_path / "full"
-    dpo.train(load_config(DPOConfig, CONFIG, _args(full, tiny_qwen25, pairs_file, *extra)))
+    dpo.train(load_config(DPOConfig, CONFIG, _args(full, tiny_qwen25, text_pairs, *extra)))
     log = MetricsLogger.log
 
     def killing_log(self, step, values):
@@ -328,7 +344,7 @@ def test_a_stopped_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, pairs_f
             raise _Killed
 
     stopped = tmp_path / "stopped"
-    args = _args(stopped, tiny_qwen25, pairs_file, *extra)
+    args = _args(stopped, tiny_qwen25, text_pairs, *extra)
     monkeypatch.setattr(MetricsLogger, "log", killing_log)
     with pytest.raises(_Killed):
         dpo.train(load_config(DPOConfig, CONFIG, args))

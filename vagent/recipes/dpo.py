@@ -14,7 +14,8 @@ The reference is the starting checkpoint (``model.path``), frozen, and is scored
 * with LoRA, the policy itself with its adapters disabled (peft's ``disable_adapter``, as TRL does): no copy;
 * with ``dpo.precompute_ref``, once before the first step: the policy, which is still the reference then, scores every
   pair, and the log-probs are kept by pair index in ``out_dir/reference_logprobs.pt``; no reference runs during
-  training. A resume reads them back (and has a reference score them again if the file is gone or of other data).
+  training. A resume reads them back (and has a copy of the reference score them again if the file is gone or was
+  scored for other data or settings); a fresh run always scores them.
 
 The reference runs in the precision the policy trains in (autocast, or FSDP's mixed-precision policy), so before the
 first update the policy's log-ratios are 0 up to rounding.
@@ -210,9 +211,11 @@ def _setup_reference(ctx: _Run, model_path: Path, sets: dict[str, PreferenceData
         say(env, f"reference: {'the policy with its adapters disabled' if lora else f'a frozen copy of {model_path}'}")
         return
     path = out / "reference_logprobs.pt"
-    key = {"average": ctx.average, **{f"{split}_data": fingerprint[f"{split}_data"] for split in ("train", "val")},
+    # what the log-probs depend on: a resume whose key differs (train.allow_changes) scores them again
+    key = {"model": str(model_path), "bf16": bf16, "average": ctx.average,
+           **{f"{split}_data": fingerprint[f"{split}_data"] for split in ("train", "val")},
            **{f"{split}_ids": data.ids for split, data in sets.items()}}  # fmt: skip
-    saved = torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+    saved = torch.load(path, map_location="cpu", weights_only=False) if resumed and path.is_file() else None
     if saved is not None and saved["key"] == key:
         ctx.table = saved["logprobs"]
         say(env, f"reference: the log-probs in {path}")
