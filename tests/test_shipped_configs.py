@@ -153,10 +153,13 @@ def _text_rows(path: Path) -> Path:
     return path
 
 
-def _pairs(rows: Path) -> Path:
-    """Preference rows beside ``rows``: each gold trajectory chosen, the same turns with another row's answer rejected."""
-    pairs, _ = wrong_answer_pairs(load_rows(rows), seed=0)
-    assert len(pairs) >= 2, f"{rows}: too few rows with another answer to draw a wrong one from"
+def _pairs(rows: Path, pool: Path) -> Path:
+    """Preference rows beside ``rows``: each gold trajectory chosen, the same turns with the answer of another row of
+    ``rows`` or ``pool`` rejected."""
+    own = load_rows(rows)
+    pairs, _ = wrong_answer_pairs([*own, *(r for r in load_rows(pool) if r.id not in {o.id for o in own})], seed=0)
+    pairs = [p for p in pairs if p.id in {o.id for o in own}]
+    assert pairs, f"{rows}: no row with another answer to draw a wrong one from"
     return write_rows(pairs, rows.with_name(f"{rows.stem}-pairs.jsonl"))
 
 
@@ -180,9 +183,10 @@ def rows(tmp_path_factory):
             else:
                 make_rows = lambda n, seed: zoom_rows(out, n, seed=seed, size=SIZE, clutter=20, **frame)  # noqa: E731
                 made[key] = (write_rows(make_rows(8, 0), out / "train.jsonl"),
-                             write_rows(make_rows(3, 1), out / "val.jsonl"))  # fmt: skip
+                             write_rows(make_rows(2, 1), out / "val.jsonl"))  # fmt: skip
         if pairs:
-            return _pairs(made[key][0]), _pairs(made[key][1])
+            train, val = made[key]
+            return _pairs(train, val), _pairs(val, train)
         return made[key]
 
     return make
