@@ -344,7 +344,12 @@ def test_rollout_runs_rows_end_to_end(tiny_qwen25, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    ("stage", "config"), [("sft", "configs/sft/qwen2_5_vl_7b_zero2.yaml"), ("grpo", "configs/grpo/qwen2_5_vl_7b.yaml")]
+    ("stage", "config"),
+    [
+        ("sft", "configs/sft/qwen2_5_vl_7b_zero2.yaml"),
+        ("grpo", "configs/grpo/qwen2_5_vl_7b.yaml"),
+        ("dpo", "configs/dpo/qwen2_5_vl_3b_fsdp.yaml"),
+    ],
 )
 @pytest.mark.parametrize("key", ["model.path", "data.train"])
 def test_a_production_recipe_without_its_model_or_data_stops_before_loading_anything(stage, config, key, capsys):

@@ -1,10 +1,11 @@
-"""Every shipped SFT and GRPO config runs on CPU as its model needs: the YAML as written, with only sizes overridden
+"""Every shipped SFT, GRPO and DPO config runs on CPU as its model needs: the YAML as written, with only sizes overridden
 (steps, batch, tokens, paths), on a tiny checkpoint with the structural choices of the model it targets (tied or
 untied head, GQA ratio, windowed and full-attention vision blocks, Qwen's vocabulary: ``vagent.training.memory.SHAPES``,
 the shapes ``vagent memory --shape`` knows). Configs launched with torchrun run on 2 ranks over gloo.
 
-``MATRIX`` names every YAML under configs/sft/ and configs/grpo/ with its variants (KL on, temperature below 1, fp32,
-text-only rows, two steps); a YAML it does not name fails ``test_every_shipped_config_is_in_the_matrix``. Each run must
+``MATRIX`` names every YAML under configs/sft/, configs/grpo/ and configs/dpo/ with its variants (KL on, temperature below 1, fp32,
+text-only rows, two steps; a DPO config trains on preference pairs made from the same rows); a YAML it does not name
+fails ``test_every_shipped_config_is_in_the_matrix``. Each run must
 finish, log finite losses at every step (GRPO: an update at every step, the first-update ratio at 1, the sampler's
 log-probs those the trainer scores), and leave a ``model/`` that ``load_policy`` loads, trained, with the frozen parts
 unchanged and a tied head still tied; a LoRA run's adapter, applied to the base, gives that ``model/``.
@@ -23,16 +24,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_pipelines.synthetic.pairs import wrong_answer_pairs
 from data_pipelines.synthetic.zoom import zoom_rows
-from vagent.config import GRPOConfig, SFTConfig, load_config
-from vagent.data import write_rows
+from vagent.config import DPOConfig, GRPOConfig, SFTConfig, load_config
+from vagent.data import load_rows, write_rows
 from vagent.model import load_policy
 from vagent.training.memory import SHAPES, shape_from_config_json
 from vagent.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
-STAGES = {"sft": SFTConfig, "grpo": GRPOConfig}
+STAGES = {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig}
 SHIPPED = sorted(f"{stage}/{p.name}" for stage in STAGES for p in (CONFIGS / stage).glob("*.yaml"))
 # A config's target model, from its file name -> (the conftest fixture of its miniature, its SHAPES key)
 TARGETS = {"3b": ("like_3b", "qwen2.5-vl-3b"), "7b": ("like_7b", "qwen2.5-vl-7b"), "tiny": ("tiny_qwen25", None)}
@@ -80,6 +82,10 @@ MATRIX: dict[str, tuple[Variant, ...]] = {
     "grpo/qwen2_5_vl_7b.yaml": (SHIPPED_AS_IS, FP32_T07),
     "grpo/qwen2_5_vl_7b_lora.yaml": (SHIPPED_AS_IS,),
     "grpo/qwen2_5_vl_tiny_cpu.yaml": (SHIPPED_AS_IS, Variant("text-only, 2 ranks", rows="text", ranks=2, steps=2)),
+    # preference pairs: a gold trajectory and the same turns ending in a wrong answer (data_pipelines.synthetic.pairs)
+    "dpo/qwen2_5_vl_3b_fsdp.yaml": (SHIPPED_AS_IS,),
+    "dpo/qwen2_5_vl_3b_lora.yaml": (SHIPPED_AS_IS,),
+    "dpo/qwen2_5_vl_tiny_cpu.yaml": (SHIPPED_AS_IS, Variant("text-only, 2 ranks", rows="text", ranks=2, steps=2)),
 }
 
 
@@ -119,8 +125,9 @@ def _cases():
 
 
 def test_every_shipped_config_is_in_the_matrix():
-    """A YAML added under configs/sft/ or configs/grpo/ without a run here is a failure, not an untested config."""
-    assert SHIPPED, "configs/sft and configs/grpo hold no YAML"
+    """A YAML added under configs/sft/, configs/grpo/ or configs/dpo/ without a run here is a failure, not an untested
+    config."""
+    assert SHIPPED, "configs/sft, configs/grpo and configs/dpo hold no YAML"
     missing, stale = sorted(set(SHIPPED) - set(MATRIX)), sorted(set(MATRIX) - set(SHIPPED))
     assert not missing, f"shipped configs no test runs (add them to MATRIX): {missing}"
     assert not stale, f"MATRIX names configs that are not shipped: {stale}"
@@ -146,15 +153,25 @@ def _text_rows(path: Path) -> Path:
     return path
 
 
+def _pairs(rows: Path, pool: Path) -> Path:
+    """Preference rows beside ``rows``: each gold trajectory chosen, the same turns with the answer of another row of
+    ``rows`` or ``pool`` rejected."""
+    own = load_rows(rows)
+    pairs, _ = wrong_answer_pairs([*own, *(r for r in load_rows(pool) if r.id not in {o.id for o in own})], seed=0)
+    pairs = [p for p in pairs if p.id in {o.id for o in own}]
+    assert pairs, f"{rows}: no row with another answer to draw a wrong one from"
+    return write_rows(pairs, rows.with_name(f"{rows.stem}-pairs.jsonl"))
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     """``(kind, checkpoint) -> (train, val)`` JSONL paths, each written once: zoom rows in the checkpoint's frame, or
-    text-only rows."""
+    text-only rows; ``pairs=True`` gives their preference pairs (``_pairs``)."""
     root = tmp_path_factory.mktemp("shipped-data")
     made: dict[tuple[str, str], tuple[Path, Path]] = {}
     frames: dict[Path, dict] = {}
 
-    def make(kind: str, checkpoint: Path) -> tuple[Path, Path]:
+    def make(kind: str, checkpoint: Path, pairs: bool = False) -> tuple[Path, Path]:
         if kind == "zoom" and checkpoint not in frames:
             frames[checkpoint] = load_policy(checkpoint, device="cpu").frame
         frame = frames[checkpoint] if kind == "zoom" else {}
@@ -167,6 +184,9 @@ def rows(tmp_path_factory):
                 make_rows = lambda n, seed: zoom_rows(out, n, seed=seed, size=SIZE, clutter=20, **frame)  # noqa: E731
                 made[key] = (write_rows(make_rows(8, 0), out / "train.jsonl"),
                              write_rows(make_rows(2, 1), out / "val.jsonl"))  # fmt: skip
+        if pairs:
+            train, val = made[key]
+            return _pairs(train, val), _pairs(val, train)
         return made[key]
 
     return make
@@ -181,7 +201,7 @@ def _overrides(stage: str, shipped, out: Path, model: Path, shape_name: str | No
     checkpointing, the chunked head, frozen vision, clipping, dynamic sampling, a fixed KV storage, ...) stays."""
     sizes = [f"out_dir={out}", f"model.path={model}", "model.device=cpu", f"data.train={train}",
              f"train.max_steps={steps}", "train.tensorboard=false", "train.log_every=1"]  # fmt: skip
-    if stage == "sft":
+    if stage in ("sft", "dpo"):
         return [*sizes, f"data.val={val if shipped.data.val else 'null'}", "optim.grad_accum=1", "data.num_workers=1"]
     # a random policy's groups all get reward 0 from the real rewards and dynamic sampling would drop every one:
     # the toy reward spreads within each group, the config's own rewards still run and are logged
@@ -215,6 +235,8 @@ if stage == "grpo":
     from test_shipped_configs import even_tokens
     from vagent.recipes import grpo as recipe
     rewards.REWARDS["even_tokens"] = even_tokens
+elif stage == "dpo":
+    from vagent.recipes import dpo as recipe
 else:
     from vagent.recipes import sft as recipe
 recipe.main(sys.argv[2:])
@@ -223,11 +245,11 @@ recipe.main(sys.argv[2:])
 
 def _run(tmp_path: Path, stage: str, config: Path, overrides: list[str], ranks: int, monkeypatch) -> None:
     if ranks == 1:  # in this process: no interpreter start, no imports
-        from vagent.recipes import grpo, sft
+        from vagent.recipes import dpo, grpo, sft
         from vagent.rewards import REWARDS
 
         monkeypatch.setitem(REWARDS, "even_tokens", even_tokens)
-        recipe = grpo if stage == "grpo" else sft
+        recipe = {"grpo": grpo, "sft": sft, "dpo": dpo}[stage]
         recipe.train(load_config(STAGES[stage], config, overrides))
         return
     script = tmp_path / "child.py"
@@ -307,7 +329,7 @@ def test_a_shipped_config_runs_on_a_miniature_of_its_model(request, tmp_path, ro
     fixture, shape_name = _target(config)
     checkpoint = request.getfixturevalue(fixture)
     _check_miniature(checkpoint, shape_name)
-    train, val = rows(variant.rows, checkpoint)
+    train, val = rows(variant.rows, checkpoint, pairs=stage == "dpo")
     out = tmp_path / "run"
     overrides = [*_overrides(stage, shipped, out, checkpoint, shape_name, train, val, variant.steps), *variant.extra]
     _run(tmp_path, stage, CONFIGS / config, overrides, _ranks(config, variant), monkeypatch)

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node N tools/train.py --config configs/sft/<name>.yaml [key=value ...]
     python tools/train.py --config configs/sft/qwen2_5_vl_tiny_cpu.yaml          (one process)
 
-configs/sft/* runs vagent.recipes.sft, configs/grpo/* vagent.recipes.grpo (``--stage`` names the stage
-for a config kept elsewhere).
+configs/sft/* runs vagent.recipes.sft, configs/grpo/* vagent.recipes.grpo, configs/dpo/* vagent.recipes.dpo
+(``--stage`` names the stage for a config kept elsewhere).
 """
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vagent.cli import main as cli_main
 
-STAGES = {"sft": "sft", "grpo": "grpo"}  # configs/<dir>/ -> `vagent <command>`
+STAGES = {"sft": "sft", "grpo": "grpo", "dpo": "dpo"}  # configs/<dir>/ -> `vagent <command>`
 
 
 def main(argv: list[str]) -> int:

@@ -86,6 +86,12 @@ def _grpo(args: argparse.Namespace) -> int:
     return grpo.main((["--config", args.config] if args.config else []) + args.overrides)
 
 
+def _dpo(args: argparse.Namespace) -> int:
+    from vagent.recipes import dpo
+
+    return dpo.main((["--config", args.config] if args.config else []) + args.overrides)
+
+
 def _eval(args: argparse.Namespace) -> int:
     from vagent.recipes import evaluate
 
@@ -377,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.build_parser(p).set_defaults(func=memory.run)
     _add_stage(sub, "sft", "SFT cold start on gold trajectories (one process, or under torchrun).", "SFTConfig", _sft)
     _add_stage(sub, "grpo", "GRPO with verifiable rewards (one process, or under torchrun).", "GRPOConfig", _grpo)
+    _add_stage(sub, "dpo", "DPO on preference pairs of trajectories (one process, or under torchrun).", "DPOConfig",
+               _dpo)  # fmt: skip
     _add_eval(sub)
     p = sub.add_parser("eval-report", help="Side-by-side table and bar chart of several eval runs, and each run's "
                        "accuracy and turns against the turn budget (1, 2, 4, ... up to its own).")  # fmt: skip

@@ -27,6 +27,9 @@ import yaml
 __all__ = [
     "CONFIGS",
     "ConfigError",
+    "DPOAlgoConfig",
+    "DPOConfig",
+    "DPODataConfig",
     "GRPOAlgoConfig",
     "GRPOConfig",
     "GRPODataConfig",
@@ -722,8 +725,87 @@ class GRPOConfig:
             )
 
 
+@dataclass
+class DPODataConfig:
+    train: str | None = option(
+        None, "Canonical rows (JSONL) with a preference pair each: `chosen` and `rejected` trajectories (required)."
+    )
+    val: str | None = option(None, "Pairs for the periodic eval loss and reward accuracy; None = no eval.")
+    tools: list[str] = option(["crop"], "Tools named in the system prompt of rows without their own `tools` list.")
+    agent: str = option("vagent", "Agent profile whose prompt and turn format the trajectories use (vagent.agents).")
+    micro_batch_size: int = option(
+        2, "Pairs per forward pass on each rank (twice as many sequences: chosen and rejected run in one forward)."
+    )
+    group_by_length: bool = option(True, "Batch pairs of similar length (less padding); order stays random.")
+    group_batches: int = option(16, "Length grouping sorts within windows of this many micro-batches.")
+    max_length: int = option(
+        4096, "Pairs with a trajectory longer than this (tokens, images included) are left out (counted)."
+    )
+    num_workers: int = option(0, "DataLoader worker processes encoding batches (0 = in the training process).")
+
+    def validate(self) -> None:
+        for name in ("micro_batch_size", "group_batches", "max_length"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class DPOAlgoConfig:
+    beta: float = option(
+        0.1,
+        "Strength of the tie to the reference: the implicit reward is beta x (policy - reference) log-prob. TRL's "
+        "default 0.1 for sigmoid; the length-normalized losses compare per-token log-probs and want more (Tulu 3: 5).",
+    )
+    loss_type: Literal["sigmoid", "sigmoid_norm", "ipo"] = option(
+        "sigmoid",
+        "sigmoid: DPO on summed log-probs; sigmoid_norm: DPO on token-mean log-probs (length-normalized); ipo: IPO's "
+        "squared loss on token-mean log-probs (as TRL computes it).",
+    )
+    label_smoothing: float = option(
+        0.0, "Assumed rate of flipped preference labels, in [0, 0.5) (conservative DPO; sigmoid losses only)."
+    )
+    precompute_ref: bool = option(
+        False,
+        "Score every pair with the reference once before the first step (the policy is still the reference then) and "
+        "keep the log-probs in out_dir/reference_logprobs.pt: no reference model during training. false: a frozen "
+        "copy of model.path scores each micro-batch (with LoRA: the policy with its adapters disabled, no copy).",
+    )
+
+    def validate(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"dpo.beta must be positive, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type == "ipo":
+            raise ValueError("dpo.label_smoothing applies to the sigmoid losses, not to ipo")
+
+
+@dataclass
+class DPOConfig:
+    out_dir: str = option("runs/dpo", "Checkpoints, metrics.jsonl, tensorboard/ and the final model/ go here.")
+    seed: int = option(0, "Seed of the pair order, the model init of new parts (LoRA) and dropout.")
+    model: ModelConfig = option(ModelConfig(), "Policy to train (usually the SFT model dir); also the reference.")
+    data: DPODataConfig = option(DPODataConfig(), "Training and eval pairs, batching.")
+    dpo: DPOAlgoConfig = option(DPOAlgoConfig(), "Loss type, beta, label smoothing, how the reference is scored.")
+    optim: OptimConfig = option(OptimConfig(), "Optimizer and schedule.")
+    train: TrainConfig = option(TrainConfig(), "Loop length, precision, distribution, checkpoints, logging.")
+
+    def validate(self) -> None:
+        require_paths(self)
+        if self.train.deepspeed:
+            raise ValueError(
+                "DPO does not train under DeepSpeed (train.deepspeed must be null): shard with train.sharding=fsdp "
+                "(or train with DDP, LoRA included)"
+            )
+        if self.train.lm_head_kernel == "liger":
+            raise ValueError("train.lm_head_kernel=liger is for SFT's loss; DPO's sequence log-probs use chunked")
+
+
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.
 CONFIGS: dict[str, type] = {
+    "dpo": DPOConfig,
     "grpo": GRPOConfig,
     "sft": SFTConfig,
     "tiny": TinyModelConfig,

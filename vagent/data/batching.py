@@ -17,7 +17,7 @@ import torch
 
 from vagent.data.encode import Encoded
 
-__all__ = ["collate", "epoch_batches", "padding_waste"]
+__all__ = ["collate", "collate_pairs", "epoch_batches", "padding_waste"]
 
 
 def collate(samples: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
@@ -48,6 +48,19 @@ def collate(samples: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
         batch["pixel_values"] = torch.cat([s.pixel_values for s in with_images])
         batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])
     return batch
+
+
+def collate_pairs(chosen: Sequence[Encoded], rejected: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    """Preference pairs as one batch for one forward (TRL's concatenated forward): the B chosen trajectories, then
+    the B rejected ones, so row i and row B + i are pair i. The rows share their prompt, and with it the system
+    prompt that ``policy_logits(share_prefix=True)`` runs once for the whole batch.
+
+    Returns:
+        ``collate``'s keys over 2B rows, images in row order (the chosen rows' first).
+    """
+    if len(chosen) != len(rejected):
+        raise ValueError(f"need as many rejected as chosen trajectories, got {len(chosen)} and {len(rejected)}")
+    return collate([*chosen, *rejected], pad_id)
 
 
 def epoch_batches(

@@ -11,7 +11,8 @@ id and the field, so a pipeline bug is found where it was written rather than de
 Checked: types and shapes of every known field, answers that fit their ``answer_type`` (a box is
 4 numbers with x1 <= x2 and y1 <= y2, a span 2 with 0 <= t0 <= t1, a choice is a letter or one of
 ``choices``), evidence boxes/spans, tool names (against ``known_tools``), the structure of a gold
-``messages`` trajectory (roles, parts), duplicate ids, singular typos of list keys (``image``),
+``messages`` trajectory (roles, parts) and of a preference pair's ``chosen`` and ``rejected`` trajectories (both
+or neither, the same prompt, not the same turns), duplicate ids, singular typos of list keys (``image``),
 and with ``check_media`` that every referenced file exists.
 Not checked: that media files decode (``vagent.media`` does that when they are used), that boxes lie
 inside their image, or what a gold trajectory says.
@@ -42,7 +43,7 @@ MAX_CHOICES = 26
 
 _KNOWN_KEYS = (
     "id", "source", "images", "videos", "question", "answer", "answer_type",
-    "choices", "evidence", "tools", "messages",
+    "choices", "evidence", "tools", "messages", "chosen", "rejected",
 )  # fmt: skip
 # Keys that are almost certainly a misspelt canonical key. Other unknown keys are kept in ``Row.extra``,
 # but these would otherwise be kept silently while the real field stays empty (a row "without" images).
@@ -106,6 +107,10 @@ class Row:
             an assistant turn with ``"train": false`` (``Message.trained``) is shown as context but not trained
             on. Part paths are resolved like ``images``; an image part without a path stands for the row's
             next prompt image (its path is filled in).
+        chosen: With ``rejected``, a preference pair for DPO: the better of two trajectories for the row's prompt,
+            in the format of ``messages`` (checked and converted the same way).
+        rejected: The worse trajectory of the pair. Both start from the same prompt (the row's question and images,
+            or the same system/user turns of their own) and differ in their assistant or tool turns.
         extra: Every other key of the JSON object, kept as written.
     """
 
@@ -120,14 +125,18 @@ class Row:
     evidence: Evidence | None = None
     tools: list[str] | None = None
     messages: list[Message] | None = None
+    chosen: list[Message] | None = None
+    rejected: list[Message] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.messages is not None and any(isinstance(m, dict) for m in self.messages):
-            try:
-                self.messages = _to_messages(_messages(self.messages, None), self.images)
-            except _FieldError as e:
-                raise RowError(f"row {self.id!r}: {e}") from None
+        for key in ("messages", "chosen", "rejected"):
+            turns = getattr(self, key)
+            if turns is not None and any(isinstance(m, dict) for m in turns):
+                try:
+                    setattr(self, key, _to_messages(_messages(turns, None, key), self.images, key))
+                except _FieldError as e:
+                    raise RowError(f"row {self.id!r}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the row: canonical keys first (optional ones only when set), then ``extra``."""
@@ -146,8 +155,9 @@ class Row:
             out["evidence"] = self.evidence.to_dict()
         if self.tools is not None:
             out["tools"] = list(self.tools)
-        if self.messages is not None:
-            out["messages"] = [_message_dict(m) for m in self.messages]
+        for key in ("messages", "chosen", "rejected"):
+            if getattr(self, key) is not None:
+                out[key] = [_message_dict(m) for m in getattr(self, key)]
         return {**out, **self.extra}
 
     @classmethod
@@ -262,14 +272,15 @@ def _evidence(value: Any, n_images: int, n_videos: int) -> Evidence | None:
     return evidence
 
 
-def _messages(value: Any, base: Path | None) -> list[dict[str, Any]] | None:
+def _messages(value: Any, base: Path | None, key: str = "messages") -> list[dict[str, Any]] | None:
+    """Checked JSON turns of a gold trajectory (``messages``, ``chosen`` or ``rejected``: ``key`` names the field)."""
     if value is None:
         return None
     if not isinstance(value, list) or not value:
-        raise _FieldError("messages", f"must be a non-empty list of {{role, content}} objects, got {value!r}")
+        raise _FieldError(key, f"must be a non-empty list of {{role, content}} objects, got {value!r}")
     out = []
     for i, message in enumerate(value):
-        name = f"messages[{i}]"
+        name = f"{key}[{i}]"
         if not isinstance(message, dict):
             raise _FieldError(name, f"must be an object {{role, content}}, got {message!r}")
         if message.get("role") not in ROLES:
@@ -297,11 +308,28 @@ def _messages(value: Any, base: Path | None) -> list[dict[str, Any]] | None:
             parts.append({**part, "path": _resolve(path, base)} if path else dict(part))
         out.append({**message, "content": parts})
     if not any(m["role"] == "assistant" and m.get("train", True) for m in out):
-        raise _FieldError("messages", "has no assistant turn to train on")
+        raise _FieldError(key, "has no assistant turn to train on")
     return out
 
 
-def _to_messages(turns: list[dict[str, Any]] | None, images: list[str]) -> list[Message] | None:
+def _pair(chosen: list[dict[str, Any]] | None, rejected: list[dict[str, Any]] | None) -> None:
+    """A preference pair is both trajectories, for one prompt, and two different ones."""
+    if (chosen is None) != (rejected is None):
+        given, missing = ("chosen", "rejected") if rejected is None else ("rejected", "chosen")
+        raise _FieldError(missing, f"is required with {given!r} (a preference pair is both trajectories)")
+    if chosen is None or rejected is None:
+        return
+
+    def prompt(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return turns[: next(i for i, t in enumerate(turns) if t["role"] == "assistant")]
+
+    if prompt(chosen) != prompt(rejected):
+        raise _FieldError("rejected", "must start from the prompt 'chosen' starts from (the same system/user turns)")
+    if chosen == rejected:
+        raise _FieldError("rejected", "is the same trajectory as 'chosen'; a pair needs two different ones")
+
+
+def _to_messages(turns: list[dict[str, Any]] | None, images: list[str], key: str = "messages") -> list[Message] | None:
     """Checked JSON turns (``_messages``) as ``Message`` objects; path-less image parts take the next prompt image."""
     if turns is None:
         return None
@@ -317,7 +345,7 @@ def _to_messages(turns: list[dict[str, Any]] | None, images: list[str]) -> list[
             if part["type"] == "image" and path is None:
                 path = next(prompt_images, None)
                 if path is None:
-                    raise _FieldError(f"messages[{i}].content[{j}]", "uses more images than the row has")
+                    raise _FieldError(f"{key}[{i}].content[{j}]", "uses more images than the row has")
             parts.append(ContentPart(part["type"], text=part.get("text"), path=path))
         out.append(Message(turn["role"], parts, trained=turn.get("train", True)))
     return out
@@ -377,6 +405,8 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
             if known_tools is not None and name not in known_tools:
                 hint = _suggest(name, known_tools)
                 raise _FieldError(f"tools[{i}]", f"names an unknown tool {name!r}{hint}; known: {sorted(known_tools)}")
+    chosen, rejected = _messages(data.get("chosen"), base, "chosen"), _messages(data.get("rejected"), base, "rejected")
+    _pair(chosen, rejected)
     return Row(
         id=rid,
         question=question,
@@ -389,6 +419,8 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
         evidence=_evidence(data.get("evidence"), len(images), len(videos)),
         tools=tools,
         messages=_to_messages(_messages(data.get("messages"), base), images),
+        chosen=_to_messages(chosen, images, "chosen"),
+        rejected=_to_messages(rejected, images, "rejected"),
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 
@@ -397,10 +429,11 @@ def _media_paths(row: Row) -> Iterable[tuple[str, str]]:
     """(field, path) of every file the row refers to."""
     yield from ((f"images[{i}]", p) for i, p in enumerate(row.images))
     yield from ((f"videos[{i}]", p) for i, p in enumerate(row.videos))
-    for i, message in enumerate(row.messages or []):
-        for j, part in enumerate(message.content):
-            if part.path:
-                yield f"messages[{i}].content[{j}].path", part.path
+    for key in ("messages", "chosen", "rejected"):
+        for i, message in enumerate(getattr(row, key) or []):
+            for j, part in enumerate(message.content):
+                if part.path:
+                    yield f"{key}[{i}].content[{j}].path", part.path
 
 
 def load_rows(
@@ -481,8 +514,9 @@ def write_rows(rows: Iterable[Row], path: str | os.PathLike[str]) -> Path:
         seen.add(row.id)
         data["images"] = [_relative(p, out_dir) for p in row.images]
         data["videos"] = [_relative(p, out_dir) for p in row.videos]
-        if row.messages is not None:
-            data["messages"] = [_message_dict(m, out_dir) for m in row.messages]
+        for key in ("messages", "chosen", "rejected"):
+            if getattr(row, key) is not None:
+                data[key] = [_message_dict(m, out_dir) for m in getattr(row, key)]
         lines.append(json.dumps(data, ensure_ascii=False) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{out.name}.", suffix=".tmp")

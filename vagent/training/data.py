@@ -32,26 +32,28 @@ from vagent.types import Message
 __all__ = ["SFTDataset", "gold_conversation", "rank_micro_batches"]
 
 
-def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vagent") -> list[Message]:
+def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vagent",
+                      key: str = "messages") -> list[Message]:  # fmt: skip
     """The full conversation SFT trains on for ``row`` (see the module docstring); ``agent`` names the
-    profile whose prompt precedes the gold turns (``vagent.agents.PROFILES``).
+    profile whose prompt precedes the gold turns (``vagent.agents.PROFILES``). ``key`` names the row's field that
+    holds the gold turns: ``messages``, or a preference pair's ``chosen`` or ``rejected`` (built the same way).
 
     Raises:
-        RowError: the row has no ``messages``, or they hold a part SFT cannot encode.
+        RowError: the row has no such turns, or they hold a part SFT cannot encode.
     """
-    if not row.messages:
-        raise RowError(f"row {row.id!r}: has no gold `messages` to train on")
-    for i, message in enumerate(row.messages):
+    turns = list(getattr(row, key) or [])
+    if not turns:
+        raise RowError(f"row {row.id!r}: has no gold `{key}` to train on")
+    for i, message in enumerate(turns):
         for j, part in enumerate(message.content):
             if part.type == "video":  # the engine shows videos only as frames returned by the video tools
                 raise RowError(
-                    f"row {row.id!r}: messages[{i}].content[{j}] is a video part; SFT rows show videos as the "
+                    f"row {row.id!r}: {key}[{i}].content[{j}] is a video part; gold trajectories show videos as the "
                     "frames a sample_frames/crop_clip tool turn returned (image parts), as the rollout engine does"
                 )
-    turns = list(row.messages)
     if any(m.role in ("system", "user") for m in turns):
         if turns[0].role not in ("system", "user"):
-            raise RowError(f"row {row.id!r}: messages with their own prompt must start with a system or user turn")
+            raise RowError(f"row {row.id!r}: {key} with their own prompt must start with a system or user turn")
         return turns
     return prompt_messages(Task.from_row(row, default_tools), agent=agent) + turns
 
