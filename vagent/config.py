@@ -531,6 +531,48 @@ class GRPODataConfig:
 
 
 @dataclass
+class GRPOSelfCriticConfig:
+    enabled: bool = option(
+        False,
+        "Tool-Star's self-critic step: after the update of every `every`-th GRPO step, one DPO optimizer step on "
+        "preference pairs built from that step's own groups (per group, its highest- against its lowest-reward "
+        "trajectory), scored against the log-probs of the weights that sampled them; no new rollouts.",
+    )
+    every: int = option(1, "GRPO steps between self-critic DPO steps (1 = after every step's update).")
+    margin: float = option(
+        0.0,
+        "A group makes a pair only when its best reward exceeds its worst by more than this (>= 0; a group of "
+        "equal rewards never does).",
+    )
+    beta: float = option(0.1, "DPO's beta: the implicit reward is beta x (policy - sampler) log-prob.")
+    loss_type: Literal["sigmoid", "sigmoid_norm", "ipo"] = option(
+        "sigmoid", "As dpo.loss_type: sigmoid (summed log-probs), sigmoid_norm or ipo (token means)."
+    )
+    lr_scale: float = option(
+        1.0,
+        "The DPO step's learning rate, as a multiple of the rate of the step's GRPO update (the same AdamW; the "
+        "schedule does not count the extra step).",
+    )
+    max_pairs: int = option(
+        0, "Pairs per rank and step at most, those of the largest reward gaps first; 0 = every pair found."
+    )
+    capped_chosen: bool = option(
+        False,
+        "Let a trajectory cut by a cap (max_turns, max_tokens, max_images, max_calls) be the chosen side: false "
+        "never imitates an unfinished episode, whatever its reward (it may still be rejected). With "
+        "grpo.mask_truncated capped trajectories are on neither side.",
+    )
+
+    def validate(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1, got {self.every}")
+        if self.margin < 0 or self.max_pairs < 0:
+            raise ValueError(f"need margin >= 0 and max_pairs >= 0, got {self.margin}, {self.max_pairs}")
+        if self.beta <= 0 or self.lr_scale <= 0:
+            raise ValueError(f"need beta > 0 and lr_scale > 0, got {self.beta}, {self.lr_scale}")
+
+
+@dataclass
 class GRPOAlgoConfig:
     group_size: int = option(4, "Samples per prompt (a GRPO group).")
     prompts_per_step: int = option(4, "Prompts each rank rolls out per step (groups kept after dynamic sampling).")
@@ -581,6 +623,9 @@ class GRPOAlgoConfig:
         "Health check: stop the run when the mean |trainer - sampler| log-prob of the sampled tokens "
         "(sampler_logprob_gap) exceeds this; the rollouts were then drawn from other weights or another "
         "distribution than the one trained (measured 2e-7 in fp32 when they agree). 0 = off.",
+    )
+    self_critic: GRPOSelfCriticConfig = option(
+        GRPOSelfCriticConfig(), "Self-critic DPO inside GRPO (Tool-Star): off unless self_critic.enabled."
     )
 
     def validate(self) -> None:

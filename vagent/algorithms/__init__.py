@@ -1,7 +1,14 @@
 """Pure tensor math of training: the masked SFT loss, GRPO advantages, the clipped policy loss, KL, entropy, the DPO
 losses."""
 
-from vagent.algorithms.dpo import LOSS_TYPES, dpo_loss, length_normalized, pair_stats, sequence_logprobs
+from vagent.algorithms.dpo import (
+    LOSS_TYPES,
+    dpo_loss,
+    length_normalized,
+    pair_stats,
+    self_critic_pairs,
+    sequence_logprobs,
+)
 from vagent.algorithms.grpo import (
     aggregate,
     group_advantages,
@@ -25,6 +32,7 @@ __all__ = [
     "pair_stats",
     "policy_loss",
     "sampled_logprobs",
+    "self_critic_pairs",
     "sequence_logprobs",
     "token_nll_sum",
     "trained_positions",

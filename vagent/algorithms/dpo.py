@@ -15,6 +15,9 @@ the reference's, the pair's margin is ``h = (pi_c - ref_c) - (pi_r - ref_r)`` an
 The implicit rewards ``beta (pi - ref)`` of each side, their margin and how often the chosen one wins (accuracy) are
 what TRL logs as ``rewards/*``; ``pair_stats`` computes them. Only what a trajectory sampled (or a gold assistant turn)
 is scored: the sequence log-prob is over the loss mask's tokens, the same mask SFT trains.
+
+``self_critic_pairs`` is Tool-Star's pair rule for DPO on a policy's own rollouts (Dong et al. 2025, arXiv:2505.16410):
+in each group of samples of one prompt, the sample the reward ranks highest against the one it ranks lowest.
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LOSS_TYPES", "DPOLossType", "dpo_loss", "length_normalized", "pair_stats", "sequence_logprobs"]
+__all__ = [
+    "LOSS_TYPES",
+    "DPOLossType",
+    "dpo_loss",
+    "length_normalized",
+    "pair_stats",
+    "self_critic_pairs",
+    "sequence_logprobs",
+]
 
 DPOLossType = Literal["sigmoid", "sigmoid_norm", "ipo"]
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "sigmoid_norm", "ipo")
@@ -143,3 +154,58 @@ def pair_stats(
             "logps/chosen": policy_chosen.detach().float().sum(),
             "logps/rejected": policy_rejected.detach().float().sum(),
         }
+
+
+def self_critic_pairs(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    margin: float = 0.0,
+    can_choose: torch.Tensor | None = None,
+    can_reject: torch.Tensor | None = None,
+    max_pairs: int = 0,
+    eps: float = 1e-6,
+) -> list[tuple[int, int]]:
+    """Preference pairs from groups of rollouts ranked by their reward: per group, its highest-reward sample (chosen)
+    against its lowest (rejected), when their gap exceeds ``margin``.
+
+    Args:
+        rewards: (G * S,) total rewards, the S samples of each group consecutive (as ``rollout.run`` returns them).
+        group_size: S.
+        margin: A pair needs reward(chosen) - reward(rejected) > margin (+ ``eps``, so that a group whose rewards
+            differ by float noise alone, which dynamic sampling also treats as all equal, makes none). >= 0.
+        can_choose: (G * S,) bool, the samples that may be chosen (None: all). A sample cut by a cap should not be:
+            its reward may rank high, but it is an episode that did not finish.
+        can_reject: (G * S,) bool, the samples that may be rejected (None: all).
+        max_pairs: At most this many pairs, those of the largest reward gaps (an equal gap: the earlier group);
+            0 = every pair.
+        eps: Float tolerance of the gap test.
+
+    Returns:
+        ``(chosen, rejected)`` indices into ``rewards``, in group order. Ties pick the earlier sample, so the rule is
+        a pure function of its inputs. A group without an eligible chosen or rejected sample, or whose gap is at most
+        the margin, gives none.
+
+    >>> r = torch.tensor([0.2, 1.0, 0.0, 1.0,   0.5, 0.5, 0.5, 0.5,   0.9, 0.3, 0.8, 0.1])
+    >>> self_critic_pairs(r, 4)  # group 1's best is sample 1 (the earlier of two); group 2 is all equal
+    [(1, 2), (8, 11)]
+    >>> self_critic_pairs(r, 4, margin=0.9)  # gaps 1.0 and 0.8
+    [(1, 2)]
+    >>> self_critic_pairs(r, 4, can_choose=torch.tensor([True] * 8 + [False, True, True, True]))
+    [(1, 2), (10, 11)]
+    """
+    if rewards.ndim != 1 or group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be (n_groups * group_size,) with group_size >= 2, got {tuple(rewards.shape)}, "
+                         f"{group_size}")  # fmt: skip
+    if margin < 0 or max_pairs < 0:
+        raise ValueError(f"need margin >= 0 and max_pairs >= 0, got {margin}, {max_pairs}")
+    grouped = rewards.detach().double().view(-1, group_size)  # (G, S)
+    choose = torch.ones_like(grouped, dtype=torch.bool) if can_choose is None else can_choose.view(-1, group_size)
+    reject = torch.ones_like(grouped, dtype=torch.bool) if can_reject is None else can_reject.view(-1, group_size)
+    best = grouped.masked_fill(~choose, float("-inf")).max(dim=1)  # ties: max returns the first index
+    worst = grouped.masked_fill(~reject, float("inf")).min(dim=1)
+    gaps = best.values - worst.values  # (G,) -inf/nan where a side has no eligible sample
+    found = [(float(gaps[g]), g) for g in range(grouped.shape[0]) if gaps[g] > margin + eps]
+    if max_pairs:
+        found = sorted(sorted(found, key=lambda x: -x[0])[:max_pairs], key=lambda x: x[1])  # stable: earlier group
+    return [(g * group_size + int(best.indices[g]), g * group_size + int(worst.indices[g])) for _, g in found]

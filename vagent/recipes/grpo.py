@@ -27,6 +27,8 @@ a small dataclass (``_Groups``, ``_Scored``):
     update   ``inner_updates`` passes of ``mini_batches`` optimizer steps each: PPO-clip with
              clip-higher, token- or sequence-level aggregation over the whole mini-batch on all ranks,
              optional k3 KL to the frozen initial policy (``_update_policy``; statistics summed over ranks)
+    self_critic  (``grpo.self_critic``, Tool-Star) every ``every`` steps, one DPO step on pairs of the same groups
+             (best against worst reward) against the old log-probs (``vagent.training.self_critic``)
 
 Checkpoints and ``resume=auto`` work as in SFT (the data position is the number of prompts consumed).
 Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
@@ -97,6 +99,7 @@ from vagent.training.distributed import (
 )
 from vagent.training.fsdp import InferenceCopy, load_sharded
 from vagent.training.metrics import MetricsLogger
+from vagent.training.self_critic import self_critic_step
 from vagent.types import StopReason, Trajectory
 
 STOP_REASONS = typing.get_args(StopReason)  # the same keys on every rank: all are logged, 0 when none stopped so
@@ -308,16 +311,19 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
     lr = ctx.backend.lr()  # the rate this step's updates use
     groups = _collect_groups(ctx, consumed, timer)
     update_stats: dict[str, float] = {}
+    critic: dict[str, float] = {}
     if groups.n_groups:
         scored = _score_old_logprobs(ctx, groups, step, timer)
         update_stats = _update_policy(ctx, scored, step, timer)
+        if ctx.cfg.grpo.self_critic.enabled and (step + 1) % ctx.cfg.grpo.self_critic.every == 0:
+            critic = _self_critic(ctx, scored)
     if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
         say(
             ctx.env,
             f"warning: step {step + 1}: first-update ratio deviates from 1 by {update_stats['ratio_check']:.2e}",
         )
     timer["step"] = time.perf_counter() - t_step
-    return {**_metrics(groups, update_stats, timer, ctx.env), "lr": lr}, groups.seen, groups.consumed
+    return {**_metrics(groups, update_stats, timer, ctx.env), **critic, "lr": lr}, groups.seen, groups.consumed
 
 
 class _Alarms:
@@ -510,6 +516,22 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     if not on_policy:  # every old log-prob is scored: check before any update (on-policy: _update_policy does)
         _check_sampler(ctx, step, scored)
     return scored
+
+
+def _self_critic(ctx: _Run, scored: _Scored) -> dict[str, float]:
+    """self_critic stage (Tool-Star): one DPO step on pairs of the groups just trained, scored as the update scores,
+    against their old log-probs (``vagent.training.self_critic``). Returns the ``dpo/*`` metrics and its time."""
+    algo, t0 = ctx.cfg.grpo, time.perf_counter()
+    critic, trajectories = algo.self_critic, scored.trajectories
+    record = self_critic_step(
+        ctx.backend, scored.encoded, scored.old, [t.reward or 0.0 for t in trajectories],
+        [t.stop_reason in CAPS for t in trajectories], group_size=algo.group_size, margin=critic.margin,
+        beta=critic.beta, loss_type=critic.loss_type, lr_scale=critic.lr_scale, max_pairs=critic.max_pairs,
+        capped_chosen=critic.capped_chosen, pairs_per_micro=max(1, algo.micro_batch_size // 2),
+        pad_id=ctx.policy.tokenizer.pad_token_id or 0, device=ctx.env.device,
+        score=lambda batch: _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx.cfg))[0],
+    )  # fmt: skip
+    return {**record, "time/self_critic": time.perf_counter() - t0}
 
 
 def _head_args(cfg: GRPOConfig) -> tuple[bool, int, tuple[float, float]]:
