@@ -4,8 +4,8 @@ untied head, GQA ratio, windowed and full-attention vision blocks, Qwen's vocabu
 the shapes ``vagent memory --shape`` knows). Configs launched with torchrun run on 2 ranks over gloo.
 
 ``MATRIX`` names every YAML under configs/sft/, configs/grpo/ and configs/dpo/ with its variants (KL on, temperature below 1, fp32,
-text-only rows, two steps; a DPO config trains on preference pairs made from the same rows); a YAML it does not name
-fails ``test_every_shipped_config_is_in_the_matrix``. Each run must
+text-only rows, two steps, GRPO's self-critic DPO step; a DPO config trains on preference pairs made from the same
+rows); a YAML it does not name fails ``test_every_shipped_config_is_in_the_matrix``. Each run must
 finish, log finite losses at every step (GRPO: an update at every step, the first-update ratio at 1, the sampler's
 log-probs those the trainer scores), and leave a ``model/`` that ``load_policy`` loads, trained, with the frozen parts
 unchanged and a tied head still tied; a LoRA run's adapter, applied to the base, gives that ``model/``.
@@ -64,6 +64,9 @@ FP32 = Variant("fp32", ("train.precision=fp32",), steps=2, max_gap=1e-3)
 FP32_T07 = Variant("fp32, temperature 0.7", (*FP32.extra, "rollout.temperature=0.7"), max_gap=1e-3)
 KL = Variant("kl", ("grpo.kl_coef=0.05",))
 TEXT_ONLY = Variant("text-only", rows="text")
+# Tool-Star's self-critic DPO after each update (a random policy's 8-token turns are all cut by a cap, and a capped
+# trajectory is chosen only with capped_chosen); the second step samples from the weights the DPO step moved
+SELF_CRITIC = Variant("self-critic", ("grpo.self_critic.enabled=true", "grpo.self_critic.capped_chosen=true"), steps=2)
 MATRIX: dict[str, tuple[Variant, ...]] = {
     "sft/qwen2_5_vl_3b_fsdp.yaml": (SHIPPED_AS_IS, TEXT_ONLY),
     "sft/qwen2_5_vl_3b_lora.yaml": (SHIPPED_AS_IS,),
@@ -77,11 +80,15 @@ MATRIX: dict[str, tuple[Variant, ...]] = {
     # vision merger without a gradient unless every forward runs the tower ("Expected to have finished reduction",
     # raised by the second step's forward: two steps)
     "sft/qwen2_5_vl_tiny_cpu.yaml": (SHIPPED_AS_IS, Variant("text-only, 2 ranks", rows="text", ranks=2, steps=2)),
-    "grpo/qwen2_5_vl_3b.yaml": (SHIPPED_AS_IS, FP32, KL, TEXT_ONLY),
-    "grpo/qwen2_5_vl_3b_lora.yaml": (Variant("as shipped", steps=2), KL, TEXT_ONLY),
+    "grpo/qwen2_5_vl_3b.yaml": (SHIPPED_AS_IS, FP32, KL, TEXT_ONLY, SELF_CRITIC),
+    "grpo/qwen2_5_vl_3b_lora.yaml": (Variant("as shipped", steps=2), KL, TEXT_ONLY, SELF_CRITIC),
     "grpo/qwen2_5_vl_7b.yaml": (SHIPPED_AS_IS, FP32_T07),
     "grpo/qwen2_5_vl_7b_lora.yaml": (SHIPPED_AS_IS,),
-    "grpo/qwen2_5_vl_tiny_cpu.yaml": (SHIPPED_AS_IS, Variant("text-only, 2 ranks", rows="text", ranks=2, steps=2)),
+    "grpo/qwen2_5_vl_tiny_cpu.yaml": (
+        SHIPPED_AS_IS,
+        Variant("text-only, 2 ranks", rows="text", ranks=2, steps=2),
+        Variant("self-critic", SELF_CRITIC.extra),  # one step: its two are test_self_critic's
+    ),
     # preference pairs: a gold trajectory and the same turns ending in a wrong answer (data_pipelines.synthetic.pairs)
     "dpo/qwen2_5_vl_3b_fsdp.yaml": (SHIPPED_AS_IS,),
     "dpo/qwen2_5_vl_3b_lora.yaml": (SHIPPED_AS_IS,),
@@ -280,7 +287,7 @@ def _check_miniature(checkpoint: Path, shape_name: str | None) -> None:
     assert mini.vocab >= 151_665  # every id of Qwen's tokenizer has its row
 
 
-def _check_metrics(stage: str, out: Path, variant: Variant, kl: bool) -> None:
+def _check_metrics(stage: str, out: Path, variant: Variant, kl: bool, critic: bool = False) -> None:
     records = read_metrics(out / "metrics.jsonl")
     steps = [r for r in records if "lr" in r]  # SFT's final eval_loss is a record of its own
     assert [r["step"] for r in steps] == list(range(1, variant.steps + 1)), records
@@ -293,6 +300,8 @@ def _check_metrics(stage: str, out: Path, variant: Variant, kl: bool) -> None:
             if variant.max_gap is not None:
                 assert r["sampler_logprob_gap"] < variant.max_gap, r
             assert ("kl" in r) == kl and math.isfinite(r.get("kl", 0.0)), r
+            if critic:  # the self-critic step found pairs and stepped (ranks in lockstep)
+                assert r["dpo/pairs"] >= 1 and math.isfinite(r["dpo/loss"]) and math.isfinite(r["dpo/grad_norm"]), r
 
 
 def _check_model(out: Path, start: Path, shipped, steps: int) -> None:
@@ -334,5 +343,6 @@ def test_a_shipped_config_runs_on_a_miniature_of_its_model(request, tmp_path, ro
     overrides = [*_overrides(stage, shipped, out, checkpoint, shape_name, train, val, variant.steps), *variant.extra]
     _run(tmp_path, stage, CONFIGS / config, overrides, _ranks(config, variant), monkeypatch)
     ran = load_config(STAGES[stage], CONFIGS / config, overrides)
-    _check_metrics(stage, out, variant, kl=stage == "grpo" and ran.grpo.kl_coef > 0)
+    grpo = stage == "grpo"
+    _check_metrics(stage, out, variant, kl=grpo and ran.grpo.kl_coef > 0, critic=grpo and ran.grpo.self_critic.enabled)
     _check_model(out, checkpoint, shipped, variant.steps)
