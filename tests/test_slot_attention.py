@@ -193,6 +193,29 @@ def test_flex_bucketed_decode_steps_give_the_eager_tokens(policy):
     assert all(entry.mask is None for entry in backend.graphs.graphs.values())
 
 
+def test_a_failed_capture_under_flex_keeps_the_bucketed_decode(policy, monkeypatch):
+    """Compiled flex is compiled per batch shape: when a graph cannot be captured, decode stays on the buckets
+    (uncaptured) rather than falling back to the real batch sizes, each a recompile. Here the capture raises at once
+    (CPU: nothing is captured); the tokens are the eager ones and every step after it ran through a bucket."""
+    limits = RolloutLimits(max_turns=3, max_new_tokens=8, temperature=0.0)
+    tasks = _tasks()[:3]
+    eager = run(policy, tasks, limits=limits, batch_size=3, backend=HFBackend(policy, attention="flex"))
+    backend = HFBackend(policy, attention="flex")
+    graphs = backend.graphs = DecodeGraphs(policy.model, backend.cache, backend._cache_argument, capture=False,
+                                           attention="flex")  # fmt: skip
+    graphs.capture = True  # as on CUDA; the first capture fails
+
+    def fail(entry, autocast):
+        raise RuntimeError("capture is not supported here")
+
+    monkeypatch.setattr(graphs, "_capture", fail)
+    monkeypatch.setattr(graphs, "_drop_graphs", lambda: graphs.graphs.clear())  # no CUDA memory pool on the CPU
+    out = run(policy, tasks, limits=limits, batch_size=3, backend=backend)
+    assert [t.token_ids for t in out] == [t.token_ids for t in eager]
+    assert graphs.failed is None and graphs.capture is False
+    assert graphs.graphs and {batch for batch, _, _ in graphs.graphs} <= {1, 2, 4}  # the steps after it: bucketed
+
+
 def test_decode_buckets_reach_256_rows_and_stop_at_the_row_limit(policy):
     assert [_bucket(n) for n in (1, 3, 64, 65, 200, 256)] == [1, 4, 64, 128, 256, 256]
     assert [_bucket(n, most=320) for n in (3, 256, 257, 320)] == [4, 256, 320, 320]  # a 320-row rollout: no 512

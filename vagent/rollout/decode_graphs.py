@@ -129,7 +129,17 @@ class DecodeGraphs:
             try:
                 self._capture(entry, autocast)
             except Exception as error:  # any capture failure: decode eagerly from now on
-                self.failed = f"{type(error).__name__}: {error}"
+                reason = f"{type(error).__name__}: {error}"
+                if self.attention == "flex":
+                    # a compiled flex kernel is compiled for static batch shapes: eager decode at every batch size
+                    # of a draining rollout would recompile until dynamo falls back to the unfused kernel (B x H x
+                    # all slots' keys of scores). Stay on the buckets, uncaptured.
+                    self.capture = False
+                    self._drop_graphs()
+                    log.warning("CUDA graph capture of the decode step failed; decoding from the batch buckets "
+                                "uncaptured (%s)", reason)  # fmt: skip
+                    return self._forward(entry, autocast)[:rows]
+                self.failed = reason
                 self._drop_graphs()
                 log.warning("CUDA graph capture of the decode step failed; decoding eagerly (%s)", self.failed)
                 return None
