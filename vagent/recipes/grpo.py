@@ -234,6 +234,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
     for step in range(start_step, ctx.total_steps):
         if before_step is not None:
             before_step(step, ctx.total_steps)
+        last = []  # the previous step's episodes (exported if it saved) are not held through this one
         record, last, consumed = _step(ctx, step, consumed)
         alarms.check(step, record)
         done = step + 1
@@ -310,6 +311,8 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
     if groups.n_groups:
         scored = _score_old_logprobs(ctx, groups, step, timer)
         update_stats = _update_policy(ctx, scored, step, timer)
+    for t in groups.seen:  # trained on: the patches go now (a checkpoint's export reads the messages' images)
+        t.patches = []
     if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
         say(
             ctx.env,
@@ -410,9 +413,12 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
         rewards = torch.tensor(totals)
         keep = informative_groups(rewards, algo.group_size) if algo.dynamic_sampling else None
         for g in range(len(batch_rows)):
+            span = slice(g * algo.group_size, (g + 1) * algo.group_size)
             if keep is None or keep[g]:
-                span = slice(g * algo.group_size, (g + 1) * algo.group_size)
                 kept.append((trajectories[span], totals[span]))
+            else:  # never trained on: its patches go before a refill rolls out more
+                for t in trajectories[span]:
+                    t.patches = []
         rounds += 1
         counts = all_gather_object(len(kept))  # the decision is the global batch's (verl filters globally)
         if not algo.dynamic_sampling or sum(counts) >= target or rounds > algo.max_refill_rounds:
@@ -449,7 +455,7 @@ def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: d
     with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
         trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
                            agent=ctx.cfg.rollout.agent, services=ctx.services,
-                           backend=ctx.generation_backend(generator))  # fmt: skip
+                           backend=ctx.generation_backend(generator), keep_patches=True)  # fmt: skip
     timer["gen"] += time.perf_counter() - t0
     timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
     t0 = time.perf_counter()
@@ -477,8 +483,9 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     min_pixels, max_pixels = policy.pixel_budget
     encoded = []
     for t in groups.trajectories:
+        # the engine's patches of each image, by reference: no image is processed again or held twice
         enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
-                              factor=policy.image_factor)  # fmt: skip
+                              factor=policy.image_factor, patches=t.patches or None)  # fmt: skip
         if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
             raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
         if algo.mask_truncated and t.stop_reason in CAPS:  # over-turn masking: its reward counted, no loss from it
