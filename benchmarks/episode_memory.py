@@ -16,9 +16,9 @@ a fresh process on the code under test (``--baseline DIR``: that checkout first 
 resident set (``VmRSS``, and ``VmHWM`` reset before each stage) around the second step's stages: gen (the rollout,
 with rewards), score (adv + old log-probs: on-policy, the re-encoding of the kept trajectories), update, and at the
 start of the next step (what the step left behind). On CPU the update's forward and backward are not run (minutes
-on 2 cores, and their activations are per micro-batch, not per episode: ``vagent memory`` plans them); its
-micro-batches are collated as the update collates them. On CUDA the update runs, and the device's peak allocated
-memory per stage is read too.
+on 2 cores, and their activations are per micro-batch, not per episode: ``vagent memory`` plans them); the update
+collates its micro-batches as it does and steps the optimizer. On CUDA the update runs, and the device's peak
+allocated memory per stage is read too.
 
 Reported per episode: the patch bytes kept (every distinct image of the step's episodes once, as the processor's
 fp32 ``pixel_values``: a prompt image once per group, each crop once), and host RSS = the highest resident set of
@@ -69,6 +69,7 @@ def worker(args: argparse.Namespace) -> dict:
     from vagent.config import GRPOConfig, load_config
     from vagent.media import smart_resize
     from vagent.recipes import grpo
+    from vagent.rollout import hf_backend
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,7 +85,20 @@ def worker(args: argparse.Namespace) -> dict:
 
     grpo.Task.from_row = classmethod(scripted)
     rss = lambda: status_kib("VmRSS") * 1024  # noqa: E731
+    hwm = lambda: status_kib("VmHWM") * 1024  # noqa: E731
     measured: dict = {"vagent": str(Path(vagent.__file__).parent.parent), "stages": {}}
+    peaks = {"all": 0, "outside": 0}  # of the stage running, with and without the rollout's model forwards
+    forward = hf_backend.HFBackend._forward
+
+    def timed_forward(self, *a, **kw):  # the high-water mark is reset after each forward: its activations (the
+        peaks["outside"] = max(peaks["outside"], hwm())  # device's memory on a GPU) stay out of "outside"
+        try:
+            return forward(self, *a, **kw)
+        finally:
+            peaks["all"] = max(peaks["all"], hwm())
+            reset_peak()
+
+    hf_backend.HFBackend._forward = timed_forward
 
     def staged(name, fn):
         def run(*a, **kw):
@@ -99,10 +113,13 @@ def worker(args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 before_device = torch.cuda.memory_allocated()
+            peaks.update(all=0, outside=0)
             reset_peak()
             t0 = time.perf_counter()
             out = fn(*a, **kw)
-            stage = {"peak": status_kib("VmHWM") * 1024, "after": rss(), "s": time.perf_counter() - t0}
+            end = hwm()
+            stage = {"peak": max(peaks["all"], end), "outside": max(peaks["outside"], end), "after": rss(),
+                     "s": time.perf_counter() - t0}  # fmt: skip
             if cuda:
                 torch.cuda.synchronize()
                 stage["device_peak"] = torch.cuda.max_memory_allocated() - before_device
@@ -115,7 +132,9 @@ def worker(args: argparse.Namespace) -> dict:
 
     grpo._collect_groups = staged("gen", grpo._collect_groups)
     grpo._score_old_logprobs = staged("score", grpo._score_old_logprobs)
-    grpo._update_policy = staged("update", grpo._update_policy if cuda else _collate_only(grpo))
+    grpo._update_policy = staged("update", grpo._update_policy)
+    if not cuda:
+        grpo._micro_batch_loss = _no_forward()
 
     class Done(Exception):
         pass
@@ -158,19 +177,20 @@ def _kept_bytes(trajectories, policy, smart_resize) -> dict:
     return {"episodes": n, "images": len(seen), "patch_bytes": patch / n, "rgb_bytes": rgb / n}
 
 
-def _collate_only(grpo):
-    """A stand-in for ``_update_policy`` on CPU: the update's micro-batches collated (what the update holds on the
-    host besides the model's activations), no forward or backward; returns the statistics ``_metrics`` reads."""
+def _no_forward():
+    """A stand-in for ``_micro_batch_loss`` on CPU: no forward or backward (the update still collates its
+    micro-batches as it does, and steps an optimizer that got no gradient); the old log-probs are the sampler's."""
+    import torch
 
-    def update(ctx, scored, step, timer):
-        n = len(scored.encoded)
-        for _ in grpo._micro_batches(ctx, scored.encoded, list(range(n))):
-            pass
-        zero = ("loss", "grad_norm", "ratio_check", "sampler_gap", "masked", "entropy", "clip_frac", "approx_kl")
-        return {**dict.fromkeys(zero, 0.0), "tokens": 1.0, "optimizer_steps": 1.0, "sampled": 1.0,
-                "trajectories": float(n), "dual_clip_frac": 0.0}  # fmt: skip
+    def loss(ctx, scored, idx, batch, normalizer, stats):
+        for i in idx:
+            scored.old[i] = torch.tensor(scored.trajectories[i].logprobs, device=ctx.env.device)
+        for key in ("loss", "entropy", "clip_frac", "dual_clip_frac", "approx_kl"):  # what the step's record reads
+            stats[key] += 0.0
+        stats["tokens"] += float(batch["loss_mask"].sum())
+        return torch.zeros((), requires_grad=True), 0.0
 
-    return update
+    return loss
 
 
 # -- the driver -------------------------------------------------------------------------------------------------
@@ -238,14 +258,15 @@ def measure(code: str | None, config: Path, args: argparse.Namespace, crops: int
 
 
 def per_episode(m: dict) -> dict:
-    """Host RSS per episode (the highest stage peak above the step's start), what the step left, and the ratio."""
-    n = m["episodes"]
-    peak = max(m["stages"][s]["peak"] for s in STAGES)
-    out = {"rss": (peak - m["start"]) / n, "left": (m["left"] - m["start"]) / n, "score_s": m["stages"]["score"]["s"]}
-    out["ratio"] = out["rss"] / m["patch_bytes"]
-    out["stage"] = max(STAGES, key=lambda s: m["stages"][s]["peak"])
-    if "device_peak" in m["stages"]["gen"]:
-        out["device"] = max(m["stages"][s]["device_peak"] for s in STAGES) / n
+    """Per episode, above the resident set at the step's start: the most a stage left held (``held``), the highest
+    resident set of the step (``peak``), what the step left (``left``); and the score stage's seconds."""
+    n, start, stages = m["episodes"], m["start"], m["stages"]
+    out = {"held": (max(stages[s]["after"] for s in STAGES) - start) / n,
+           "outside": (max(stages[s]["outside"] for s in STAGES) - start) / n,
+           "peak": (max(stages[s]["peak"] for s in STAGES) - start) / n,
+           "left": (m["left"] - start) / n, "score_s": stages["score"]["s"]}  # fmt: skip
+    if "device_peak" in stages["gen"]:
+        out["device"] = max(stages[s]["device_peak"] for s in STAGES) / n
     return out
 
 
@@ -306,21 +327,30 @@ def main() -> None:
 
 
 def table(results: list[dict], args: argparse.Namespace) -> list[str]:
+    from checkpoint_args import checkout_name
+
     mib = 2**20
-    base = f"baseline ({Path(args.baseline).name})" if args.baseline else None
-    head = ["shape", "crops", "patch bytes kept / episode"]
-    for label in ([base] if base else []) + ["this code"]:
-        head += [f"{label}: host RSS / episode (x kept)", f"{label}: left after the step", f"{label}: score s"]
-    lines = [f"{args.rows} episodes ({args.rows // args.group} prompts x {args.group}), a {args.image[0]}x"
-             f"{args.image[1]} prompt image, Qwen2.5-VL's default pixel budget, on {args.device}.", "",
-             "| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]  # fmt: skip
+    codes = ([("baseline", checkout_name(args.baseline))] if args.baseline else []) + [("this", "this code")]
+    device = "cuda" in args.device
+    lines = [f"{args.rows} episodes per step ({args.rows // args.group} prompts x {args.group} samples), a "
+             f"{args.image[0]}x{args.image[1]} prompt image, Qwen2.5-VL's default pixel budget, on {args.device}. Host "
+             "RSS per episode, above the resident set when the step started (x the patch bytes kept): held = the most "
+             "a stage left resident (episodes, encodings); peak = the step's highest, without and with the rollout's "
+             "model forwards (their activations: a GPU holds them in its own memory); left = what the step left "
+             "for the next one.", "",
+             "| shape | crops | code | patch bytes kept | held | peak without forwards | peak | left | score stage |"
+             + (" device peak |" if device else ""),
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if device else "")]  # fmt: skip
     for r in results:
-        cells = [r["size"], str(r["crops"]), f"{r['this']['patch_bytes'] / mib:.1f} MiB"]
-        for label in (["baseline"] if base else []) + ["this"]:
-            x = r[label]
-            cells += [f"{x['rss'] / mib:.1f} MiB ({x['ratio']:.2f}x, {x['stage']})", f"{x['left'] / mib:.1f} MiB",
-                      f"{x['score_s']:.1f}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        for label, name in codes:
+            x, kept = r[label], r[label]["patch_bytes"]
+            cells = [r["size"], str(r["crops"]), name, f"{kept / mib:.1f} MiB",
+                     *(f"{x[key] / mib:.1f} MiB ({x[key] / kept:.2f}x)" for key in ("held", "outside", "peak")),
+                     f"{x['left'] / mib:.1f} MiB",
+                     f"{x['score_s']:.1f} s"]  # fmt: skip
+            if device:
+                cells.append(f"{x['device'] / mib:.1f} MiB")
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -133,11 +133,16 @@ def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
 
     policy = load_policy(build_tiny_checkpoint(tmp_path / "q3", family="qwen3_vl", size="nano", min_pixels=32 * 32 * 4))
     crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [100, 100, 400, 400]}}</tool_call>'  # 0-1000 grid
-    traj = rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"]),
-                   RolloutLimits(max_turns=3))  # fmt: skip
+    task = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"])
+    [traj] = run(policy, [task], limits=RolloutLimits(max_turns=3), keep_patches=True)
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
     out = traj.messages[3].images[0]
     assert out.width % 32 == 0 and out.height % 32 == 0
+    from vagent.data.encode import encode_messages  # its 16-px patches encode as its processor expands them
+
+    budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True), factor=policy.image_factor)
+    assert encode_messages(traj.messages, policy.processor, patches=traj.patches, **budget).input_ids.tolist() \
+        == traj.token_ids  # fmt: skip
 
 
 # -- the batched engine: one encoder, cache reuse, concurrency ------------------------------------------

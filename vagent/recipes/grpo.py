@@ -77,6 +77,7 @@ from vagent.recipes.common import (
     say,
     to_device,
     tool_services,
+    trim_host_memory,
     uses_bf16,
 )
 from vagent.recipes.judged import JudgedRewards
@@ -311,8 +312,10 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
     if groups.n_groups:
         scored = _score_old_logprobs(ctx, groups, step, timer)
         update_stats = _update_policy(ctx, scored, step, timer)
+        del scored  # its encodings hold the step's patches
     for t in groups.seen:  # trained on: the patches go now (a checkpoint's export reads the messages' images)
         t.patches = []
+    trim_host_memory()
     if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
         say(
             ctx.env,
@@ -424,6 +427,7 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
         if not algo.dynamic_sampling or sum(counts) >= target or rounds > algo.max_refill_rounds:
             break
     ctx.generation_backend(generator).free_storage()  # KV grown on demand goes back for the update (a budget stays)
+    trim_host_memory()  # the rollout's temporaries (processor, forwards) go back; its episodes' patches stay
     kept = _balance_groups(kept, counts, min(algo.prompts_per_step, sum(counts) // env.world_size), env)
     return _Groups(trajectories=[t for group, _ in kept for t in group], rewards=[r for _, rs in kept for r in rs],
                    seen=seen, components=components, n_groups=len(kept), rounds=rounds, consumed=consumed)  # fmt: skip
@@ -559,9 +563,10 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
                 sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
             )
             normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
-            micro = list(_micro_batches(ctx, encoded, members))
-            for k, (idx, batch) in enumerate(micro):
-                with ctx.backend.accumulating(last=k == len(micro) - 1):
+            # collated one at a time: a list of them would hold every image of the mini-batch again, on the device
+            count = math.ceil(len(members) / algo.micro_batch_size)
+            for k, (idx, batch) in enumerate(_micro_batches(ctx, encoded, members)):
+                with ctx.backend.accumulating(last=k == count - 1):
                     loss, ratio_dev = _micro_batch_loss(ctx, scored, idx, batch, normalizer, stats)
                     ctx.backend.backward(loss)
                 if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1
