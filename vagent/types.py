@@ -149,7 +149,7 @@ class Frame:
     convention: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: the same image is the same object
 class ImagePatches:
     """One image as the vision tower takes it: its rows of the processor's ``pixel_values`` and its grid.
 
@@ -235,7 +235,7 @@ class Trajectory:
     tool_results: list[ToolResult] = field(default_factory=list)
     frames: list[Frame] = field(default_factory=list)
     reward: float | None = None
-    patches: list[ImagePatches] = field(default_factory=list, repr=False)
+    patches: list[ImagePatches] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -428,7 +428,10 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
             break
     ctx.generation_backend(generator).free_storage()  # KV grown on demand goes back for the update (a budget stays)
     trim_host_memory()  # the rollout's temporaries (processor, forwards) go back; its episodes' patches stay
-    kept = _balance_groups(kept, counts, min(algo.prompts_per_step, sum(counts) // env.world_size), env)
+    n = min(algo.prompts_per_step, sum(counts) // env.world_size)
+    for t in (t for group, _ in kept[n:] for t in group):  # not trained here; sent to every rank when one is short of
+        t.patches = []  # groups, where patches would be 8x the images' bytes (a rank that takes one encodes it anew)
+    kept = _balance_groups(kept, counts, n, env)
     return _Groups(trajectories=[t for group, _ in kept for t in group], rewards=[r for _, rs in kept for r in rs],
                    seen=seen, components=components, n_groups=len(kept), rounds=rounds, consumed=consumed)  # fmt: skip
 
