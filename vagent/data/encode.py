@@ -27,7 +27,7 @@ Multimodal RoPE positions are not computed here: they need the model's vision co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,36 +217,25 @@ def encode_messages(
     header = tokenizer.encode(header_text)
     if patches is not None:
         _check_patches(messages, patches, processor, min_pixels, max_pixels, factor)
-    carried = iter(patches or [])
+    carried, budget = iter(patches) if patches is not None else None, (min_pixels, max_pixels, factor)
     ids: list[torch.Tensor] = []
     mask: list[torch.Tensor] = []
-    images: list[ImagePatches] = []
 
     def add(segment: torch.Tensor, trained: torch.Tensor | None = None) -> None:
         ids.append(segment)
         mask.append(trained if trained is not None else torch.zeros_like(segment))
 
-    def add_forced(text: str, source: Sequence[Message]) -> None:
-        """A masked segment and its images: the carried patches, else the processor on the resized images."""
-        n = sum(part.type == "image" for m in source for part in m.content)
-        if patches is not None and n:
-            mine = [next(carried) for _ in range(n)]
-            add(_ids_with_patches(processor, text, mine))
-        else:
-            resized = [img for m in source for img in _model_images(m, min_pixels, max_pixels, factor)]
-            segment = encode_segment(processor, text, resized)
-            add(segment["input_ids"])
-            mine = image_patches(segment)
-        images.extend(mine)
-
     # The prompt (everything before the first assistant turn) is rendered as a whole, like a fresh chat.
     first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
-    add_forced(_prompt_text(processor, messages[:first]), messages[:first])
+    segment, images = _forced(processor, _prompt_text(processor, messages[:first]), messages[:first], carried, *budget)
+    add(segment)
     turn_number = 0
     for message in messages[first:]:
         turn_number += message.role == "assistant"
         if message.role != "assistant":
-            add_forced(_message_text(processor, message), [message])
+            segment, shown = _forced(processor, _message_text(processor, message), [message], carried, *budget)
+            add(segment)
+            images += shown
             continue
         add(torch.tensor(header))
         if message.token_ids is not None:
@@ -271,6 +260,19 @@ def encode_messages(
         mm_token_type_ids=types,
         logprobs=lp,
     )
+
+
+def _forced(processor: Any, text: str, source: Sequence[Message], carried: Iterator[ImagePatches] | None,
+            min_pixels: int, max_pixels: int, factor: int) -> tuple[torch.Tensor, list[ImagePatches]]:  # fmt: skip
+    """A masked segment's ids and its images' patches: the next carried ones, else the processor's on the images
+    resized as the policy saw them."""
+    n = sum(part.type == "image" for m in source for part in m.content)
+    if carried is not None and n:
+        shown = [next(carried) for _ in range(n)]
+        return _ids_with_patches(processor, text, shown), shown
+    resized = [img for m in source for img in _model_images(m, min_pixels, max_pixels, factor)]
+    segment = encode_segment(processor, text, resized)
+    return segment["input_ids"], image_patches(segment)
 
 
 def _gold_turn(processor: Any, message: Message, header_text: str,
