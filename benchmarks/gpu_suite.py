@@ -281,7 +281,9 @@ def _plan_gib(config: Path, overrides: list[str], device: str) -> float:
 
     stage = config.parent.name
     cfg = load_config(CONFIGS[stage], config, overrides)
-    args = _argparse.Namespace(world_size=1, sharding=None, device=device, trained_fraction=0.5, images=None)
+    args = _argparse.Namespace(
+        world_size=1, sharding=None, device=device, trained_fraction=0.5, images=None, image_tokens=None
+    )
     return plan(model_shape(cfg, None), setup_from_config(cfg, args, stage)).peak / GiB
 
 

@@ -552,3 +552,65 @@ def test_over_turn_masking_trains_nothing_on_episodes_cut_by_a_cap(tmp_path, tin
         assert (record["masked_share"], record["loss"], changed == 0) == (
             (1.0, 0.0, True) if masked else (0.0, record["loss"], False)
         )
+
+
+def _half_informative(trajectories, rows):
+    """``_even_tokens`` for half of the prompts (by a hash of their id), 0 for the others: those groups' rewards are
+    all equal, and dynamic sampling drops them."""
+    import zlib
+
+    even = _even_tokens(trajectories, rows)
+    return [e if zlib.crc32(row.id.encode()) % 2 else 0.0 for e, row in zip(even, rows, strict=True)]
+
+
+def test_the_score_stage_encodes_the_engines_patches_and_the_step_lets_them_go(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
+    """Every episode crops once (a scripted turn). The score stage encodes each kept trajectory from the very tensors
+    the engine made when it showed each image (no image is resized or processed again); once the step is done
+    nothing holds them, neither the episodes kept for the checkpoint's export nor any encoding, before the next
+    step rolls out; a dropped group's patches go as soon as it is dropped."""
+    import dataclasses
+    import gc
+    import weakref
+
+    import vagent.data.encode as encode
+
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [10, 20, 120, 90]}}</tool_call>'
+    from_row = grpo.Task.from_row.__func__
+    monkeypatch.setattr(grpo.Task, "from_row", classmethod(
+        lambda cls, row, tools: dataclasses.replace(from_row(cls, row, tools), scripted_turns=[crop])))  # fmt: skip
+    resized = []  # the encoder resizing an image: it runs the processor on it again
+    monkeypatch.setattr(encode, "resize_to_budget", lambda image, **kw: resized.append(image) or image)
+    refs, dropped, alive_at_next_step = [], [], []
+    score, collect = grpo._score_old_logprobs, grpo._collect_groups
+
+    def scored(ctx, groups, step, timer):
+        out = score(ctx, groups, step, timer)
+        for t, enc in zip(out.trajectories, out.encoded, strict=True):
+            assert len(t.patches) == len(t.images) == 2  # the prompt image and the crop
+            assert all(a is p.pixel_values for a, p in zip(enc.image_patches, t.patches, strict=True))
+            refs.extend(weakref.ref(p.pixel_values) for p in t.patches)
+        return out
+
+    def collected(ctx, consumed, timer):
+        groups = collect(ctx, consumed, timer)
+        kept = {id(t) for t in groups.trajectories}
+        dropped.extend(t for t in groups.seen if id(t) not in kept)
+        return groups
+
+    def before_step(step, total):
+        gc.collect()
+        alive_at_next_step.append(sum(r() is not None for r in refs))
+
+    monkeypatch.setattr(grpo, "_score_old_logprobs", scored)
+    monkeypatch.setattr(grpo, "_collect_groups", collected)
+    monkeypatch.setitem(__import__("vagent.rewards", fromlist=["REWARDS"]).REWARDS, "half", _half_informative)
+    overrides = [*_overrides(tmp_path, tiny_qwen25, zoom_rows_file(16, 1000)), "train.max_steps=2",
+                 "rollout.max_turns=2", "rollout.max_new_tokens=6", "rewards.weights={half: 1.0}",
+                 "rewards.options={}"]  # fmt: skip
+    grpo.train(load_config(GRPOConfig, CONFIG, overrides), before_step=before_step)
+    assert refs and not resized
+    assert alive_at_next_step[1:] == [0]  # at step 2's start, nothing of step 1's patches is left
+    assert dropped and all(not t.patches for t in dropped)
+    assert list((tmp_path / "rollouts").glob("*_images/*.png")), "the export still writes the episodes' images"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vagent.config import TrainConfig
-from vagent.training.memory import SHAPES, GiB, Setup, plan, shape_from_config_json
+from vagent.training.memory import SHAPES, GiB, Setup, image_bytes, plan, shape_from_config_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCTION = sorted(
@@ -118,6 +118,31 @@ def test_the_plan_moves_the_right_way():
     assert peak(lora_rank=64) < peak() and peak(world_size=16) < peak()
     grpo = Setup(stage="grpo", world_size=8, sharding="fsdp", seq_len=4096, rollout_batch=64, rollout_len=4096)
     assert plan(shape, grpo).rollout > 0
+
+
+def test_the_grpo_plan_holds_each_episode_image_once_on_the_host(capsys, monkeypatch):
+    """Host memory of a GRPO step: every episode's tool images once and its group's prompt image once per group,
+    each as fp32 patches plus the RGB view, then one micro-batch's collated copy; apart from the device peak."""
+    from dataclasses import replace
+
+    shape = SHAPES["qwen2.5-vl-7b"]
+    patches, rgb = image_bytes(shape, 972)  # a 1000x750 picture at Qwen2.5-VL's default budget: 1008x756 px
+    assert (patches, rgb) == (3888 * 1176 * 4, 1008 * 756 * 3)  # 3,888 patches of 3 x 2 x 14 x 14 fp32
+    grpo = Setup(stage="grpo", world_size=8, sharding="fsdp", seq_len=8192, micro_batch=4, images=13,
+                 image_tokens=972, rollout_batch=128, rollout_len=8192, group_size=8, episodes=128)  # fmt: skip
+    p = plan(shape, grpo)
+    host = {name: value for name, value, _ in p.host_lines}
+    assert host["episode images"] == pytest.approx(128 * (1 / 8 + 12) * (patches + rgb))
+    assert p.host == pytest.approx(host["episode images"] + 4 * 13 * patches)
+    shared = plan(shape, replace(grpo, group_size=16))  # more samples share each prompt image
+    assert shared.host < p.host and shared.peak == p.peak
+    assert not plan(shape, replace(grpo, stage="sft")).host_lines
+    monkeypatch.chdir(ROOT)
+    done = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
+                   "--image-tokens", 972, capsys=capsys)  # fmt: skip
+    # 8 prompts x 8 samples, twice while a dynamic-sampling refill round runs; max_images 6: 5 tool images
+    assert "128 episodes x (1 prompt image / 8 samples + 5 tool images) x 17.4 MiB fp32 patches" in done.stdout
+    assert "host per rank: " in done.stdout and _peak(done.stdout) > 0
 
 
 def test_sharding_comes_from_the_flag_the_config_or_deepspeeds_file(tmp_path):

@@ -133,11 +133,16 @@ def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
 
     policy = load_policy(build_tiny_checkpoint(tmp_path / "q3", family="qwen3_vl", size="nano", min_pixels=32 * 32 * 4))
     crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [100, 100, 400, 400]}}</tool_call>'  # 0-1000 grid
-    traj = rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"]),
-                   RolloutLimits(max_turns=3))  # fmt: skip
+    task = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[crop, "<answer>a</answer>"])
+    [traj] = run(policy, [task], limits=RolloutLimits(max_turns=3), keep_patches=True)
     assert traj.stop_reason == "answered" and not any(k.startswith("tool_error") for k in traj.metrics)
     out = traj.messages[3].images[0]
     assert out.width % 32 == 0 and out.height % 32 == 0
+    from vagent.data.encode import encode_messages  # its 16-px patches encode as its processor expands them
+
+    budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True), factor=policy.image_factor)
+    assert encode_messages(traj.messages, policy.processor, patches=traj.patches, **budget).input_ids.tolist() \
+        == traj.token_ids  # fmt: skip
 
 
 # -- the batched engine: one encoder, cache reuse, concurrency ------------------------------------------
@@ -173,6 +178,51 @@ def test_the_one_encoder_gives_back_the_engine_ids_masks_and_images(policy):
         assert len(enc.image_grid_thw) == len(traj.images)  # prompt images and every tool output
         pads = int((enc.input_ids == policy.model.config.image_token_id).sum())
         assert pads * 4 == int(enc.image_grid_thw.prod(-1).sum()) == enc.pixel_values.shape[0]
+
+
+@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)
+def test_kept_patches_are_made_once_shared_by_a_group_and_encode_as_the_processor_does(policy):
+    """With keep_patches each image's patches are made once: a group's samples hold the same prompt tensors, every
+    turn request of a row carries the very tensors of its earlier images, and the encoder takes them by reference and
+    gives what running the processor on the images again gives."""
+    from vagent.data.encode import encode_messages
+
+    torch.manual_seed(0)
+    backend, requests = HFBackend(policy), []
+    submit = backend.submit
+    backend.submit = lambda request: (requests.append(request), submit(request))[1]
+    out = run(policy, _tasks(), n_samples=3, limits=_limits(temperature=1.0), batch_size=4, backend=backend,
+              keep_patches=True)  # fmt: skip
+    storage = lambda p: p.pixel_values.untyped_storage().data_ptr()  # noqa: E731
+    min_pixels, max_pixels = policy.pixel_budget
+    for g, images in enumerate((2, 1, 1)):  # the tasks' prompt images
+        group = out[3 * g : 3 * g + 3]
+        assert len({tuple(storage(p) for p in t.patches[:images]) for t in group}) == 1
+        assert all(
+            a.pixel_values is b.pixel_values
+            for t in group
+            for a, b in zip(t.patches[:images], group[0].patches[:images], strict=True)
+        )
+    tool_outputs = [storage(p) for t in out for p in t.patches[len(t.frames) :]]
+    assert len(tool_outputs) >= 3 * 3 and len(set(tool_outputs)) == len(tool_outputs)  # tasks a (2) and b (1) x 3
+    for key, t in enumerate(out):  # every turn of the row sent the row's own tensors, none a copy
+        turns = [r for r in requests if r.key == key]
+        assert turns and len(turns[-1].pixel_values) == len(t.patches)
+        assert all(
+            a is p.pixel_values
+            for r in turns
+            for a, p in zip(r.pixel_values, t.patches[: len(r.pixel_values)], strict=True)
+        )
+    kw = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+    for t in out:
+        carried = encode_messages(t.messages, policy.processor, patches=t.patches, **kw)
+        again = encode_messages(t.messages, policy.processor, **kw)  # the processor run on the images again
+        assert carried.input_ids.tolist() == again.input_ids.tolist() == t.token_ids
+        assert torch.equal(carried.pixel_values, again.pixel_values)
+        assert torch.equal(carried.image_grid_thw, again.image_grid_thw)
+        assert all(a is p.pixel_values for a, p in zip(carried.image_patches, t.patches, strict=True))
+    assert "patches" not in out[0].to_dict()
+    assert not run(policy, _tasks()[1:2], limits=_limits())[0].patches  # eval, serve: the rows keep none
 
 
 @pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)

@@ -5,7 +5,9 @@ and what the trainers consume (``token_ids`` with a ``loss_mask`` saying which t
 sampled). Both views are kept side by side so nothing is ever re-tokenized from decoded text.
 
 Images live in memory as ``PIL.Image`` objects while a rollout runs; ``to_dict`` writes them out
-as files through a caller-supplied ``save_image`` function so a JSONL line stays small.
+as files through a caller-supplied ``save_image`` function so a JSONL line stays small. A trajectory GRPO trains
+on also carries each image's patches as the policy saw them (``ImagePatches``), made once by the engine, so the
+trainer never runs the processor on them again; they are not serialized.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ContentPart",
     "Frame",
+    "ImagePatches",
     "Message",
     "Observation",
     "Role",
@@ -143,6 +149,22 @@ class Frame:
     convention: str
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity: the same image is the same object
+class ImagePatches:
+    """One image as the vision tower takes it: its rows of the processor's ``pixel_values`` and its grid.
+
+    Made once per image by the rollout engine and held by reference: a prompt image's patches are the same tensor in
+    every sample of its group, and a tool output's are the same tensor in every turn after it.
+
+    Attributes:
+        pixel_values: (grid_t * grid_h * grid_w, channels * temporal_patch * patch**2) fp32 patches.
+        grid_thw: (1, 3) the image's ``image_grid_thw`` row.
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+
 @dataclass
 class Message:
     """One chat turn.
@@ -197,6 +219,9 @@ class Trajectory:
         tool_results: One ``ToolResult`` per tool call, in order.
         frames: Per prompt image, the ``Frame`` the policy saw.
         reward: Filled in by the trainer or eval, never by the rollout.
+        patches: One ``ImagePatches`` per image of ``images``, in order, when the rollout kept them
+            (``run(..., keep_patches=True)``: GRPO); the encoder then reuses them instead of running the processor.
+            Empty otherwise. Not serialized; the trainer empties it once the step that trained on it is done.
     """
 
     task_id: str
@@ -210,6 +235,7 @@ class Trajectory:
     tool_results: list[ToolResult] = field(default_factory=list)
     frames: list[Frame] = field(default_factory=list)
     reward: float | None = None
+    patches: list[ImagePatches] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

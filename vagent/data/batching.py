@@ -43,9 +43,9 @@ def collate(samples: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
         batch["attention_mask"][i, :n] = 1
         batch["loss_mask"][i, :n] = sample.loss_mask
         batch["mm_token_type_ids"][i, :n] = sample.mm_token_type_ids
-    with_images = [s for s in samples if s.pixel_values is not None]
-    if with_images:
-        batch["pixel_values"] = torch.cat([s.pixel_values for s in with_images])
+    with_images = [s for s in samples if s.image_patches]
+    if with_images:  # one copy of the batch's patches; the samples' own blocks stay shared
+        batch["pixel_values"] = torch.cat([block for s in with_images for block in s.image_patches])
         batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])
     return batch
 

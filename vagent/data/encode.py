@@ -16,7 +16,10 @@ ids the policy sampled are exactly the ids it is trained on:
 * System, user and tool messages are masked (0). Their images are resized exactly as the policy saw
   them (``resize_to_budget`` with the policy's pixel budget and patch grid) and run through the
   processor, so ``pixel_values`` holds every image's patches in conversation order (prompt images,
-  then each tool output) with one ``image_grid_thw`` row each.
+  then each tool output) with one ``image_grid_thw`` row each. A trajectory that carries its images'
+  patches (``Trajectory.patches``, made by the engine's own run of the processor) passes them as
+  ``patches``: they are used as they are, by reference, and only the text is tokenized, each image's
+  placeholder expanded to its grid's tokens as the processor expands it.
 
 Multimodal RoPE positions are not computed here: they need the model's vision config
 (``Policy.rope_positions`` computes them over the whole sequence from these outputs).
@@ -24,7 +27,7 @@ Multimodal RoPE positions are not computed here: they need the model's vision co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +35,7 @@ import torch
 from PIL import Image
 
 from vagent.media import load_image, resize_to_budget, smart_resize
-from vagent.types import Message
+from vagent.types import ImagePatches, Message
 
 __all__ = [
     "Encoded",
@@ -41,6 +44,7 @@ __all__ = [
     "encode_prompt",
     "encode_segment",
     "encoded_length",
+    "image_patches",
     "template_dicts",
     "template_suffix",
 ]
@@ -55,7 +59,8 @@ class Encoded:
     Attributes:
         input_ids: (T,) token ids.
         loss_mask: (T,) 1 = train on this token (sampled, or gold assistant content), 0 = forced.
-        pixel_values: (patches, dim) every image's patches in order, or None without images.
+        image_patches: One (patches_i, dim) block per image, in order; blocks are shared, never copied (a group's
+            prompt image is one tensor in all its samples' encodings). ``collate`` concatenates a batch's.
         image_grid_thw: (n_images, 3) one row per image, or None.
         mm_token_type_ids: (T,) 1 at image placeholders, 2 at video placeholders, 0 elsewhere.
         logprobs: (T,) the sampler's log-probs where the engine recorded them, 0 elsewhere.
@@ -63,10 +68,15 @@ class Encoded:
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
-    pixel_values: torch.Tensor | None
+    image_patches: list[torch.Tensor]
     image_grid_thw: torch.Tensor | None
     mm_token_type_ids: torch.Tensor
     logprobs: torch.Tensor
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        """(patches, dim) every image's patches in order (a new tensor), or None without images."""
+        return torch.cat(self.image_patches) if self.image_patches else None
 
 
 def template_dicts(message: Message) -> dict[str, Any]:
@@ -105,15 +115,60 @@ def encode_prompt(
 ) -> dict[str, torch.Tensor]:
     """The conversation's opening (system/user messages before the first assistant turn) rendered as a fresh
     chat and tokenized with its (model-sized) images, as ``encode_segment`` returns it."""
-    text = processor.apply_chat_template([template_dicts(m) for m in messages], tokenize=False)
-    return encode_segment(processor, text, images)
+    return encode_segment(processor, _prompt_text(processor, messages), images)
 
 
 def encode_message(processor: Any, message: Message, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
     """A system/user/tool message appended to a conversation: its template text tokenized with its
     (model-sized) images, as ``encode_segment`` returns it."""
-    text = template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
-    return encode_segment(processor, text, images)
+    return encode_segment(processor, _message_text(processor, message), images)
+
+
+def image_patches(encoded: dict[str, torch.Tensor]) -> list[ImagePatches]:
+    """The per-image ``ImagePatches`` of an ``encode_segment`` result: views into its ``pixel_values``, no copy."""
+    if "pixel_values" not in encoded:
+        return []
+    grids = list(encoded["image_grid_thw"].split(1))
+    blocks = encoded["pixel_values"].split([int(g.prod()) for g in grids])
+    return [ImagePatches(block, grid) for block, grid in zip(blocks, grids, strict=True)]
+
+
+def _prompt_text(processor: Any, messages: Sequence[Message]) -> str:
+    return processor.apply_chat_template([template_dicts(m) for m in messages], tokenize=False)
+
+
+def _message_text(processor: Any, message: Message) -> str:
+    return template_suffix(processor, [template_dicts(message)], add_generation_prompt=False)
+
+
+def _ids_with_patches(processor: Any, text: str, patches: Sequence[ImagePatches]) -> torch.Tensor:
+    """(n,) the ids ``encode_segment`` gives ``text`` with images of these patches, without their pixels: each image
+    placeholder repeated once per merged patch of its grid (``grid.prod() / merge_size**2``, the processor's own
+    expansion), then tokenized."""
+    token = processor.image_token
+    pieces = text.split(token)
+    if len(pieces) - 1 != len(patches):
+        raise ValueError(f"the segment has {len(pieces) - 1} image placeholder(s) but {len(patches)} image patches")
+    merge = processor.image_processor.merge_size**2
+    expanded = [pieces[0]]
+    for patch, piece in zip(patches, pieces[1:], strict=True):
+        expanded += [token * (int(patch.grid_thw.prod()) // merge), piece]
+    return processor.tokenizer("".join(expanded), return_tensors="pt")["input_ids"][0]
+
+
+def _check_patches(messages: Sequence[Message], patches: Sequence[ImagePatches], processor: Any, min_pixels: int,
+                   max_pixels: int, factor: int) -> None:  # fmt: skip
+    """``patches`` must be one per image of ``messages``, each of the grid the image's model size gives."""
+    parts = [part for m in messages for part in m.content if part.type == "image"]
+    if len(parts) != len(patches):
+        raise ValueError(f"{len(patches)} image patches for a conversation of {len(parts)} image(s)")
+    patch = processor.image_processor.patch_size
+    for i, (part, given) in enumerate(zip(parts, patches, strict=True)):
+        width, height = _image_size(part)
+        h, w = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+        if given.grid_thw.flatten().tolist() != [1, h // patch, w // patch]:
+            raise ValueError(f"image {i}'s patches have grid {given.grid_thw.flatten().tolist()}, but the image is "
+                             f"seen at {w}x{h}: grid [1, {h // patch}, {w // patch}]")  # fmt: skip
 
 
 def _model_images(message: Message, min_pixels: int, max_pixels: int, factor: int) -> list[Image.Image]:
@@ -135,6 +190,7 @@ def encode_messages(
     factor: int = 28,
     logprobs: Sequence[float] | None = None,
     forced_spans: Callable[[str, int], list[tuple[int, int]]] | None = None,
+    patches: Sequence[ImagePatches] | None = None,
 ) -> Encoded:
     """Encode a conversation (see the module docstring).
 
@@ -146,43 +202,49 @@ def encode_messages(
         logprobs: Optional per-token log-probs of the whole sequence (a Trajectory's), carried through.
         forced_spans: The agent profile's ``forced_spans(text, turn)``: character spans of a gold assistant
             turn's text (``turn`` 1-based) that the agent's loop forces; their tokens get loss mask 0.
+        patches: One ``ImagePatches`` per image of the conversation, in order (``Trajectory.patches``): used by
+            reference instead of running the processor on the images. Each must have the grid the image's size
+            gives under the pixel budget.
 
     Returns:
         An ``Encoded``; for an engine trajectory ``input_ids`` equals ``Trajectory.token_ids``.
+
+    Raises:
+        ValueError: ``patches`` do not match the conversation's images (count or grid).
     """
     tokenizer = processor.tokenizer
     header_text = template_suffix(processor, [], add_generation_prompt=True)  # "<|im_start|>assistant\n"
     header = tokenizer.encode(header_text)
+    if patches is not None:
+        _check_patches(messages, patches, processor, min_pixels, max_pixels, factor)
+    carried, budget = iter(patches) if patches is not None else None, (min_pixels, max_pixels, factor)
     ids: list[torch.Tensor] = []
     mask: list[torch.Tensor] = []
-    pixels, grids = [], []
 
-    def add(segment: dict[str, torch.Tensor], trained: torch.Tensor | None = None) -> None:
-        ids.append(segment["input_ids"])
-        mask.append(trained if trained is not None else torch.zeros_like(segment["input_ids"]))
-        if "pixel_values" in segment:
-            pixels.append(segment["pixel_values"])
-            grids.append(segment["image_grid_thw"])
+    def add(segment: torch.Tensor, trained: torch.Tensor | None = None) -> None:
+        ids.append(segment)
+        mask.append(trained if trained is not None else torch.zeros_like(segment))
 
     # The prompt (everything before the first assistant turn) is rendered as a whole, like a fresh chat.
     first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
-    prompt_images = [img for m in messages[:first] for img in _model_images(m, min_pixels, max_pixels, factor)]
-    add(encode_prompt(processor, messages[:first], prompt_images))
+    segment, images = _forced(processor, _prompt_text(processor, messages[:first]), messages[:first], carried, *budget)
+    add(segment)
     turn_number = 0
     for message in messages[first:]:
         turn_number += message.role == "assistant"
         if message.role != "assistant":
-            add(encode_message(processor, message, _model_images(message, min_pixels, max_pixels, factor)))
+            segment, shown = _forced(processor, _message_text(processor, message), [message], carried, *budget)
+            add(segment)
+            images += shown
             continue
-        add({"input_ids": torch.tensor(header)})
+        add(torch.tensor(header))
         if message.token_ids is not None:
             turn = torch.tensor(message.token_ids, dtype=torch.long)
             sampled = message.sampled if message.sampled is not None else [1] * len(message.token_ids)
-            add({"input_ids": turn}, torch.tensor(sampled, dtype=torch.long))
+            add(turn, torch.tensor(sampled, dtype=torch.long))
         else:
             spans = forced_spans(message.plain_text, turn_number) if forced_spans and message.trained else []
-            turn, trained = _gold_turn(processor, message, header_text, spans)
-            add({"input_ids": turn}, trained)
+            add(*_gold_turn(processor, message, header_text, spans))
     input_ids = torch.cat(ids).long()
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     video_token = tokenizer.convert_tokens_to_ids("<|video_pad|>")
@@ -193,11 +255,24 @@ def encode_messages(
     return Encoded(
         input_ids=input_ids,
         loss_mask=torch.cat(mask).long(),
-        pixel_values=torch.cat(pixels) if pixels else None,
-        image_grid_thw=torch.cat(grids) if grids else None,
+        image_patches=[image.pixel_values for image in images],
+        image_grid_thw=torch.cat([image.grid_thw for image in images]) if images else None,
         mm_token_type_ids=types,
         logprobs=lp,
     )
+
+
+def _forced(processor: Any, text: str, source: Sequence[Message], carried: Iterator[ImagePatches] | None,
+            min_pixels: int, max_pixels: int, factor: int) -> tuple[torch.Tensor, list[ImagePatches]]:  # fmt: skip
+    """A masked segment's ids and its images' patches: the next carried ones, else the processor's on the images
+    resized as the policy saw them."""
+    n = sum(part.type == "image" for m in source for part in m.content)
+    if carried is not None and n:
+        shown = [next(carried) for _ in range(n)]
+        return _ids_with_patches(processor, text, shown), shown
+    resized = [img for m in source for img in _model_images(m, min_pixels, max_pixels, factor)]
+    segment = encode_segment(processor, text, resized)
+    return segment["input_ids"], image_patches(segment)
 
 
 def _gold_turn(processor: Any, message: Message, header_text: str,

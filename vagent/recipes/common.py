@@ -3,6 +3,10 @@ GRPO share (resume decision, model preparation, optimizer and backend, atomic ch
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import platform
 import resource
 import shutil
 from collections.abc import Sequence
@@ -78,6 +82,24 @@ def peak_memory_gb(env: DistEnv) -> float:
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+
+
+def trim_host_memory() -> None:
+    """Hand the host memory freed so far back to the system (glibc's ``malloc_trim``; a no-op on other C libraries).
+
+    glibc keeps freed blocks inside its heaps while live ones sit above them (a rollout's kept patches above the
+    processor's and the forwards' temporaries, made in the same threads), so without this a process's resident set
+    stays well above what it holds, and climbs from step to step on a busy node."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c"))
 
 
 def resume_point(resume: str, env: DistEnv, root: Path) -> Path | None:

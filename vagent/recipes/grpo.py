@@ -79,6 +79,7 @@ from vagent.recipes.common import (
     say,
     to_device,
     tool_services,
+    trim_host_memory,
     uses_bf16,
 )
 from vagent.recipes.judged import JudgedRewards
@@ -237,6 +238,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
     for step in range(start_step, ctx.total_steps):
         if before_step is not None:
             before_step(step, ctx.total_steps)
+        last = []  # the previous step's episodes (exported if it saved) are not held through this one
         record, last, consumed = _step(ctx, step, consumed)
         alarms.check(step, record)
         done = step + 1
@@ -317,6 +319,10 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
         update_stats = _update_policy(ctx, scored, step, timer)
         if ctx.cfg.grpo.self_critic.enabled and (step + 1) % ctx.cfg.grpo.self_critic.every == 0:
             critic = _self_critic(ctx, scored)
+        del scored  # its encodings hold the step's patches
+    for t in groups.seen:  # trained on: the patches go now (a checkpoint's export reads the messages' images)
+        t.patches = []
+    trim_host_memory()
     if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
         say(
             ctx.env,
@@ -417,15 +423,22 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
         rewards = torch.tensor(totals)
         keep = informative_groups(rewards, algo.group_size) if algo.dynamic_sampling else None
         for g in range(len(batch_rows)):
+            span = slice(g * algo.group_size, (g + 1) * algo.group_size)
             if keep is None or keep[g]:
-                span = slice(g * algo.group_size, (g + 1) * algo.group_size)
                 kept.append((trajectories[span], totals[span]))
+            else:  # never trained on: its patches go before a refill rolls out more
+                for t in trajectories[span]:
+                    t.patches = []
         rounds += 1
         counts = all_gather_object(len(kept))  # the decision is the global batch's (verl filters globally)
         if not algo.dynamic_sampling or sum(counts) >= target or rounds > algo.max_refill_rounds:
             break
     ctx.generation_backend(generator).free_storage()  # KV grown on demand goes back for the update (a budget stays)
-    kept = _balance_groups(kept, counts, min(algo.prompts_per_step, sum(counts) // env.world_size), env)
+    trim_host_memory()  # the rollout's temporaries (processor, forwards) go back; its episodes' patches stay
+    n = min(algo.prompts_per_step, sum(counts) // env.world_size)
+    for t in (t for group, _ in kept[n:] for t in group):  # not trained here; sent to every rank when one is short of
+        t.patches = []  # groups, where patches would be 8x the images' bytes (a rank that takes one encodes it anew)
+    kept = _balance_groups(kept, counts, n, env)
     return _Groups(trajectories=[t for group, _ in kept for t in group], rewards=[r for _, rs in kept for r in rs],
                    seen=seen, components=components, n_groups=len(kept), rounds=rounds, consumed=consumed)  # fmt: skip
 
@@ -456,7 +469,7 @@ def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: d
     with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
         trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
                            agent=ctx.cfg.rollout.agent, services=ctx.services,
-                           backend=ctx.generation_backend(generator))  # fmt: skip
+                           backend=ctx.generation_backend(generator), keep_patches=True)  # fmt: skip
     timer["gen"] += time.perf_counter() - t0
     timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
     t0 = time.perf_counter()
@@ -484,8 +497,9 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     min_pixels, max_pixels = policy.pixel_budget
     encoded = []
     for t in groups.trajectories:
+        # the engine's patches of each image, by reference: no image is processed again or held twice
         enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
-                              factor=policy.image_factor)  # fmt: skip
+                              factor=policy.image_factor, patches=t.patches or None)  # fmt: skip
         if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
             raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
         if algo.mask_truncated and t.stop_reason in CAPS:  # over-turn masking: its reward counted, no loss from it
@@ -575,9 +589,10 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
                 sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
             )
             normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
-            micro = list(_micro_batches(ctx, encoded, members))
-            for k, (idx, batch) in enumerate(micro):
-                with ctx.backend.accumulating(last=k == len(micro) - 1):
+            # collated one at a time: a list of them would hold every image of the mini-batch again, on the device
+            count = math.ceil(len(members) / algo.micro_batch_size)
+            for k, (idx, batch) in enumerate(_micro_batches(ctx, encoded, members)):
+                with ctx.backend.accumulating(last=k == count - 1):
                     loss, ratio_dev = _micro_batch_loss(ctx, scored, idx, batch, normalizer, stats)
                     ctx.backend.backward(loss)
                 if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1

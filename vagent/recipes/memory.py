@@ -49,6 +49,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: fp32 unless train.precision=bf16, and attention keeps T x T probabilities.")  # fmt: skip
     p.add_argument("--images", type=int, help="Images per sequence (default: 1 for SFT, rollout.max_images GRPO).")
+    p.add_argument("--image-tokens", type=int, help="Language-model tokens per image (default: model.max_pixels / 784, "
+                   "for GRPO at most rollout.max_total_tokens / images / 2). A 1000x750 picture at Qwen2.5-VL's "
+                   "default pixel budget is 972.")  # fmt: skip
     p.add_argument("--trained-fraction", type=float, default=0.5,
                    help="Share of a sequence's tokens the loss reads (gold answers, sampled tokens).")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides of the config.")
@@ -93,17 +96,26 @@ def setup_from_config(cfg: SFTConfig | GRPOConfig, args: argparse.Namespace, sta
                   freeze_vision=train.freeze_vision, lora_rank=train.lora.r if train.lora.enabled else 0,
                   lora_targets=tuple(train.lora.target_modules), trained_fraction=args.trained_fraction,
                   lm_head_chunk=train.lm_head_chunk)  # fmt: skip
-    image_tokens = cfg.model.max_pixels // (28 * 28)
+    image_tokens = args.image_tokens or cfg.model.max_pixels // (28 * 28)
     if stage == "sft":
         images = 1 if args.images is None else args.images
         return Setup(**common, micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.max_length, images=images,
                      image_tokens=image_tokens)  # fmt: skip
     images = cfg.rollout.max_images if args.images is None else args.images
+    tokens = args.image_tokens or min(image_tokens, cfg.rollout.max_total_tokens // max(images, 1) // 2)
     return Setup(**common, micro_batch=cfg.grpo.micro_batch_size, seq_len=cfg.rollout.max_total_tokens,
-                 images=images, image_tokens=min(image_tokens, cfg.rollout.max_total_tokens // max(images, 1) // 2),
+                 images=images, image_tokens=tokens,
                  reference_model=cfg.grpo.kl_coef > 0 and not train.lora.enabled,
                  rollout_batch=cfg.grpo.rollout_batch_size, rollout_len=cfg.rollout.max_total_tokens,
-                 kv_cache_gb=cfg.rollout.kv_cache_gb)  # fmt: skip
+                 kv_cache_gb=cfg.rollout.kv_cache_gb, group_size=cfg.grpo.group_size,
+                 episodes=_episodes(cfg.grpo))  # fmt: skip
+
+
+def _episodes(algo: Any) -> int:
+    """Episodes one GRPO step holds at most on a rank: its groups, and while a dynamic-sampling refill round runs, the
+    groups kept so far (fewer than a step's) and that round's (at most a step's)."""
+    step = algo.prompts_per_step * algo.group_size
+    return 2 * step if algo.dynamic_sampling and algo.max_refill_rounds else step
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,14 +41,14 @@ from PIL import Image
 
 from vagent.agents import AgentProfile, get_profile
 from vagent.chat import ParsedTurn, ParseError
-from vagent.data.encode import encode_message, encode_prompt, template_suffix
+from vagent.data.encode import encode_message, encode_prompt, image_patches, template_suffix
 from vagent.data.rows import Row
 from vagent.media import load_image
 from vagent.model import Policy
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
 from vagent.rollout.hf_backend import HFBackend
 from vagent.toolbox import ToolContext, ToolServices
-from vagent.types import ContentPart, Frame, Message, Observation, ToolCall, ToolResult, Trajectory
+from vagent.types import ContentPart, Frame, ImagePatches, Message, Observation, ToolCall, ToolResult, Trajectory
 
 __all__ = [
     "STOP_STRINGS",
@@ -155,11 +155,10 @@ class RowState(enum.Enum):
 
 @dataclass
 class _Segment:
-    """A forced piece of a row: ids (mask 0) and the model-sized images whose placeholders it holds."""
+    """A forced piece of a row: ids (mask 0) and the patches of the images whose placeholders it holds."""
 
     ids: list[int]
-    pixel_values: list[torch.Tensor] = field(default_factory=list)
-    grids: list[torch.Tensor] = field(default_factory=list)
+    patches: list[ImagePatches] = field(default_factory=list)
 
 
 @dataclass
@@ -182,8 +181,7 @@ class _Row:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
     logprobs: list[float] = field(default_factory=list)
-    pixel_values: list[torch.Tensor] = field(default_factory=list)  # one (patches, dim) block per image, in order
-    grids: list[torch.Tensor] = field(default_factory=list)  # one (1, 3) row per image
+    patches: list[ImagePatches] = field(default_factory=list)  # one per image, in order: made once, held by reference
     metrics: Counter[str] = field(default_factory=Counter)
     state: RowState = RowState.GENERATING
     turns: int = 0
@@ -202,16 +200,16 @@ class _Row:
         self.ids += segment.ids
         self.mask += [0] * len(segment.ids)
         self.logprobs += [0.0] * len(segment.ids)
-        self.pixel_values += segment.pixel_values
-        self.grids += segment.grids
+        self.patches += segment.patches
 
 
 class _Engine:
     """Runs rows to completion; see the module docstring."""
 
     def __init__(self, policy, limits, backend, services, batch_size, tool_workers, tool_timeout_s, on_turn,
-                 progress, agent="vagent"):  # fmt: skip
+                 progress, agent="vagent", keep_patches=False):  # fmt: skip
         self.policy, self.limits, self.backend = policy, limits, backend
+        self.keep_patches = keep_patches
         self.profile = get_profile(agent)
         self.services = services
         self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
@@ -335,7 +333,8 @@ class _Engine:
             row.scripted.pop(0)  # a None hole: this turn is sampled
         row.state = RowState.GENERATING
         sampling = Sampling(max_new_tokens=budget, **self.sampling)
-        self.backend.submit(TurnRequest(row.key, list(row.ids), list(row.pixel_values), list(row.grids), sampling))
+        pixels, grids = [p.pixel_values for p in row.patches], [p.grid_thw for p in row.patches]
+        self.backend.submit(TurnRequest(row.key, list(row.ids), pixels, grids, sampling))
 
     def _on_turn_end(self, row: _Row, result: TurnResult, sampled: bool = True) -> None:
         ids = list(result.token_ids)
@@ -504,6 +503,7 @@ class _Engine:
             metrics=dict(row.metrics),
             tool_results=row.tool_results,
             frames=row.frames,
+            patches=row.patches if self.keep_patches else [],
         )
         if self.progress:
             self.progress(trajectory)
@@ -540,12 +540,7 @@ def _joined(first: Message, then: Message) -> Message:
 
 
 def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
-    ids = encoded["input_ids"].tolist()
-    if "pixel_values" not in encoded:
-        return _Segment(ids)
-    grids = list(encoded["image_grid_thw"].split(1))
-    sizes = [int(g.prod()) for g in grids]
-    return _Segment(ids, list(encoded["pixel_values"].split(sizes)), grids)
+    return _Segment(encoded["input_ids"].tolist(), image_patches(encoded))
 
 
 def run(
@@ -562,6 +557,7 @@ def run(
     tool_timeout_s: float = 60.0,
     on_turn: Callable[[Message, Observation | None], None] | None = None,
     agent: str | AgentProfile = "vagent",
+    keep_patches: bool = False,
 ) -> list[Trajectory]:
     """Run ``n_samples`` episodes per task, ``batch_size`` rows at a time.
 
@@ -582,6 +578,8 @@ def run(
             ``Observation`` it renders (its ``metadata`` has e.g. a crop's box in original pixels), else None.
         agent: The agent profile (``vagent.agents.PROFILES``) or its name: prompt, call syntax, tool mapping,
             observation rendering and answer extraction of a published agent (default: vagent's own).
+        keep_patches: Hand each trajectory its images' patches (``Trajectory.patches``, the tensors the engine made
+            once and prefilled from) for a trainer to encode without the processor; off, they go with the row.
 
     Returns:
         Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).
@@ -590,7 +588,7 @@ def run(
     backend = backend if backend is not None else HFBackend(policy)
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
     engine = _Engine(policy, limits, backend, services or ToolServices(), batch_size, tool_workers, tool_timeout_s,
-                     on_turn, progress, agent)  # fmt: skip
+                     on_turn, progress, agent, keep_patches)  # fmt: skip
     done = engine.run(jobs)
     return [done[key] for key, _ in jobs]
 

@@ -6,6 +6,11 @@ micro-batch at the config's token limit (with or without gradient checkpointing)
 buffers (chunked or whole logits) and, for GRPO, the rollout's KV cache and the whole weights generation needs.
 ``vagent memory --config ...`` prints it; ``benchmarks/memory_plan.py`` checks it against measured peaks.
 
+For GRPO it also plans the host memory (CPU RAM, apart from the device peak) of the step's episodes: each image is
+held once, as the processor's fp32 patches (``3 x temporal_patch x patch**2 x 4`` bytes per patch, 8x the image's
+RGB bytes at the model's size) plus that RGB view the messages keep for the export; a prompt image once per group,
+each tool output once. ``benchmarks/episode_memory.py`` measures it.
+
 What it counts, per parameter (P all, T trainable, N ranks):
 
 | sharding | weights | gradients | AdamW | working set |
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["SHAPES", "MemoryPlan", "ModelShape", "Setup", "fits", "plan", "shape_from_config_json"]
+__all__ = ["SHAPES", "MemoryPlan", "ModelShape", "Setup", "fits", "image_bytes", "plan", "shape_from_config_json"]
 
 GiB = 2**30
 Sharding = Literal["ddp", "fsdp", "zero2", "zero3"]
@@ -152,24 +157,33 @@ class Setup:
     rollout_batch: int = 0  # GRPO: sequences generated at once
     rollout_len: int = 0  # GRPO: tokens per generated sequence (prompt + all turns)
     kv_cache_gb: float | None = None  # GRPO: the rollout's KV storage sized once (rollout.kv_cache_gb)
+    group_size: int = 1  # GRPO: samples per prompt (they share the prompt image's patches)
+    episodes: int = 0  # GRPO: episodes a step holds at most on a rank (their images are on the host until its end)
 
 
 @dataclass
 class MemoryPlan:
-    """Bytes per rank by component; ``peak`` is the larger of the update and (GRPO) the rollout phase."""
+    """Bytes per rank by component; ``peak`` is the larger of the update and (GRPO) the rollout phase, on the device.
+    ``host`` is GRPO's host memory (CPU RAM) for the step's episodes, not in ``peak``."""
 
     lines: list[tuple[str, float, str]] = field(default_factory=list)  # (what, bytes, how)
     state: float = 0.0
     update: float = 0.0
     rollout: float = 0.0
+    host_lines: list[tuple[str, float, str]] = field(default_factory=list)
+    host: float = 0.0
 
     @property
     def peak(self) -> float:
         return self.state + max(self.update, self.rollout)
 
     def render(self) -> str:
-        width = max(len(name) for name, _, _ in self.lines)
+        width = max(len(name) for name, _, _ in self.lines + self.host_lines)
         out = [f"  {name:<{width}}  {value / GiB:8.2f} GiB  {how}" for name, value, how in self.lines]
+        if self.host_lines:
+            out += ["host memory (CPU RAM, not in the peak):"]
+            out += [f"  {name:<{width}}  {value / GiB:8.2f} GiB  {how}" for name, value, how in self.host_lines]
+            out += [f"host per rank: {self.host / GiB:.2f} GiB"]
         return "\n".join([*out, f"peak per rank: {self.peak / GiB:.2f} GiB"])
 
 
@@ -287,6 +301,29 @@ def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
     p.rollout = logits + (0 if s.kv_cache_gb else kv)
 
 
+def image_bytes(shape: ModelShape, image_tokens: int) -> tuple[int, int]:
+    """(fp32 patch bytes, uint8 RGB bytes) of one image of ``image_tokens`` language-model tokens at the model's size.
+
+    >>> image_bytes(SHAPES["qwen2.5-vl-7b"], 972)  # a 1000x750 picture: 1008x756 px, 3,888 patches of 1,176 values
+    (18289152, 2286144)
+    """
+    patches = image_tokens * shape.merge**2
+    return patches * 3 * shape.temporal_patch * shape.patch**2 * 4, patches * shape.patch**2 * 3
+
+
+def _host(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
+    """GRPO's host memory: every image of the step's episodes once (a prompt image once per group), then one
+    micro-batch's patches as ``collate`` concatenates them."""
+    patches, rgb = image_bytes(shape, s.image_tokens)
+    per_episode = (patches + rgb) * (1 / s.group_size + max(s.images - 1, 0))
+    p.host_lines.append(("episode images", s.episodes * per_episode, f"{s.episodes} episodes x (1 prompt image / "
+                         f"{s.group_size} samples + {max(s.images - 1, 0)} tool images) x {patches / 2**20:.1f} MiB "
+                         f"fp32 patches + {rgb / 2**20:.2f} MiB RGB view"))  # fmt: skip
+    batch = s.micro_batch * s.images * patches
+    p.host_lines.append(("micro-batch patches", batch, f"collate's copy: {s.micro_batch} x {s.images} images"))
+    p.host += s.episodes * per_episode + batch
+
+
 def plan(shape: ModelShape, setup: Setup) -> MemoryPlan:
     """The per-rank memory of ``setup`` on ``shape`` (see the module docstring for what is counted)."""
     if setup.world_size < 1 or setup.micro_batch < 1 or setup.seq_len < 1:
@@ -296,6 +333,7 @@ def plan(shape: ModelShape, setup: Setup) -> MemoryPlan:
     _activations(shape, setup, p)
     if setup.stage == "grpo":
         _rollout(shape, setup, total, p)
+        _host(shape, setup, p)
     return p
 
 
