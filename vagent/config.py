@@ -315,7 +315,16 @@ class RolloutConfig:
         "[lo, hi]: frames of each video the first view (the prompt) shows, drawn per prompt from this range, the "
         "same for every sample of a group (ParaVT), so the model must call the video tools to see the rest. "
         "vagent's profile then shows that many frames with their times; LongVT shows them instead of 1 fps. null = "
-        "the profile's own view (vagent: the video's name and length only). The frames count toward max_images.",
+        "the profile's own view (vagent: the video's name and length only). The frames count toward max_images: each "
+        "row's draw is clamped so that its prompt leaves room for one tool image, and a row whose images and one frame "
+        "per video already fill max_images is an error naming it.",
+    )
+    tool_workers: int = option(
+        8,
+        "Threads running tool calls, shared by all episodes in flight; the calls of one turn run at once. A call's "
+        "timeout counts from when a thread starts it, so calls beyond this wait their turn (the tool_queue_s metric) "
+        "without timing out; more threads let more slow calls (code, search) run at once (at most the episodes in "
+        "flight x calls per turn can).",
     )
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
@@ -336,7 +345,7 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive (or null), got {self.kv_cache_gb}")
-        for name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_images"):
+        for name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_images", "tool_workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.temperature < 0:

@@ -291,7 +291,11 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
     limits = RolloutLimits(
-        **{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb", "attention")},
+        **{
+            k: v
+            for k, v in config_to_dict(cfg.rollout).items()
+            if k not in ("agent", "kv_cache_gb", "attention", "tool_workers")
+        },
         seed=cfg.seed,
     )
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
@@ -468,7 +472,7 @@ def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: d
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
         trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
-                           agent=ctx.cfg.rollout.agent, services=ctx.services,
+                           agent=ctx.cfg.rollout.agent, services=ctx.services, tool_workers=ctx.cfg.rollout.tool_workers,
                            backend=ctx.generation_backend(generator), keep_patches=True)  # fmt: skip
     timer["gen"] += time.perf_counter() - t0
     timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
@@ -752,7 +756,8 @@ class _Validation:
             torch.manual_seed(self.cfg.seed + env.rank)  # every validation draws the same numbers (when it samples)
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
             trajectories = run(policy, tasks, samples, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
-                               agent=self.cfg.rollout.agent, services=self.services, backend=sampler)  # fmt: skip
+                               agent=self.cfg.rollout.agent, services=self.services, backend=sampler,
+                               tool_workers=self.cfg.rollout.tool_workers)  # fmt: skip
         per_sample_rows = [row for row in mine for _ in range(samples)]
         totals, parts = self.judged.combine(trajectories, per_sample_rows, samples)
         correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, per_sample_rows)

@@ -54,7 +54,8 @@ __all__ = ["Call", "CallOutcome", "Segment", "ToolCalls", "ToolPool", "TurnCalls
 
 def act(parsed: ParsedTurn, context: ToolContext, offered: list[str], agent: str | AgentProfile = "vagent"
         ) -> list[Observation]:  # fmt: skip
-    """One observation per action of a turn, in order, as the agent profile runs them. Never raises.
+    """One observation per action of a turn, in order, as the agent profile runs them, every one on the images of
+    ``context`` (as the engine runs a turn's calls; the observations are not placed: no ``first_image``). Never raises.
 
     Under vagent's protocol, well-formed calls run through ``call_tool`` (which checks the name and the
     arguments); blocks that could not be parsed come back as error observations with the parse error's kind.

@@ -23,8 +23,8 @@ before the turn's results; every call of the turn ran and is counted either way.
 
 The agent protocol (how model text becomes tool calls, how observations are rendered, the prompt, the stop
 strings, call budgets, pre-filled and inline text) is the row's ``vagent.agents`` profile's, read at one call
-site each: ``profile.parse``, ``profile.act``, ``profile.observation_message``, ``prompt_messages`` and
-``profile.stop_strings``.
+site each: ``profile.parse``, ``profile.act`` and ``profile.observation_message`` (in ``calls``),
+``prompt_messages`` (in ``episode``, with ``Task`` and ``RolloutLimits``) and ``profile.stop_strings``.
 """
 
 from __future__ import annotations
