@@ -422,7 +422,10 @@ def test_the_calls_of_one_turn_run_concurrently_and_come_back_in_call_order(poli
             assert traj.metrics["tool_wait_s"] >= 2.0 and traj.metrics["tool_queue_s"] >= 1.0 + 2.0  # 2nd 1 s, 3rd 2 s
 
 
-def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results(policy, monkeypatch):
+@pytest.mark.parametrize("workers", [8, 1])
+def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results(policy, monkeypatch, workers):
+    """A turn with a hung call and a quick one: the hung one times out and the quick one keeps its result, also with
+    one worker, where the quick call waits behind the hung one and runs on the thread that takes its place."""
     import threading
     import types
 
@@ -440,7 +443,7 @@ def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results
         id="t", question="Q?", images=[IMAGE], tools=["hang", "wait"], scripted_turns=[turn, "<answer>a</answer>"]
     )
     try:
-        [traj] = run(policy, [task], limits=_limits(), tool_timeout_s=0.5)
+        [traj] = run(policy, [task], limits=_limits(), tool_timeout_s=0.5, tool_workers=workers)
     finally:
         release.set()
     assert traj.stop_reason == "answered" and [r.error for r in traj.tool_results] == ["timeout", None]

@@ -209,13 +209,18 @@ class ToolCalls:
         return TurnCalls(calls, first_image=len(before.images))
 
     def ready(self, turn: TurnCalls) -> bool:
-        """Every call of ``turn`` returned or ran past its time (a queued call is neither: the turn waits for it)."""
+        """Every call of ``turn`` returned or was abandoned (a queued call is neither: the turn waits for it). A call
+        running past its time is abandoned here and now, so its thread's place goes to the next queued call, which
+        may be one of this turn's own."""
         now = time.monotonic()
-        return all(c.future.done() or (c.started is not None and now - c.started >= self.timeout_s) for c in turn.calls)
+        for call in turn.calls:
+            if not call.future.done() and call.started is not None and now - call.started >= self.timeout_s:
+                self.pool.abandon(call)  # False if it returned meanwhile: its result stands
+        return all(c.future.done() or c.abandoned for c in turn.calls)
 
     def wait(self, turns: Sequence[TurnCalls]) -> None:
         """Sleep until a call of ``turns`` returns or the first running one runs past its time."""
-        pending = [c for turn in turns for c in turn.calls if not c.future.done()]
+        pending = [c for turn in turns for c in turn.calls if not (c.future.done() or c.abandoned)]
         if pending:
             now = time.monotonic()
             # a call that starts while this sleeps runs out no sooner than timeout_s from now
@@ -224,11 +229,11 @@ class ToolCalls:
             wait([c.future for c in pending], timeout=max(0.0, deadline - now), return_when=FIRST_COMPLETED)
 
     def collect(self, turn: TurnCalls) -> list[CallOutcome]:
-        """The results of a ``ready`` turn in call order: a call still running is abandoned with a ``timeout``
-        observation, one that raised gets a ``tool_exception`` one; each output is labelled with the index its first
-        image gets when the results are appended in this order."""
+        """The results of a ``ready`` turn in call order: an abandoned call gets a ``timeout`` observation (whether or
+        not it has returned since), one that raised a ``tool_exception`` one; each output is labelled with the index
+        its first image gets when the results are appended in this order."""
         if not self.ready(turn):
-            raise RuntimeError("collect() needs a ready turn: every call returned or past its time")
+            raise RuntimeError("collect() needs a ready turn: every call returned or abandoned")
         outcomes, first = [], turn.first_image
         for call in turn.calls:
             outcome = self._placed(self._result(call), first)
@@ -252,7 +257,7 @@ class ToolCalls:
     # -- on the engine's thread ---------------------------------------------------------------------
 
     def _result(self, call: Call) -> CallOutcome:
-        if not call.future.done() and self.pool.abandon(call):
+        if call.abandoned:
             text = f"the tool call did not finish within {self.timeout_s:g} s."
             return self._outcome(Observation(text=text, error="timeout"), [])
         if call.future.exception() is not None:  # the call or its encoding raised
