@@ -11,8 +11,9 @@ id and the field, so a pipeline bug is found where it was written rather than de
 Checked: types and shapes of every known field, answers that fit their ``answer_type`` (a box is
 4 numbers with x1 <= x2 and y1 <= y2, a span 2 with 0 <= t0 <= t1, a choice is a letter or one of
 ``choices``), evidence boxes/spans, tool names (against ``known_tools``), the structure of a gold
-``messages`` trajectory (roles, parts), duplicate ids, singular typos of list keys (``image``),
-and with ``check_media`` that every referenced file exists.
+``messages`` trajectory (roles, parts), a judgment row's ``judgment`` against its question and answer
+(``vagent.data.judgment``), duplicate ids, singular typos of list keys (``image``), and with ``check_media``
+that every referenced file exists.
 Not checked: that media files decode (``vagent.media`` does that when they are used), that boxes lie
 inside their image, or what a gold trajectory says.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vagent.data.judgment import Judgment, parse_judgment
 from vagent.types import ContentPart, Message
 
 __all__ = ["ANSWER_TYPES", "AnswerType", "Evidence", "Row", "RowError", "load_rows", "write_rows"]
@@ -42,7 +44,7 @@ MAX_CHOICES = 26
 
 _KNOWN_KEYS = (
     "id", "source", "images", "videos", "question", "answer", "answer_type",
-    "choices", "evidence", "tools", "messages",
+    "choices", "evidence", "tools", "messages", "judgment",
 )  # fmt: skip
 # Keys that are almost certainly a misspelt canonical key. Other unknown keys are kept in ``Row.extra``,
 # but these would otherwise be kept silently while the real field stays empty (a row "without" images).
@@ -106,6 +108,8 @@ class Row:
             an assistant turn with ``"train": false`` (``Message.trained``) is shown as context but not trained
             on. Part paths are resolved like ``images``; an image part without a path stands for the row's
             next prompt image (its path is filled in).
+        judgment: For a judgment row (a judge's training or eval row), what is judged and the label
+            (``vagent.data.judgment``); None for every other row.
         extra: Every other key of the JSON object, kept as written.
     """
 
@@ -120,6 +124,7 @@ class Row:
     evidence: Evidence | None = None
     tools: list[str] | None = None
     messages: list[Message] | None = None
+    judgment: Judgment | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -148,6 +153,8 @@ class Row:
             out["tools"] = list(self.tools)
         if self.messages is not None:
             out["messages"] = [_message_dict(m) for m in self.messages]
+        if self.judgment is not None:
+            out["judgment"] = self.judgment.to_dict()
         return {**out, **self.extra}
 
     @classmethod
@@ -377,6 +384,13 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
             if known_tools is not None and name not in known_tools:
                 hint = _suggest(name, known_tools)
                 raise _FieldError(f"tools[{i}]", f"names an unknown tool {name!r}{hint}; known: {sorted(known_tools)}")
+    judgment = None
+    if data.get("judgment") is not None:
+        try:
+            judgment = parse_judgment(data["judgment"], question=question, answer=data["answer"],
+                                      answer_type=answer_type, n_images=len(images))  # fmt: skip
+        except ValueError as e:
+            raise _FieldError(None, str(e)) from None  # the message names the sub-field
     return Row(
         id=rid,
         question=question,
@@ -389,6 +403,7 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
         evidence=_evidence(data.get("evidence"), len(images), len(videos)),
         tools=tools,
         messages=_to_messages(_messages(data.get("messages"), base), images),
+        judgment=judgment,
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 

@@ -1,6 +1,7 @@
 """Evaluation entry points: ``vagent eval`` (one benchmark, one policy) and ``vagent eval-report`` (compare runs).
 
 vagent eval --model DIR --benchmark mat-coding --data FILE [--image-root DIR] [--tools crop,zoom_in|none] --out DIR
+vagent eval --endpoint URL --benchmark judge-pairs --data FILE --out DIR   (a judge behind an OpenAI-compatible API)
 torchrun --nproc_per_node N -m vagent.cli eval ...      (rows split over ranks; rank 0 merges)
 vagent eval-report RUN_DIR [RUN_DIR ...] --out DIR       (side-by-side table + bar chart PNG)
 """
@@ -31,6 +32,10 @@ def run_eval(args: argparse.Namespace) -> int:
     rows = rows[: args.limit] if args.limit else rows
     if not rows:
         raise BenchmarkError(f"no records to evaluate in {args.data}")
+    if bool(args.model) == bool(args.endpoint):
+        raise BenchmarkError("give --model (a checkpoint dir) or --endpoint (an OpenAI-compatible API), not both")
+    if args.endpoint:
+        return _eval_endpoint(args, benchmark, rows, errors)
     env = init_distributed(args.device)
     try:
         policy = load_policy(args.model, device=env.device, dtype=args.dtype, attn_implementation=args.attn)
@@ -56,6 +61,31 @@ def run_eval(args: argparse.Namespace) -> int:
     if metrics:
         print((Path(args.out) / "metrics.md").read_text())
         print(f"wrote {args.out}/samples.jsonl, metrics.json, trajectories.html")
+    return 0
+
+
+def _eval_endpoint(args: argparse.Namespace, benchmark, rows, errors) -> int:
+    """``--endpoint URL``: a judge behind an OpenAI-compatible API answers the rows in one turn (no tool loop)."""
+    import os
+
+    from vagent.eval.judges import evaluate_endpoint
+    from vagent.judge import JudgeClient
+    from vagent.recipes.judged import first_model
+
+    if benchmark.name != "judge-pairs":
+        raise BenchmarkError(f"--endpoint evaluates judges (--benchmark judge-pairs); {benchmark.name} needs the "
+                             "tool loop of a checkpoint (--model)")  # fmt: skip
+    api_key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
+    out = Path(args.out)
+    client = JudgeClient(args.endpoint, args.endpoint_model or first_model(args.endpoint), api_key=api_key,
+                         concurrency=args.judge_concurrency, cache_path=out / "judge_cache.jsonl")  # fmt: skip
+    try:
+        evaluate_endpoint(client, benchmark, rows, out, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                          skipped=errors)  # fmt: skip
+    finally:
+        client.close()
+    print((out / "metrics.md").read_text())
+    print(f"wrote {out}/samples.jsonl, metrics.json")
     return 0
 
 
