@@ -51,6 +51,7 @@ def teach(rows: Sequence[Row], client, *, samples: int = 1, temperature: float =
           ) -> tuple[list[Row], dict[str, int]]:  # fmt: skip
     """The teacher's well-formed judgments that agree with each row's label, as SFT rows; and counts of what was
     asked, kept, unreadable and failed."""
+    # imported here: the converters import this module for judgment_row, and need neither torch nor the engine
     from vagent.eval.judges import row_request
     from vagent.rewards.judgment import read_verdict, verdict_matches
 

@@ -59,7 +59,12 @@ from vagent.config import (
     option,
 )
 
-__all__ = ["JudgeQuickstartConfig", "main", "toy_teacher_reply"]
+__all__ = ["TOY_TEMPLATE", "JudgeQuickstartConfig", "main", "toy_teacher_reply"]
+
+# A short judge prompt: the toy judge learns its task from the rows, not from instructions.
+TOY_TEMPLATE = (
+    "Which answer is better?\nQuestion: {question}\n{reference_line}Answer 1: {response1}\nAnswer 2: {response2}"
+)
 
 
 @dataclass
@@ -67,25 +72,48 @@ class JudgeQuickstartConfig:
     out_dir: str = option("runs/judge-quickstart", "Everything it writes: data, checkpoints, evals, report.md.")
     seed: int = option(0, "Seed of the data, the training order and sampling.")
     model: ModelConfig = option(ModelConfig(), "Judge to start from: path null builds the random tiny one (`tiny`).")
-    tiny: TinyModelConfig = option(TinyModelConfig(size="tiny"), "The random checkpoint built when model.path is null.")
-    cold_rows: int = option(64, "Rows the teacher judges for the cold start.")
-    train_rows: int = option(256, "Rows of rejection sampling and of the accuracy filter before GRPO.")
+    tiny: TinyModelConfig = option(
+        TinyModelConfig(size="small", rope_theta=10.0),
+        "The random checkpoint built when model.path is null (RoPE base 10: sharp relative positions, for copying the "
+        "digits into the reasoning).",
+    )
+    cold_rows: int = option(1200, "Rows the teacher judges for the cold start.")
+    train_rows: int = option(1536, "Rows of rejection sampling (the accuracy filter samples the first hard_rows).")
     test_rows: int = option(48, "Held-out pairs every stage's judge is evaluated on (each judged both ways).")
     questions: int = option(16, "Tile questions the policy of the closed loop answers.")
+    digits: list[int] = option(
+        [3, 4, 5, 6, 7, 8, 9],
+        "The digits the tiles show: never 1 or 2, the answers' numbers, which share their tokens.",
+    )
+    phrases: list[str] = option(
+        ["The tile shows {digit}."], "How the judged answers (and the loop's policy) name a digit ({digit})."
+    )
+    template: str | None = option(
+        TOY_TEMPLATE,
+        "The judge prompt's template, for the rows and for the loop's judge reward alike (null: vagent's default, "
+        "142 tokens of this tiny tokenizer where this one takes 52, so every step is slower).",
+    )
     teacher_url: str | None = option(None, "OpenAI-compatible teacher; null = the rule-based toy teacher.")
     teacher_model: str | None = option(None, "Model id at teacher_url (null: the first it lists).")
-    lr: float = option(3e-3, "Peak learning rate of the SFT runs (constant after 10 warm-up steps).")
-    cold_steps: int = option(60, "SFT steps of the cold start (micro-batches of 8).")
-    rs_samples: int = option(4, "Judgments sampled per row in rejection sampling.")
-    rs_steps: int = option(200, "SFT steps on the kept judgments, from the cold start.")
+    lr: float = option(1e-3, "Peak learning rate of the SFT runs (10 warm-up steps, cosine down to a tenth).")
+    cold_steps: int = option(
+        150,
+        "SFT steps of the cold start (micro-batches of 8): the format and copying the digits, not yet comparing them.",
+    )
+    rs_samples: int = option(2, "Judgments sampled per row in rejection sampling.")
+    rs_steps: int = option(600, "SFT steps on the kept judgments, from the cold start.")
+    hard_rows: int = option(256, "Rows (the first of train_rows) the accuracy filter samples.")
     hard_samples: int = option(4, "Samples per row of the accuracy filter.")
     hard_below: float = option(1.0, "GRPO trains on rows whose accuracy over hard_samples is below this.")
-    grpo_steps: int = option(8, "GRPO steps of the judge on the rows it still gets wrong.")
-    grpo_lr: float = option(1e-3, "GRPO's learning rate.")
+    grpo_steps: int = option(12, "GRPO steps of the judge on the rows it still gets wrong.")
+    grpo_lr: float = option(1e-4, "GRPO's learning rate.")
     temperature: float = option(1.0, "Sampling temperature of rejection sampling, the filter and GRPO.")
-    max_new_tokens: int = option(64, "Tokens a judgment may take.")
+    max_new_tokens: int = option(96, "Tokens a judgment may take.")
     policy_sft_steps: int = option(30, "SFT steps teaching the loop's policy the answer format before its GRPO step.")
     policy_grpo_steps: int = option(1, "GRPO steps of the policy against the served judge.")
+    threads: int | None = option(
+        None, "torch CPU threads (null: torch's default). On a busy CPU, 1 can be many times faster."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +133,12 @@ def run(cfg: JudgeQuickstartConfig) -> str:
     from data_pipelines.synthetic.judgments import judgment_rows, question_rows
     from vagent.data import write_rows
     from vagent.recipes import grpo, sft
+    from vagent.training.metrics import read_metrics
 
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
@@ -120,11 +153,14 @@ def run(cfg: JudgeQuickstartConfig) -> str:
 
     base = _checkpoint(cfg, out)
     data = out / "data"
-    paths = {name: data / f"{name}.jsonl" for name in ("cold", "train", "test", "questions")}
-    write_rows(judgment_rows(data, cfg.cold_rows, seed=cfg.seed), paths["cold"])
-    write_rows(judgment_rows(data, cfg.train_rows, seed=cfg.seed + 1), paths["train"])
-    write_rows(judgment_rows(data, cfg.test_rows, seed=cfg.seed + 2), paths["test"])
-    write_rows(question_rows(data, cfg.questions, seed=cfg.seed + 3), paths["questions"])
+    paths = {name: data / f"{name}.jsonl" for name in ("cold", "train", "filtered", "test", "questions")}
+    task = {"phrases": tuple(cfg.phrases), "template": cfg.template, "digits": tuple(cfg.digits)}
+    write_rows(judgment_rows(data, cfg.cold_rows, seed=cfg.seed, **task), paths["cold"])
+    train = judgment_rows(data, cfg.train_rows, seed=cfg.seed + 1, **task)
+    write_rows(train, paths["train"])
+    write_rows(train[: cfg.hard_rows], paths["filtered"])
+    write_rows(judgment_rows(data, cfg.test_rows, seed=cfg.seed + 2, **task), paths["test"])
+    write_rows(question_rows(data, cfg.questions, seed=cfg.seed + 3, digits=tuple(cfg.digits)), paths["questions"])
     stage("checkpoint and data")
 
     teacher_rows = _teach(cfg, paths["cold"], out / "teacher")
@@ -135,13 +171,13 @@ def run(cfg: JudgeQuickstartConfig) -> str:
                 "--max-new-tokens", str(cfg.max_new_tokens), "--temperature", str(cfg.temperature),
                 "--seed", str(cfg.seed), "--batch-size", "32", "--rewards", "judgment=1.0"]  # fmt: skip
     distill.main(["--model", str(cold), "--data", str(paths["train"]), "--out", str(out / "rejection-sampling"),
-                  "--min-reward", "1.0", *sampling])  # fmt: skip
+                  "--min-reward", "1.0", "--per-row", str(cfg.rs_samples), *sampling])  # fmt: skip
     rs = sft.train(_sft_config(cfg, out / "rs-sft", cold, out / "rejection-sampling" / "rows.jsonl", cfg.rs_steps))
     stage("rejection sampling (distill + SFT)")
 
     hard = out / "hard.jsonl"
     sampling[1] = str(cfg.hard_samples)
-    hard_rows.main(["--model", str(rs), "--data", str(paths["train"]), "--out", str(hard), "--correct-at", "1.0",
+    hard_rows.main(["--model", str(rs), "--data", str(paths["filtered"]), "--out", str(hard), "--correct-at", "1.0",
                     "--below", str(cfg.hard_below), *sampling])  # fmt: skip
     final = grpo.train(_judge_grpo_config(cfg, out / "grpo", rs, hard))
     stage("GRPO on the rows it still gets wrong")
@@ -152,7 +188,18 @@ def run(cfg: JudgeQuickstartConfig) -> str:
 
     loop = _closed_loop(cfg, out, base, final, paths["questions"])
     stage("closed loop (serve + policy GRPO)")
-    return _report(cfg, out, evals, loop, times)
+    grpo_steps = read_metrics(out / "grpo" / "metrics.jsonl")
+    stages = {
+        "teacher judgments kept": _count(teacher_rows),
+        "own judgments kept": _count(out / "rejection-sampling" / "rows.jsonl"),
+        "rows still wrong": _count(hard),
+        "grpo reward, first and last step": [grpo_steps[0]["reward/judgment"], grpo_steps[-1]["reward/judgment"]],
+    }
+    return _report(cfg, out, evals, stages, loop, times)
+
+
+def _count(rows: Path) -> int:
+    return sum(1 for line in rows.read_text().splitlines() if line.strip())
 
 
 def _checkpoint(cfg: JudgeQuickstartConfig, out: Path) -> Path:
@@ -188,18 +235,19 @@ def _teach(cfg: JudgeQuickstartConfig, rows_path: Path, out: Path) -> Path:
 
 
 def toy_teacher_reply(prompt: str) -> str:
-    """The toy teacher: reads the reference and the two answers from a judgment prompt (vagent's default
-    template) and names the answer whose digit is the reference's, with its reasoning. A stand-in for a strong
-    model; it only knows this task."""
+    """The toy teacher: reads the reference and the two answers from a judgment prompt (vagent's templates) and
+    checks each answer's digit against the reference, one answer at a time, then names the one that matches. A
+    stand-in for a strong model; it only knows this task."""
     reference = re.search(r"^Reference answer: (.*)$", prompt, re.M)
     answers = [re.search(rf"^Answer {k}: (.*)$", prompt, re.M) for k in (1, 2)]
     if reference is None or None in answers:
         return "<think>I cannot read the task.</think>\n<answer>Answer 1 is better</answer>"
-    digits = [re.search(r"\d", m.group(1)) for m in answers]
-    said = [d.group() if d else "nothing" for d in digits]
-    better = 1 if said[0] == reference.group(1).strip() else 2
-    return (f"<think>The reference answer is {reference.group(1).strip()}. Answer 1 says {said[0]}. "
-            f"Answer 2 says {said[1]}. Answer {better} matches.</think>\n<answer>Answer {better} is better</answer>")  # fmt: skip
+    ref = reference.group(1).strip()
+    said = [d.group() if (d := re.search(r"\d", m.group(1))) else "nothing" for m in answers]
+    checks = " ".join(f"Answer {k} says {s} and the reference is {ref}: {'yes' if s == ref else 'no'}."
+                      for k, s in enumerate(said, 1))  # fmt: skip
+    better = 1 if said[0] == ref else 2
+    return f"<think>{checks}</think>\n<answer>Answer {better} is better</answer>"
 
 
 class _ToyTeacher(BaseHTTPRequestHandler):
@@ -231,7 +279,7 @@ def _sft_config(cfg: JudgeQuickstartConfig, out: Path, model: Path, train: Path,
     return check_config(SFTConfig(
         out_dir=str(out), seed=cfg.seed, model=ModelConfig(path=str(model), device=cfg.model.device or "cpu"),
         data=SFTDataConfig(train=str(train), tools=[], micro_batch_size=8),
-        optim=OptimConfig(lr=cfg.lr, warmup_steps=10, min_lr_ratio=1.0),
+        optim=OptimConfig(lr=cfg.lr, warmup_steps=10, min_lr_ratio=0.1),
         train=TrainConfig(max_steps=steps, precision="fp32", save_every=0, resume="auto", tensorboard=False),
     ))  # fmt: skip
 
@@ -263,12 +311,13 @@ def _closed_loop(cfg: JudgeQuickstartConfig, out: Path, base: Path, judge: Path,
     from vagent.training.metrics import read_metrics
 
     rows = load_rows(questions)
-    gold = [dataclasses.replace(r, messages=[{"role": "assistant", "content": f"<answer>{r.answer}</answer>"}])
-            for r in rows]  # fmt: skip
+    said = [cfg.phrases[0].format(digit=r.answer) for r in rows]  # answers as the judge's rows phrase them
+    gold = [dataclasses.replace(r, messages=[{"role": "assistant", "content": f"<answer>{s}</answer>"}])
+            for r, s in zip(rows, said, strict=True)]  # fmt: skip
     write_rows(gold, out / "data" / "questions-sft.jsonl")
     policy = sft.train(_sft_config(cfg, out / "policy-sft", base, out / "data" / "questions-sft.jsonl",
                                    cfg.policy_sft_steps))  # fmt: skip
-    process, url = _serve(judge, out / "serve.log")
+    process, url = _serve(judge, out / "serve.log", cfg.threads)
     try:
         run_dir = out / "policy-grpo"
         policy_cfg = check_config(GRPOConfig(
@@ -278,8 +327,8 @@ def _closed_loop(cfg: JudgeQuickstartConfig, out: Path, base: Path, judge: Path,
             grpo=GRPOAlgoConfig(group_size=4, prompts_per_step=4, rollout_batch_size=16, micro_batch_size=8,
                                 dynamic_sampling=False),
             rewards=RewardConfig(weights={"judge": 1.0}, options={}),
-            judge=JudgeConfig(url=url, prompt="judgment", mode="pairwise", max_tokens=cfg.max_new_tokens + 32,
-                              timeout_s=300.0),
+            judge=JudgeConfig(url=url, prompt="judgment", mode="pairwise", template=cfg.template,
+                              max_tokens=cfg.max_new_tokens + 32, timeout_s=300.0),
             optim=OptimConfig(lr=1e-4),
             train=TrainConfig(max_steps=cfg.policy_grpo_steps, precision="fp32", save_every=0, resume="auto",
                               tensorboard=False),
@@ -292,7 +341,7 @@ def _closed_loop(cfg: JudgeQuickstartConfig, out: Path, base: Path, judge: Path,
                        "reward/judge_failures": r["reward/judge_failures"]} for r in records]}  # fmt: skip
 
 
-def _serve(model: Path, log: Path, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+def _serve(model: Path, log: Path, threads: int | None, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     """``vagent serve --model model`` on a free local port; (the process, its ``/v1`` URL) once ``/health`` answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -300,7 +349,7 @@ def _serve(model: Path, log: Path, timeout_s: float = 300.0) -> tuple[subprocess
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "vagent.cli", "serve", "--model", str(model), "--port", str(port),
-               "--served-model-name", "judge", "--threads", "1"]  # fmt: skip
+               "--served-model-name", "judge", "--threads", str(threads or 1)]  # fmt: skip
     process = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -324,19 +373,22 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _report(cfg: JudgeQuickstartConfig, out: Path, evals: dict[str, dict[str, Any]], loop: dict[str, Any],
-            times: dict[str, float]) -> str:  # fmt: skip
+def _report(cfg: JudgeQuickstartConfig, out: Path, evals: dict[str, dict[str, Any]], stages: dict[str, Any],
+            loop: dict[str, Any], times: dict[str, float]) -> str:  # fmt: skip
     keys = ("agreement", "unparseable", "well_formed", "consistency", "first_preference", "agreement_both_orders")
-    lines = [f"# Judge quickstart ({cfg.test_rows} held-out pairs, each judged both ways)", "",
+    lines = [f"# Judge quickstart ({cfg.test_rows} held-out pairs, each judged both ways, greedy)", "",
              "| judge | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]  # fmt: skip
     lines += [f"| {name} | " + " | ".join(f"{m[k]:.3f}" for k in keys) + " |" for name, m in evals.items()]
+    shown = {k: " -> ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v for k, v in stages.items()}
+    lines += ["", "Stages: " + ", ".join(f"{k} {v}" for k, v in shown.items())]
     lines += ["", "Closed loop (the final judge behind `vagent serve`, the policy's `judge` reward):", ""]
     lines += [f"- step {s['step']}: reward/judge {s['reward/judge']:.3f}, reward/judge_failures "
               f"{s['reward/judge_failures']:.3f}" for s in loop["steps"]]  # fmt: skip
     lines += ["", "Times: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())]
     report = "\n".join(lines) + "\n"
     (out / "report.md").write_text(report)
-    (out / "report.json").write_text(json.dumps({"evals": evals, "loop": loop, "times": times}, indent=1))
+    (out / "report.json").write_text(json.dumps({"evals": evals, "stages": stages, "loop": loop, "times": times},
+                                                indent=1))  # fmt: skip
     return report
 
 

@@ -112,7 +112,8 @@ def test_vagent_eval_endpoint_and_checkpoint(fake, tmp_path, tiny_qwen25):  # no
     metrics = json.loads((tmp_path / "ckpt" / "metrics.json").read_text())
     assert {"agreement", "unparseable", "consistency", "first_preference", "pairs"} <= set(metrics)
     assert metrics["samples"] == 7 and metrics["pairs"] == 4
-    assert main(["eval", "--benchmark", "judge-pairs", "--data", str(data), "--out", str(tmp_path / "x")]) == 2
+    with pytest.raises(SystemExit):  # neither --model nor --endpoint: a usage error
+        main(["eval", "--benchmark", "judge-pairs", "--data", str(data), "--out", str(tmp_path / "x")])
     assert main(["eval", "--endpoint", url, "--benchmark", "synthetic", "--data", str(data),
                  "--out", str(tmp_path / "y")]) == 2  # fmt: skip
 
@@ -169,5 +170,6 @@ def test_a_pointwise_trained_judge_scores_on_its_scale(fake):  # noqa: F811
     samples = [Trajectory("t", [], answer=a, stop_reason="answered") for a in ("four", "five")]
     scores, failed = judge_scores(JudgeClient(url, "m", concurrency=1), cfg, samples, [row] * 2, group_size=2)
     assert scores == [0.8, None] and failed == [False, True]
+    assert server.seen[0]["stop"] == ["</answer>"]  # the turn ends where the engine ended the judge's training turns
     text = server.seen[0]["messages"][-1]["content"][-1]["text"]
     assert "from 0 to 10" in text and "Answer: four" in text and "Reference answer" not in text

@@ -26,7 +26,7 @@ def test_the_toy_teacher_names_the_answer_with_the_reference_digit():
 
 @pytest.mark.slow
 def test_train_a_judge_serve_it_and_train_a_policy_against_it(tmp_path):
-    run(check_config(JudgeQuickstartConfig(out_dir=str(tmp_path))))
+    run(check_config(JudgeQuickstartConfig(out_dir=str(tmp_path), threads=1)))  # 1 thread: 2 cores shared
     report = json.loads((tmp_path / "report.json").read_text())
     cold, final = report["evals"]["cold start"], report["evals"]["grpo"]
     # 48 held-out pairs judged both ways (96 verdicts): the judge after rejection sampling and GRPO agrees with the

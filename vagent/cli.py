@@ -460,8 +460,9 @@ def _add_eval(sub) -> None:
     from vagent.eval.benchmarks import BENCHMARKS
 
     p = sub.add_parser("eval", help="Evaluate a checkpoint on a benchmark (resumable; torchrun splits the rows).")
-    p.add_argument("--model", help="HF checkpoint dir (or --endpoint).")
-    p.add_argument("--endpoint", help="OpenAI-compatible API root of a judge to evaluate instead (judge-pairs).")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="HF checkpoint dir.")
+    what.add_argument("--endpoint", help="Instead: the OpenAI-compatible API root of a judge (judge-pairs).")
     p.add_argument("--endpoint-model", help="Model id at --endpoint (default: the first one it lists).")
     p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
     p.add_argument("--data", required=True, help="The benchmark file in its published format.")

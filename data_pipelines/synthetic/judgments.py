@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
@@ -27,6 +28,7 @@ __all__ = ["QUESTION", "judgment_rows", "question_rows", "tile_image"]
 QUESTION = "What digit is on the {color} tile?"
 # How an answer names a digit; the right and the wrong answer of a pair are phrased independently.
 PHRASES = ("The tile shows {digit}.", "It is {digit}.", "The digit is {digit}.", "{digit}", "I can see a {digit}.")
+DIGITS = tuple(range(10))
 
 
 def tile_image(digit: int, color: str, size: int) -> Image.Image:
@@ -37,25 +39,27 @@ def tile_image(digit: int, color: str, size: int) -> Image.Image:
     return image
 
 
-def _task(out: Path, name: str, rng: random.Random, size: int) -> tuple[str, int, str]:
-    digit, color = rng.randrange(10), rng.choice(list(COLORS))
+def _task(out: Path, name: str, rng: random.Random, size: int, digits: Sequence[int]) -> tuple[str, int, str]:
+    digit, color = rng.choice(digits), rng.choice(list(COLORS))
     path = out / "images" / f"{name}.png"
     tile_image(digit, color, size).save(path)
     return str(path), digit, color
 
 
 def judgment_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 56, reference: bool = True,
-                  phrases: tuple[str, ...] = PHRASES, template: str | None = None) -> list[Row]:  # fmt: skip
+                  phrases: Sequence[str] = PHRASES, template: str | None = None,
+                  digits: Sequence[int] = DIGITS) -> list[Row]:  # fmt: skip
     """``n`` pairwise judgment rows (images under ``out_dir/images``); the preferred answer's position is random.
     ``phrases``: how answers name their digit (``{digit}``); ``template``: the judge prompt's template (default:
-    vagent's, ``vagent.data.judgment.TEMPLATES``)."""
+    vagent's, ``vagent.data.judgment.TEMPLATES``); ``digits``: those the tiles show (the wrong answer names another
+    of them)."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        path, digit, color = _task(out, f"judge-{seed}-{i}", rng, size)
-        wrong = rng.choice([d for d in range(10) if d != digit])
+        path, digit, color = _task(out, f"judge-{seed}-{i}", rng, size, digits)
+        wrong = rng.choice([d for d in digits if d != digit])
         right_text, wrong_text = (rng.choice(phrases).format(digit=d) for d in (digit, wrong))
         preferred = rng.choice((1, 2))
         responses = [right_text, wrong_text] if preferred == 1 else [wrong_text, right_text]
@@ -66,14 +70,15 @@ def judgment_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 56,
     return rows
 
 
-def question_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 56) -> list[Row]:
+def question_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 56,
+                  digits: Sequence[int] = DIGITS) -> list[Row]:  # fmt: skip
     """``n`` plain rows asking for the tile's digit (answer type ``exact``; no tools), for a policy."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        path, digit, color = _task(out, f"question-{seed}-{i}", rng, size)
+        path, digit, color = _task(out, f"question-{seed}-{i}", rng, size, digits)
         rows.append(Row(id=f"question-{seed}-{i}", question=QUESTION.format(color=color), answer=str(digit),
                         answer_type="exact", images=[path], source="synthetic/judgments", tools=[]))  # fmt: skip
     return rows

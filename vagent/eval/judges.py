@@ -25,8 +25,7 @@ from vagent.eval.metrics import summarize
 from vagent.eval.runner import write_table
 from vagent.judge import JudgeClient, chat_messages
 from vagent.rewards.answer import gold_answers
-from vagent.rollout import Task
-from vagent.rollout.engine import prompt_messages
+from vagent.rollout import Task, prompt_messages
 from vagent.types import Message, Trajectory
 
 __all__ = ["evaluate_endpoint", "judgment_request", "row_request"]

@@ -32,8 +32,6 @@ def run_eval(args: argparse.Namespace) -> int:
     rows = rows[: args.limit] if args.limit else rows
     if not rows:
         raise BenchmarkError(f"no records to evaluate in {args.data}")
-    if bool(args.model) == bool(args.endpoint):
-        raise BenchmarkError("give --model (a checkpoint dir) or --endpoint (an OpenAI-compatible API), not both")
     if args.endpoint:
         return _eval_endpoint(args, benchmark, rows, errors)
     env = init_distributed(args.device)

@@ -85,6 +85,8 @@ def judge_scores(client: JudgeClient, cfg: JudgeConfig, trajectories: Sequence[T
     call (it is wrong, not a failure)."""
     template = cfg.template or TEMPLATES[cfg.mode]  # (prompt judgment: _request renders the judgment's own)
     params = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+    if cfg.prompt == "judgment":  # its turn ends where the rollout engine ended its training turns
+        params["stop"] = ["</answer>"]
     if cfg.mode != "pairwise":
         asks = [i for i, t in enumerate(trajectories) if _answer(t)]
         requests_ = [_request(cfg, template, rows[i], [_answer(trajectories[i])]) for i in asks]
