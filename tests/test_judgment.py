@@ -216,3 +216,17 @@ def test_the_teacher_cold_start_keeps_well_formed_judgments_that_match_the_label
     sent = server.seen[0]["messages"]  # the prompt the judge will be trained on
     assert sent[0]["role"] == "system" and sent[1]["content"][0]["type"] == "image_url"
     assert sent[1]["content"][-1]["text"] == rows[0].question
+
+
+def test_synthetic_judgments_name_the_tile_digit_in_one_of_the_two_answers(tmp_path):
+    from data_pipelines.synthetic.judgments import judgment_rows, question_rows
+
+    rows = load_rows(write_rows(judgment_rows(tmp_path, 40, seed=3, digits=(3, 4, 5)), tmp_path / "j.jsonl"))
+    for row in rows:
+        j = row.judgment
+        named = [int(next(c for c in r if c.isdigit())) for r in j.responses]
+        assert named[j.preferred - 1] == row.extra["digit"] == int(j.reference) != named[2 - j.preferred]
+        assert set(named) <= {3, 4, 5} and row.tools == [] and len(row.images) == 1
+    assert 10 < sum(r.judgment.preferred == 1 for r in rows) < 30  # the right answer's position is random
+    questions = question_rows(tmp_path, 5, seed=4)
+    assert all(q.answer_type == "exact" and q.answer.isdigit() and q.judgment is None for q in questions)
