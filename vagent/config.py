@@ -708,6 +708,17 @@ class JudgeConfig:
     template: str | None = option(
         None, "Prompt template replacing the mode's default ({question}, {gold}, {answer} or {answer1}/{answer2})."
     )
+    prompt: str = option(
+        "template",
+        "template: the mode's template in one user message (any OpenAI-compatible judge). judgment: the prompt of "
+        "vagent's judgment rows, for a judge trained by vagent and served by `vagent serve`: the agent's system "
+        "prompt, the row's images and vagent.data.judgment.render of the answers (pairwise for mode pairwise, "
+        "pointwise for mode score; `template` then replaces the judgment template, as in the judge's rows).",
+    )
+    reference: bool = option(
+        True, "prompt judgment: show the row's gold answer as the reference answer (as the judge's rows did or not)."
+    )
+    scale: list[float] = option([1.0, 10.0], "prompt judgment, mode score: the [low, high] the judge scores on.")
     images: bool = option(False, "Send the row's images to the judge (for VLM judges such as UnifiedReward-Think).")
     both_orders: bool = option(
         False, "pairwise: compare each pair in both orders (cancels position bias; twice the calls)."
@@ -728,6 +739,13 @@ class JudgeConfig:
     def validate(self) -> None:
         if self.mode not in ("correct", "score", "pairwise"):
             raise ValueError(f"judge.mode must be correct, score or pairwise, got {self.mode!r}")
+        if self.prompt not in ("template", "judgment"):
+            raise ValueError(f"judge.prompt must be template or judgment, got {self.prompt!r}")
+        if self.prompt == "judgment" and self.mode == "correct":
+            raise ValueError("judge.prompt=judgment asks a trained judge for a pairwise verdict (mode pairwise) or a "
+                             "score (mode score); mode correct has no judgment rows")  # fmt: skip
+        if len(self.scale) != 2 or not self.scale[0] < self.scale[1]:
+            raise ValueError(f"judge.scale must be [low, high] with low < high, got {self.scale}")
         if self.concurrency < 1 or self.timeout_s <= 0 or self.retries < 0:
             raise ValueError("judge.concurrency >= 1, judge.timeout_s > 0 and judge.retries >= 0 are required")
 
