@@ -4,7 +4,7 @@ untied head, GQA ratio, windowed and full-attention vision blocks, Qwen's vocabu
 the shapes ``vagent memory --shape`` knows). Configs launched with torchrun run on 2 ranks over gloo.
 
 ``MATRIX`` names every YAML under configs/sft/, configs/grpo/ and configs/dpo/ with its variants (KL on, temperature below 1, fp32,
-text-only rows, two steps, GRPO's self-critic DPO step; a DPO config trains on preference pairs made from the same
+text-only rows, two steps, GRPO's self-critic DPO term; a DPO config trains on preference pairs made from the same
 rows); a YAML it does not name fails ``test_every_shipped_config_is_in_the_matrix``. Each run must
 finish, log finite losses at every step (GRPO: an update at every step, the first-update ratio at 1, the sampler's
 log-probs those the trainer scores), and leave a ``model/`` that ``load_policy`` loads, trained, with the frozen parts

@@ -534,7 +534,7 @@ class GRPODataConfig:
 class GRPOSelfCriticConfig:
     enabled: bool = option(
         False,
-        "Tool-Star's self-critic step: on every `every`-th GRPO step, the loss of the update's last optimizer step "
+        "Tool-Star's self-critic DPO: on every `every`-th GRPO step, the loss of the update's last optimizer step "
         "adds coef x a DPO loss on preference pairs built from that step's own groups (per group, its highest- "
         "against its lowest-reward trajectory), scored against the log-probs of the weights that sampled them; no "
         "new rollouts, no extra optimizer step.",
