@@ -5,6 +5,10 @@ stitched ones).
     python -m data_pipelines.distill --model CKPT --data rows.jsonl --out DIR --samples 4 \
         --rewards accuracy=1.0,format=0.2 --min-reward 1.0 [--tools crop,zoom_in] [--per-row 1]
 
+For a judge (UnifiedReward-Think's rejection sampling), the rows are judgment rows and the reward ``judgment``:
+``--rewards judgment=1.0 --min-reward 1.0 --tools none`` keeps the judge's own well-formed judgments that match
+the labels.
+
 Each kept trajectory becomes its row with ``messages`` = the assistant and tool turns as the policy saw
 them (tool images saved as PNG under ``DIR/images``); the prompt is rebuilt by SFT from the row, as for
 every gold trajectory. ``--per-row`` keeps at most that many trajectories per row (best reward first).
@@ -20,7 +24,7 @@ from vagent.data import Row, load_rows, write_rows
 from vagent.rewards import combine
 from vagent.types import Trajectory
 
-__all__ = ["distill_rows", "trajectory_messages"]
+__all__ = ["add_rollout_arguments", "distill_rows", "roll_out", "trajectory_messages"]
 
 
 def trajectory_messages(trajectory: Trajectory, image_dir: Path) -> list[dict]:
@@ -62,22 +66,23 @@ def distill_rows(rows: list[Row], trajectories: list[Trajectory], rewards: list[
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a checkpoint rolled out on rows (shared with ``data_pipelines.hard_rows``)."""
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--rewards", default="accuracy=1.0", help="name=weight,... from vagent.rewards.REWARDS")
-    parser.add_argument("--min-reward", type=float, default=1.0)
-    parser.add_argument("--per-row", type=int, default=1)
-    parser.add_argument("--tools", default="crop")
+    parser.add_argument("--tools", default="crop", help="Tools of rows without their own list; 'none' for none.")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=8, help="Rows rolled out together.")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
 
+
+def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], list[float]]:
+    """Load the rows and the checkpoint, roll out ``--samples`` per row, score them with ``--rewards``:
+    (rows, trajectories row by row, total rewards)."""
     import torch
 
     from vagent.model import load_policy
@@ -90,12 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     policy = load_policy(args.model)
     torch.manual_seed(args.seed)
     limits = RolloutLimits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    trajectories = run(policy, [Task.from_row(r, tools) for r in rows], args.samples, limits)
+    trajectories = run(policy, [Task.from_row(r, tools) for r in rows], args.samples, limits,
+                       batch_size=args.batch_size)  # fmt: skip
     per_sample = [row for row in rows for _ in range(args.samples)]
     totals, _ = combine(trajectories, per_sample, weights)
+    return rows, trajectories, totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_rollout_arguments(parser)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--min-reward", type=float, default=1.0)
+    parser.add_argument("--per-row", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    rows, trajectories, totals = roll_out(args)
     out = Path(args.out)
     kept = distill_rows(rows, trajectories, totals, args.samples, min_reward=args.min_reward, per_row=args.per_row,
                         image_dir=out / "images")  # fmt: skip
+    if not kept:
+        raise SystemExit(f"no trajectory reached reward {args.min_reward} ({len(trajectories)} rolled out): nothing "
+                         "to write")  # fmt: skip
     path = write_rows(kept, out / "rows.jsonl")
     print(f"kept {len(kept)} of {len(trajectories)} trajectories (reward >= {args.min_reward}) -> {path}")
     return 0

@@ -467,7 +467,10 @@ def _add_eval(sub) -> None:
     from vagent.eval.benchmarks import BENCHMARKS
 
     p = sub.add_parser("eval", help="Evaluate a checkpoint on a benchmark (resumable; torchrun splits the rows).")
-    p.add_argument("--model", required=True, help="HF checkpoint dir.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="HF checkpoint dir.")
+    what.add_argument("--endpoint", help="Instead: the OpenAI-compatible API root of a judge (judge-pairs).")
+    p.add_argument("--endpoint-model", help="Model id at --endpoint (default: the first one it lists).")
     p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
     p.add_argument("--data", required=True, help="The benchmark file in its published format.")
     p.add_argument("--image-root", help="Folder the records' image/video paths are relative to (default: the file's).")
@@ -485,7 +488,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--judge-model", help="Model id at --judge (default: the first one it lists).")
     p.add_argument("--judge-mode", default="correct", choices=["correct", "score"], help="1/0 or a 0-10 grade.")
     p.add_argument("--judge-concurrency", type=_positive, default=8)
-    p.add_argument("--judge-api-key-env", help="Environment variable holding the judge's API key.")
+    p.add_argument("--judge-api-key-env", help="Environment variable holding the API key of --judge or --endpoint.")
     _add_loading(p)
     p.set_defaults(func=_eval)
 

@@ -543,11 +543,12 @@ class GRPODataConfig:
 class GRPOSelfCriticConfig:
     enabled: bool = option(
         False,
-        "Tool-Star's self-critic step: after the update of every `every`-th GRPO step, one DPO optimizer step on "
-        "preference pairs built from that step's own groups (per group, its highest- against its lowest-reward "
-        "trajectory), scored against the log-probs of the weights that sampled them; no new rollouts.",
+        "Tool-Star's self-critic DPO: on every `every`-th GRPO step, the loss of the update's last optimizer step "
+        "adds coef x a DPO loss on preference pairs built from that step's own groups (per group, its highest- "
+        "against its lowest-reward trajectory), scored against the log-probs of the weights that sampled them; no "
+        "new rollouts, no extra optimizer step.",
     )
-    every: int = option(1, "GRPO steps between self-critic DPO steps (1 = after every step's update).")
+    every: int = option(1, "GRPO steps between those that add the DPO loss (1 = every step).")
     margin: float = option(
         0.0,
         "A group makes a pair only when its best reward exceeds its worst by more than this (>= 0; a group of "
@@ -555,12 +556,16 @@ class GRPOSelfCriticConfig:
     )
     beta: float = option(0.1, "DPO's beta: the implicit reward is beta x (policy - sampler) log-prob.")
     loss_type: Literal["sigmoid", "sigmoid_norm", "ipo"] = option(
-        "sigmoid", "As dpo.loss_type: sigmoid (summed log-probs), sigmoid_norm or ipo (token means)."
+        "sigmoid_norm",
+        "As dpo.loss_type. sigmoid_norm and ipo compare token-mean log-probs; sigmoid (Tool-Star's) sums them, so "
+        "its gradient is about L times sigmoid_norm's for responses of L tokens (lower coef to match).",
     )
-    lr_scale: float = option(
+    coef: float = option(
         1.0,
-        "The DPO step's learning rate, as a multiple of the rate of the step's GRPO update (the same AdamW; the "
-        "schedule does not count the extra step).",
+        "Weight of the pairs' mean DPO loss beside the PPO loss in the gradient of the update's last optimizer step "
+        "(one AdamW step on the sum, clipped together, as verl adds its entropy and KL losses). The pairs start at "
+        "log-ratio 0 (their reference is the sampler), where the term's gradient is coef x beta / 2 (ipo: coef / "
+        "beta) x that of the chosen-minus-rejected log-prob.",
     )
     max_pairs: int = option(
         0, "Pairs per rank and step at most, those of the largest reward gaps first; 0 = every pair found."
@@ -577,8 +582,8 @@ class GRPOSelfCriticConfig:
             raise ValueError(f"every must be >= 1, got {self.every}")
         if self.margin < 0 or self.max_pairs < 0:
             raise ValueError(f"need margin >= 0 and max_pairs >= 0, got {self.margin}, {self.max_pairs}")
-        if self.beta <= 0 or self.lr_scale <= 0:
-            raise ValueError(f"need beta > 0 and lr_scale > 0, got {self.beta}, {self.lr_scale}")
+        if self.beta <= 0 or self.coef <= 0:
+            raise ValueError(f"need beta > 0 and coef > 0, got {self.beta}, {self.coef}")
 
 
 @dataclass
@@ -717,6 +722,17 @@ class JudgeConfig:
     template: str | None = option(
         None, "Prompt template replacing the mode's default ({question}, {gold}, {answer} or {answer1}/{answer2})."
     )
+    prompt: str = option(
+        "template",
+        "template: the mode's template in one user message (any OpenAI-compatible judge). judgment: the prompt of "
+        "vagent's judgment rows, for a judge trained by vagent and served by `vagent serve`: the agent's system "
+        "prompt, the row's images and vagent.data.judgment.render of the answers (pairwise for mode pairwise, "
+        "pointwise for mode score; `template` then replaces the judgment template, as in the judge's rows).",
+    )
+    reference: bool = option(
+        True, "prompt judgment: show the row's gold answer as the reference answer (as the judge's rows did or not)."
+    )
+    scale: list[float] = option([1.0, 10.0], "prompt judgment, mode score: the [low, high] the judge scores on.")
     images: bool = option(False, "Send the row's images to the judge (for VLM judges such as UnifiedReward-Think).")
     both_orders: bool = option(
         False, "pairwise: compare each pair in both orders (cancels position bias; twice the calls)."
@@ -737,6 +753,13 @@ class JudgeConfig:
     def validate(self) -> None:
         if self.mode not in ("correct", "score", "pairwise"):
             raise ValueError(f"judge.mode must be correct, score or pairwise, got {self.mode!r}")
+        if self.prompt not in ("template", "judgment"):
+            raise ValueError(f"judge.prompt must be template or judgment, got {self.prompt!r}")
+        if self.prompt == "judgment" and self.mode == "correct":
+            raise ValueError("judge.prompt=judgment asks a trained judge for a pairwise verdict (mode pairwise) or a "
+                             "score (mode score); mode correct has no judgment rows")  # fmt: skip
+        if len(self.scale) != 2 or not self.scale[0] < self.scale[1]:
+            raise ValueError(f"judge.scale must be [low, high] with low < high, got {self.scale}")
         if self.concurrency < 1 or self.timeout_s <= 0 or self.retries < 0:
             raise ValueError("judge.concurrency >= 1, judge.timeout_s > 0 and judge.retries >= 0 are required")
 

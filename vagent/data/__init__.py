@@ -5,6 +5,7 @@ or writes rows (the CLI's argument parsing, converters, benchmark loaders) start
 
 from typing import TYPE_CHECKING
 
+from vagent.data.judgment import Judgment
 from vagent.data.rows import ANSWER_TYPES, AnswerType, Evidence, Row, RowError, load_rows, write_rows
 
 if TYPE_CHECKING:
@@ -17,6 +18,7 @@ __all__ = [
     "AnswerType",
     "Encoded",
     "Evidence",
+    "Judgment",
     "Row",
     "RowError",
     "encode_messages",

@@ -12,8 +12,9 @@ Checked: types and shapes of every known field, answers that fit their ``answer_
 4 numbers with x1 <= x2 and y1 <= y2, a span 2 with 0 <= t0 <= t1, a choice is a letter or one of
 ``choices``), evidence boxes/spans, tool names (against ``known_tools``), the structure of a gold
 ``messages`` trajectory (roles, parts) and of a preference pair's ``chosen`` and ``rejected`` trajectories (both
-or neither, the same prompt, not the same turns), duplicate ids, singular typos of list keys (``image``),
-and with ``check_media`` that every referenced file exists.
+or neither, the same prompt, not the same turns), a judgment row's ``judgment`` against its question and answer
+(``vagent.data.judgment``), duplicate ids, singular typos of list keys (``image``), and with ``check_media`` that
+every referenced file exists.
 Not checked: that media files decode (``vagent.media`` does that when they are used), that boxes lie
 inside their image, or what a gold trajectory says.
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vagent.data.judgment import Judgment, parse_judgment
 from vagent.types import ContentPart, Message
 
 __all__ = ["ANSWER_TYPES", "AnswerType", "Evidence", "Row", "RowError", "load_rows", "write_rows"]
@@ -43,7 +45,7 @@ MAX_CHOICES = 26
 
 _KNOWN_KEYS = (
     "id", "source", "images", "videos", "question", "answer", "answer_type",
-    "choices", "evidence", "tools", "messages", "chosen", "rejected",
+    "choices", "evidence", "tools", "messages", "chosen", "rejected", "judgment",
 )  # fmt: skip
 # Keys that are almost certainly a misspelt canonical key. Other unknown keys are kept in ``Row.extra``,
 # but these would otherwise be kept silently while the real field stays empty (a row "without" images).
@@ -111,6 +113,8 @@ class Row:
             in the format of ``messages`` (checked and converted the same way).
         rejected: The worse trajectory of the pair. Both start from the same prompt (the row's question and images,
             or the same system/user turns of their own) and differ in their assistant or tool turns.
+        judgment: For a judgment row (a judge's training or eval row), what is judged and the label
+            (``vagent.data.judgment``); None for every other row.
         extra: Every other key of the JSON object, kept as written.
     """
 
@@ -127,6 +131,7 @@ class Row:
     messages: list[Message] | None = None
     chosen: list[Message] | None = None
     rejected: list[Message] | None = None
+    judgment: Judgment | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -158,6 +163,8 @@ class Row:
         for key in ("messages", "chosen", "rejected"):
             if getattr(self, key) is not None:
                 out[key] = [_message_dict(m) for m in getattr(self, key)]
+        if self.judgment is not None:
+            out["judgment"] = self.judgment.to_dict()
         return {**out, **self.extra}
 
     @classmethod
@@ -407,6 +414,13 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
                 raise _FieldError(f"tools[{i}]", f"names an unknown tool {name!r}{hint}; known: {sorted(known_tools)}")
     chosen, rejected = _messages(data.get("chosen"), base, "chosen"), _messages(data.get("rejected"), base, "rejected")
     _pair(chosen, rejected)
+    judgment = None
+    if data.get("judgment") is not None:
+        try:
+            judgment = parse_judgment(data["judgment"], question=question, answer=data["answer"],
+                                      answer_type=answer_type, n_images=len(images))  # fmt: skip
+        except ValueError as e:
+            raise _FieldError(None, str(e)) from None  # the message names the sub-field
     return Row(
         id=rid,
         question=question,
@@ -421,6 +435,7 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
         messages=_to_messages(_messages(data.get("messages"), base), images),
         chosen=_to_messages(chosen, images, "chosen"),
         rejected=_to_messages(rejected, images, "rejected"),
+        judgment=judgment,
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 

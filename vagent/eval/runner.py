@@ -144,6 +144,8 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     with open(out_dir / "samples.jsonl", "w") as f:
         f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in merged)
     metrics = summarize(merged, benchmark.metrics)
+    if benchmark.report is not None:
+        metrics.update(benchmark.report(rows, merged))
     calls = [len(s["tool_calls"]) for s in merged]
     metrics["tool_calls_per_sample"] = sum(calls) / len(calls) if calls else 0.0
     metrics["tool_use_rate"] = sum(1 for c in calls if c) / len(calls) if calls else 0.0

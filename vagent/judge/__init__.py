@@ -6,6 +6,7 @@ eval runner calls the judge and hands the scores to ``vagent.rewards``.
 """
 
 from vagent.judge.client import JudgeClient, JudgeReply
-from vagent.judge.verdicts import MODES, TEMPLATES, Verdict, judge_messages, parse_verdict
+from vagent.judge.verdicts import MODES, TEMPLATES, Verdict, chat_messages, judge_messages, parse_verdict
 
-__all__ = ["MODES", "TEMPLATES", "JudgeClient", "JudgeReply", "Verdict", "judge_messages", "parse_verdict"]
+__all__ = ["MODES", "TEMPLATES", "JudgeClient", "JudgeReply", "Verdict", "chat_messages", "judge_messages",
+           "parse_verdict"]  # fmt: skip

@@ -90,9 +90,10 @@ class JudgeClient:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def complete(self, messages: Sequence[dict[str, Any]], *, temperature: float = 0.0, max_tokens: int = 512,
-                 seed: int | None = 0) -> JudgeReply:  # fmt: skip
-        """One chat completion; never raises."""
-        params = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+                 seed: int | None = 0, stop: Sequence[str] | None = None) -> JudgeReply:  # fmt: skip
+        """One chat completion; never raises. ``stop``: strings that end the reply (not sent when None)."""
+        params = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed,
+                  **({"stop": list(stop)} if stop else {})}  # fmt: skip
         key = self.key(messages, **params)
         with self._lock:
             if key in self.cache:

@@ -25,8 +25,9 @@ from typing import Any
 from PIL import Image
 
 from vagent.media import MediaError, load_image
+from vagent.types import Message
 
-__all__ = ["MODES", "TEMPLATES", "Verdict", "judge_messages", "parse_verdict"]
+__all__ = ["MODES", "TEMPLATES", "Verdict", "chat_messages", "judge_messages", "parse_verdict"]
 
 MODES = ("correct", "score", "pairwise")
 
@@ -128,6 +129,33 @@ def judge_messages(template: str, fields: dict[str, str], images: list[Any] | No
     return [{"role": "user", "content": content}]
 
 
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """vagent messages as an OpenAI chat request's ``messages``: text parts as text, images (paths or PIL images) as
+    PNG data URLs at full resolution, so a judge trained by vagent sees the pixels its training rows showed it
+    (the server resizes them as training did). Used for judges trained on judgment rows, whose prompt is built
+    by the rollout engine's ``prompt_messages``.
+
+    Raises:
+        MediaError: an image that cannot be read (the request would not be the prompt the judge was trained on).
+    """
+    out = []
+    for message in messages:
+        content: list[dict[str, Any]] = []
+        for part in message.content:
+            if part.type == "text":
+                content.append({"type": "text", "text": part.text or ""})
+            elif part.type == "image":
+                image = part.image if part.image is not None else load_image(part.path)
+                content.append({"type": "image_url", "image_url": {"url": _data_url(image, None)}})
+            else:
+                raise MediaError(f"a {part.type} part cannot be sent to an OpenAI-compatible judge (images only)")
+        if message.role == "system" and all(c["type"] == "text" for c in content):
+            out.append({"role": "system", "content": "".join(c["text"] for c in content)})
+        else:
+            out.append({"role": message.role, "content": content})
+    return out
+
+
 class _Fields(dict):
     """Leaves unknown ``{names}`` in a user's template as they are instead of raising."""
 
@@ -135,9 +163,10 @@ class _Fields(dict):
         return "{" + key + "}"
 
 
-def _data_url(image: Image.Image) -> str:
-    image = image.copy()
-    image.thumbnail((_MAX_SIDE, _MAX_SIDE))
+def _data_url(image: Image.Image, max_side: int | None = _MAX_SIDE) -> str:
+    if max_side is not None:
+        image = image.copy()
+        image.thumbnail((max_side, max_side))
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

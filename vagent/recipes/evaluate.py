@@ -1,6 +1,7 @@
 """Evaluation entry points: ``vagent eval`` (one benchmark, one policy) and ``vagent eval-report`` (compare runs).
 
 vagent eval --model DIR --benchmark mat-coding --data FILE [--image-root DIR] [--tools crop,zoom_in|none] --out DIR
+vagent eval --endpoint URL --benchmark judge-pairs --data FILE --out DIR   (a judge behind an OpenAI-compatible API)
 torchrun --nproc_per_node N -m vagent.cli eval ...      (rows split over ranks; rank 0 merges)
 vagent eval-report RUN_DIR [RUN_DIR ...] --out DIR       (side-by-side table + bar chart PNG, and accuracy and
                                                          turns against the turn budget, read off each run)
@@ -34,6 +35,8 @@ def run_eval(args: argparse.Namespace) -> int:
     rows = rows[: args.limit] if args.limit else rows
     if not rows:
         raise BenchmarkError(f"no records to evaluate in {args.data}")
+    if args.endpoint:
+        return _eval_endpoint(args, benchmark, rows, errors)
     env = init_distributed(args.device)
     try:
         policy = load_policy(args.model, device=env.device, dtype=args.dtype, attn_implementation=args.attn)
@@ -83,6 +86,31 @@ def _check_context(policy, limits: RolloutLimits, own_turns: int, quiet: bool = 
               f"turn returns an image stops at max_images before its last turns; for turn scaling give --max-images "
               f"{limits.max_turns + 1} or more (prompt images count too) and --max-total-tokens to hold them",
               file=sys.stderr)  # fmt: skip
+
+
+def _eval_endpoint(args: argparse.Namespace, benchmark, rows, errors) -> int:
+    """``--endpoint URL``: a judge behind an OpenAI-compatible API answers the rows in one turn (no tool loop)."""
+    import os
+
+    from vagent.eval.judges import evaluate_endpoint
+    from vagent.judge import JudgeClient
+    from vagent.recipes.judged import first_model
+
+    if benchmark.name != "judge-pairs":
+        raise BenchmarkError(f"--endpoint evaluates judges (--benchmark judge-pairs); {benchmark.name} needs the "
+                             "tool loop of a checkpoint (--model)")  # fmt: skip
+    api_key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
+    out = Path(args.out)
+    client = JudgeClient(args.endpoint, args.endpoint_model or first_model(args.endpoint), api_key=api_key,
+                         concurrency=args.judge_concurrency, cache_path=out / "judge_cache.jsonl")  # fmt: skip
+    try:
+        evaluate_endpoint(client, benchmark, rows, out, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                          skipped=errors)  # fmt: skip
+    finally:
+        client.close()
+    print((out / "metrics.md").read_text())
+    print(f"wrote {out}/samples.jsonl, metrics.json")
+    return 0
 
 
 def _judge(args: argparse.Namespace, rows) -> dict[str, Any]:

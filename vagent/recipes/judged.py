@@ -7,6 +7,10 @@ per rollout batch: pointwise (``correct``/``score``: each answer against the row
 ``reward/judge_failures`` (the share of samples whose judgement failed and got the neutral score) is logged
 with the other components. A dead or slow judge costs at most ``timeout_s x (retries + 1)`` per call: the step
 completes with neutral scores.
+
+With ``judge.prompt: judgment`` the judge is one vagent trained on judgment rows: each call is
+``vagent.eval.judges.judgment_request`` of the answers (the prompt its training rows rendered, system prompt and
+images included) and its verdict is read by ``vagent.rewards.judgment.read_verdict``, as in its training.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from typing import Any
 import requests
 
 from vagent.config import ConfigError, JudgeConfig
+from vagent.data.judgment import Judgment
+from vagent.eval.judges import judgment_request
 from vagent.judge import TEMPLATES, JudgeClient, Verdict, judge_messages, parse_verdict
 from vagent.rewards import combine, pairwise_win_rates
 from vagent.rewards.answer import gold_answers, normalize_answer
+from vagent.rewards.judgment import read_verdict
 from vagent.types import Trajectory
 
 __all__ = ["JudgedRewards", "first_model", "judge_scores"]
@@ -76,13 +83,15 @@ def judge_scores(client: JudgeClient, cfg: JudgeConfig, trajectories: Sequence[T
     ``trajectory.metrics["judge"]``. A sample without an ``<answer>`` is judged on its last assistant turn, as
     DeepEyes does (its format reward, not the judge, punishes the missing tag); an empty one scores 0 without a
     call (it is wrong, not a failure)."""
-    template = cfg.template or TEMPLATES[cfg.mode]
+    template = cfg.template or TEMPLATES[cfg.mode]  # (prompt judgment: _request renders the judgment's own)
     params = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
+    if cfg.prompt == "judgment":  # its turn ends where the rollout engine ended its training turns
+        params["stop"] = ["</answer>"]
     if cfg.mode != "pairwise":
         asks = [i for i, t in enumerate(trajectories) if _answer(t)]
-        requests_ = [judge_messages(template, _fields(trajectories[i], rows[i]), _images(rows[i], cfg)) for i in asks]
+        requests_ = [_request(cfg, template, rows[i], [_answer(trajectories[i])]) for i in asks]
         replies = client.complete_many(requests_, **params)
-        verdicts = {i: _verdict(reply, cfg.mode) for i, reply in zip(asks, replies, strict=True)}
+        verdicts = {i: _verdict(reply, cfg) for i, reply in zip(asks, replies, strict=True)}
         scores: list[float | None] = []
         for i, t in enumerate(trajectories):
             verdict = verdicts.get(i, Verdict(0.0, "empty answer: not judged"))
@@ -105,14 +114,12 @@ def _pairwise(client, cfg, template, params, trajectories, rows, group_size):
                 outcomes[start].append((i, j, 0.5 if bool(a) == bool(b) else float(bool(a))))
                 continue
             for first, second in ((i, j), (j, i)) if cfg.both_orders else ((i, j),):
-                fields = {**_fields(group[first], rows[start + first]), "answer1": _answer(group[first]),
-                          "answer2": _answer(group[second])}  # fmt: skip
                 pairs.append((start, first, second))
-                asks.append(judge_messages(template, fields, _images(rows[start], cfg)))
+                asks.append(_request(cfg, template, rows[start], [_answer(group[first]), _answer(group[second])]))
     replies = client.complete_many(asks, **params)
     notes: dict[int, list[dict]] = {}
     for (start, i, j), reply in zip(pairs, replies, strict=True):
-        verdict = _verdict(reply, "pairwise")
+        verdict = _verdict(reply, cfg)
         outcomes[start].append((i, j, verdict.score))
         for k in (i, j):
             notes.setdefault(start + k, []).append({"answer1": start + i, "answer2": start + j, **verdict.to_dict()})
@@ -125,16 +132,38 @@ def _pairwise(client, cfg, template, params, trajectories, rows, group_size):
     return scores, [s is None for s in scores]
 
 
-def _verdict(reply, mode: str) -> Verdict:
+def _request(cfg: JudgeConfig, template: str, row: Any, answers: list[str]) -> list[dict[str, Any]]:
+    """One judge call on ``answers`` (one: pointwise; two: Answer 1 and Answer 2) to ``row``'s question."""
+    question, gold = getattr(row, "question", ""), _gold(row)
+    if cfg.prompt == "judgment":
+        judgment = Judgment("pairwise" if len(answers) == 2 else "pointwise", question=question, responses=answers,
+                            reference=gold if cfg.reference and gold is not None else None,
+                            scale=(cfg.scale[0], cfg.scale[1]), template=cfg.template)  # fmt: skip
+        return judgment_request(judgment, list(getattr(row, "images", []) or []))
+    fields = {"question": question, "gold": gold if gold is not None else "(none given)", "answer": answers[0]}
+    if len(answers) == 2:
+        fields |= {"answer1": answers[0], "answer2": answers[1]}
+    return judge_messages(template, fields, _images(row, cfg))
+
+
+def _verdict(reply, cfg: JudgeConfig) -> Verdict:
+    """The verdict of a reply as a score in [0, 1] (pairwise: 1 = Answer 1 won), None when it failed."""
     if reply.error is not None:
         return Verdict(None, raw=reply.text, error=reply.error)
-    return parse_verdict(reply.text, mode)
+    if cfg.prompt != "judgment":
+        return parse_verdict(reply.text, cfg.mode)
+    read = read_verdict(reply.text)
+    if cfg.mode == "pairwise":
+        score = None if read.choice is None else float(read.choice == 1)
+    else:
+        low, high = cfg.scale
+        score = None if read.score is None else min(1.0, max(0.0, (read.score - low) / (high - low)))
+    return Verdict(score, read.reasoning, reply.text, None if score is not None else "unparseable")
 
 
-def _fields(trajectory: Trajectory, row: Any) -> dict[str, str]:
+def _gold(row: Any) -> str | None:
     golds = gold_answers(row.answer, row.answer_type)
-    gold = " / ".join(str(g) for g in golds) if golds and golds[0] is not None else "(none given)"
-    return {"question": getattr(row, "question", ""), "gold": gold, "answer": _answer(trajectory)}
+    return " / ".join(str(g) for g in golds) if golds and golds[0] is not None else None
 
 
 def _answer(trajectory: Trajectory) -> str:

@@ -17,6 +17,7 @@ trainer weights them from its config (``combine``) and logs every component on i
 | ``overlong`` | [-1, 0] | DAPO's soft overlong penalty on the sampled length |
 | ``judge`` | [0, 1] | a model judge's score (pointwise verdict or pairwise win rate), handed in as ``scores`` |
 | ``tool_star`` | {-1, 0} or (0, 1 + bonus] | Tool-Star: format violation -1, wrong 0, else F1 (+bonus with 2+ tool kinds) |
+| ``judgment`` | [0, 1] | a judge in training: its verdict matches the row's label (half) and its CoT is well-formed (half) |
 
 Why IoU and not containment for crops: a reward for "the crop contains the target" is maximized by
 cropping the whole image; a GRPO run on a tiny model learned exactly that (containment 0.5% -> 97.5%
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from vagent.geometry import giou, iou, model_to_original, span_iou
 from vagent.rewards.answer import answer_score, parse_box
 from vagent.rewards.judged import judge, pairwise_win_rates, tool_star
+from vagent.rewards.judgment import judgment
 from vagent.types import Trajectory
 
 __all__ = ["REWARDS", "RewardRow", "accuracy", "combine", "pairwise_win_rates", "predicted_box"]
@@ -172,6 +174,7 @@ REWARDS: dict[str, Callable[..., list[float]]] = {
     "overlong": overlong,
     "judge": judge,
     "tool_star": tool_star,
+    "judgment": judgment,
 }
 
 

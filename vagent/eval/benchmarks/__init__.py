@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ class Benchmark:
         score: ``(row, trajectory) -> {metric: value}`` for one sample.
         metrics: The metric names ``score`` returns, in table order.
         tools: Tools offered by default (``--tools`` overrides; ``none`` = the no-tool baseline).
+        report: ``(rows, samples) -> {metric: value}``: metrics over several samples (a pair judged both ways),
+            added to the per-sample means; None = none.
     """
 
     name: str
@@ -41,6 +43,7 @@ class Benchmark:
     score: Callable[[Row, Trajectory], dict[str, float]]
     metrics: tuple[str, ...]
     tools: tuple[str, ...]
+    report: Callable[[Sequence[Row], Sequence[dict[str, Any]]], dict[str, Any]] | None = None
 
 
 def read_records(path: Path) -> Iterator[tuple[str, dict[str, Any] | RecordError]]:
@@ -112,9 +115,17 @@ def load_with(path: Path, convert: Callable[[str, dict[str, Any]], Row]) -> tupl
 
 
 def _registry() -> dict[str, Benchmark]:
-    from vagent.eval.benchmarks import mat_coding, mat_search, synthetic, temporal_grounding, video_mc, vstar
+    from vagent.eval.benchmarks import (
+        judge_pairs,
+        mat_coding,
+        mat_search,
+        synthetic,
+        temporal_grounding,
+        video_mc,
+        vstar,
+    )
 
-    modules = (mat_coding, mat_search, vstar, video_mc, temporal_grounding, synthetic)
+    modules = (mat_coding, mat_search, vstar, video_mc, temporal_grounding, synthetic, judge_pairs)
     return {m.BENCHMARK.name: m.BENCHMARK for m in modules}
 
 

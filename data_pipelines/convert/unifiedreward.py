@@ -1,0 +1,136 @@
+"""UnifiedReward-Think's training data -> canonical pairwise judgment rows.
+
+    python -m data_pipelines.convert.unifiedreward --data train_data.json --out DIR [--image-root IMAGES]
+
+Two layouts, both read from the CodeGoat24/UnifiedReward repository:
+
+* cold start and rejection sampling (``UnifiedReward-Think/README.md``, "Stage 2"; LLaVA's conversation format as
+  ``UnifiedReward-Think/llava_think/train/train.py`` reads it, ``image``/``images`` joined to the dataset's
+  ``image_folder`` as ``UnifiedReward-Think/dataset/*.yaml`` set it)::
+
+      {"conversations": [{"from": "human", "value": "<image>\\n<the judge prompt>"},
+                         {"from": "gpt", "value": "<think>...</think>\\n<answer>Image 1 is better</answer>"}],
+       "images": ["a.png", "b.png"]}
+
+  The gpt turn becomes the row's gold ``messages`` (a cold-start SFT row) and its verdict the label.
+* GRPO (``UnifiedReward-Think/README.md``, "Stage 3"; ``UnifiedReward-Think/src/open_r1/grpo.py`` reads
+  ``problem``, ``solution``, ``image``/``images``)::
+
+      {"problem": "<the judge prompt>", "solution": "Answer 2 is better", "images": ["frame0.jpg", ...]}
+
+The verdict's noun says what is compared: ``Image N`` (two images for a caption: the row's two images are the
+candidates) or ``Answer N`` (two answers about the images). The prompt is kept as written. Where it ends the way
+UnifiedReward-Think's inference scripts end it (``UnifiedReward-Think/inference_qwen/image_understanding/`` and
+``.../image_generation/``: ``Question: [..]\\nAnswer 1: [..]\\nAnswer 2: [..]`` or ``Text Caption: [..]``), the fields
+are read back and the row carries its prompt as a template (``judgment.template``), so it can be shown swapped
+(``vagent eval --benchmark judge-pairs``) and a GRPO loop can ask the trained judge with the same template
+(``judge.template``). ``<image>`` markers are dropped (vagent shows the row's images before the prompt). Video
+records (``video``, ``Video N is better``) are skipped: vagent's judge sees images (extract frames into
+``images`` first, as UnifiedReward's GRPO data does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+from data_pipelines.convert.deepeyes import image_path, read_records
+from data_pipelines.judgments import judgment_row
+from vagent.data import Judgment, Row, write_rows
+
+__all__ = ["convert", "convert_record"]
+
+MARKER = "<image>"
+_VERDICT = re.compile(r"\b(Answer|Image|Video)\s*([12])\s+is\s+better\b", re.IGNORECASE)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWERS_TAIL = re.compile(r"Question: \[(?P<question>.*?)\]\nAnswer 1: \[(?P<response1>.*?)\]\n"
+                           r"Answer 2: \[(?P<response2>.*)\]\s*$", re.DOTALL)  # fmt: skip
+_CAPTION_TAIL = re.compile(r"Text Caption: \[(?P<question>.*)\]\s*$", re.DOTALL)
+
+
+def _verdict(text: str) -> tuple[str, int]:
+    """(noun, position) of a verdict like ``Image 2 is better`` (inside ``<answer>`` when there is one)."""
+    block = _ANSWER.search(text)
+    found = {(m.group(1).lower(), int(m.group(2))) for m in _VERDICT.finditer(block.group(1) if block else text)}
+    if len(found) != 1:
+        raise ValueError(f"no single verdict 'Answer/Image N is better' in {text[-120:]!r}")
+    return found.pop()
+
+
+def _judgment(prompt: str, noun: str, preferred: int) -> Judgment:
+    """The judgment of a UnifiedReward prompt: its fields and template where its tail can be read back."""
+    candidates = "images" if noun == "image" else "answers"
+    tail = (_CAPTION_TAIL if candidates == "images" else _ANSWERS_TAIL).search(prompt)
+    if tail is None:
+        return Judgment("pairwise", candidates, None, [], None, preferred)
+    # the prompt with the fields replaced by placeholders, so render() gives it back exactly
+    template, last = [], 0
+    for name in tail.groupdict():
+        template += [prompt[last : tail.start(name)], "{" + name + "}"]
+        last = tail.end(name)
+    template.append(prompt[last:])
+    fields = tail.groupdict()
+    responses = [fields["response1"], fields["response2"]] if candidates == "answers" else []
+    return Judgment("pairwise", candidates, fields["question"], responses, None, preferred, template="".join(template))
+
+
+def convert_record(record: dict[str, Any], index: int, image_root: Path, out_images: Path) -> Row:
+    """One record -> a judgment row (see the module docstring). Raises ``ValueError``/``KeyError`` with the reason."""
+    if record.get("video"):
+        raise ValueError("a video record: vagent's judge sees images (extract frames into 'images' first)")
+    images = record.get("images") or ([record["image"]] if record.get("image") else [])
+    paths = [image_path(img, image_root, out_images) for img in images]
+    if "conversations" in record:
+        turns = record["conversations"]
+        human = next(t["value"] for t in turns if t.get("from") == "human")
+        gold = next((t["value"] for t in turns if t.get("from") == "gpt"), None)
+        if gold is None:
+            raise KeyError("conversations: no 'gpt' turn (the judgment to learn)")
+        prompt, verdict_from = human, gold
+        messages = [{"role": "assistant", "content": gold.strip()}]
+    else:
+        prompt, verdict_from, messages = record["problem"], record["solution"], None
+    noun, preferred = _verdict(verdict_from)
+    if noun == "video":
+        raise ValueError("a video verdict: vagent's judge sees images (extract frames into 'images' first)")
+    prompt = re.sub(r"<image>\s*", "", prompt).strip()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    judgment = _judgment(prompt, noun, preferred)
+    rid = str(record.get("id", index))
+    return judgment_row(rid, judgment, images=paths, source="unifiedreward", messages=messages, question=prompt)
+
+
+def convert(records: list[dict[str, Any]], image_root: Path, out_images: Path) -> tuple[list[Row], list[str]]:
+    """Rows and the reasons records were skipped."""
+    rows, skipped = [], []
+    for i, record in enumerate(records):
+        try:
+            rows.append(convert_record(record, i, image_root, out_images))
+        except (KeyError, ValueError, TypeError, StopIteration) as e:
+            skipped.append(f"record {i}: {type(e).__name__}: {e}")
+    return rows, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="UnifiedReward-Think records (.json list, .jsonl, .parquet).")
+    parser.add_argument("--image-root", help="The dataset's image_folder (default: the data file's folder).")
+    parser.add_argument("--out", required=True, help="Output dir: rows.jsonl (and images/ for inline bytes).")
+    args = parser.parse_args(argv)
+    data, out = Path(args.data), Path(args.out)
+    rows, skipped = convert(
+        read_records(data), Path(args.image_root) if args.image_root else data.parent, out / "images"
+    )
+    for why in skipped:
+        print(f"skipped {why}")
+    if not rows:
+        raise SystemExit(f"no record of {data} could be converted")
+    print(f"wrote {len(rows)} rows to {write_rows(rows, out / 'rows.jsonl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""Judgment rows (a judge's training data): the row kind and its checks, the ``judgment`` reward on well-formed,
+malformed and position-swapped verdicts, the converters, the accuracy filter, and the teacher's cold start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from data_pipelines.convert import pairs, unifiedreward
+from data_pipelines.hard_rows import hard_rows
+from data_pipelines.judgments import judgment_row, teach
+from tests.test_judge import fake  # noqa: F401 (the scripted OpenAI-compatible endpoint fixture)
+from vagent.data import Judgment, Row, RowError, load_rows, write_rows
+from vagent.data.judgment import render, swapped, verdict_text
+from vagent.judge import JudgeClient
+from vagent.rewards import REWARDS
+from vagent.rewards.judgment import read_verdict
+from vagent.types import Message, Trajectory
+
+PAIR = Judgment("pairwise", "answers", "What digit is on the tile?", ["It is 3.", "It is 7."], "3", 1)
+
+
+@pytest.fixture
+def image(tmp_path):
+    path = tmp_path / "tile.png"
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(path)
+    return str(path)
+
+
+# -- the row kind ---------------------------------------------------------------------------------------------------
+
+
+def test_a_judgment_row_is_its_rendered_prompt_and_verdict_and_survives_a_round_trip(tmp_path, image):
+    row = judgment_row("j1", PAIR, images=[image])
+    assert row.question == render(PAIR) and row.answer == "Answer 1 is better" and row.answer_type == "exact"
+    assert row.tools == [] and "Reference answer: 3\nAnswer 1: It is 3.\nAnswer 2: It is 7." in row.question
+    again = load_rows(write_rows([row], tmp_path / "rows.jsonl"))[0]
+    assert again.judgment == PAIR and again.question == row.question
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"answer": "Answer 2 is better"}, "verdict 'Answer 1 is better'"),
+        ({"question": "something else"}, "rendered by its template"),
+        ({"judgment": {**PAIR.to_dict(), "preferred": 3}}, "'judgment.preferred' must be 1 or 2"),
+        ({"judgment": {**PAIR.to_dict(), "kind": "ranking"}}, "'judgment.kind' must be one of"),
+        ({"judgment": {**PAIR.to_dict(), "responses": ["only one"]}}, "'judgment.responses' must hold 2"),
+        ({"judgment": {**PAIR.to_dict(), "prefered": 1}}, "unknown key(s) ['prefered']"),
+    ],
+)
+def test_a_bad_judgment_row_is_refused_naming_the_field(change, message, tmp_path):
+    data = {**judgment_row("j1", PAIR).to_dict(), **change}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(data) + "\n")
+    with pytest.raises(RowError, match="rows.jsonl:1 \\(id 'j1'\\)") as error:
+        load_rows(tmp_path / "rows.jsonl")
+    assert message in str(error.value)
+
+
+def test_image_candidates_need_two_images_and_a_pointwise_row_scores(image):
+    with pytest.raises(RowError, match="needs exactly 2 image"):
+        judgment_row("g", Judgment("pairwise", "images", "a red cube", preferred=2), images=[image])
+    row = judgment_row("g", Judgment("pairwise", "images", "a red cube", preferred=2), images=[image, image])
+    assert row.answer == "Image 2 is better"
+    point = judgment_row("p", Judgment("pointwise", "answers", "Q?", ["A."], score=7, scale=(1, 10)))
+    assert (point.answer, point.answer_type) == (7, "number") and "from 1 to 10" in point.question
+
+
+def test_swapping_moves_the_label_with_its_candidate():
+    other = swapped(PAIR)
+    assert other.responses == ["It is 7.", "It is 3."] and verdict_text(other) == "Answer 2 is better"
+    assert swapped(other) == PAIR
+
+
+# -- the judgment reward --------------------------------------------------------------------------------------------
+
+
+def _said(text: str, stop: str = "answered", **metrics) -> Trajectory:
+    answer = text.split("<answer>")[-1].split("</answer>")[0] if "<answer>" in text else None
+    return Trajectory("j", [Message.text("assistant", text)], answer=answer, stop_reason=stop, metrics=metrics)
+
+
+RIGHT = "<think>Answer 1 says 3, the reference.</think>\n<answer>Answer 1 is better</answer>"
+
+
+@pytest.mark.parametrize(
+    ("text", "reward"),
+    [
+        (RIGHT, 1.0),  # right and well-formed
+        ("<think>2 names it.</think><answer>Answer 2 is better</answer>", 0.5),  # well-formed, wrong verdict
+        ("<answer>Answer 1 is better</answer>", 0.5),  # right, no CoT
+        ("<think>  </think><answer>Answer 1 is better</answer>", 0.5),  # right, empty CoT
+        ("Let me see. " + RIGHT, 0.5),  # right, text outside the tags
+        (RIGHT + "\n<answer>Answer 2 is better</answer>", 0.0),  # two answers: not well-formed, verdict unread
+        ("<think>both</think><answer>Answer 1 is better or Answer 2 is better</answer>", 0.5),  # unreadable verdict
+        ("<think>hmm</think><answer>the first one</answer>", 0.5),  # unparseable verdict, well-formed
+        ("I think Answer 1 is better.", 0.5),  # right verdict without any tags
+    ],
+)
+def test_judgment_reward_on_well_formed_and_malformed_verdicts(text, reward):
+    row = judgment_row("j1", PAIR)
+    assert REWARDS["judgment"]([_said(text)], [row]) == [reward]
+
+
+def test_judgment_reward_reads_the_label_of_the_row_not_the_position():
+    given, flipped = judgment_row("j1", PAIR), judgment_row("j1s", swapped(PAIR))
+    first = _said(RIGHT)
+    second = _said("<think>Answer 2 says 3, the reference.</think>\n<answer>Answer 2 is better</answer>")
+    # the same verdict text is right for one presentation of the pair and wrong for the other
+    assert REWARDS["judgment"]([first, first, second, second], [given, flipped, given, flipped]) == [1.0, 0.5, 0.5, 1.0]
+
+
+def test_judgment_reward_edge_cases():
+    row = judgment_row("j1", PAIR)
+    plain = Row(id="q", question="Q?", answer="3", answer_type="exact")
+    assert REWARDS["judgment"]([_said(RIGHT), _said(RIGHT, stop="max_turns")], [plain, row]) == [0.0, 0.0]
+    assert REWARDS["judgment"]([_said(RIGHT, **{"parse_error/stray_tag": 1})], [row]) == [0.5]  # the engine repaired it
+    assert REWARDS["judgment"]([_said(RIGHT)], [row], format_weight=0.0) == [1.0]
+    point = judgment_row("p", Judgment("pointwise", "answers", "Q?", ["A."], score=7, scale=(1, 10)))
+    scored = [_said(f"<think>ok</think><answer>{s}</answer>") for s in ("7", "8", "x")]
+    assert REWARDS["judgment"](scored, [point] * 3) == [1.0, 0.5, 0.5]
+    assert REWARDS["judgment"](scored, [point] * 3, tolerance=1.0) == [1.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="format_weight"):
+        REWARDS["judgment"]([_said(RIGHT)], [row], format_weight=2.0)
+
+
+def test_read_verdict():
+    assert read_verdict("<think>x</think><answer>Image 2 is better</answer>").choice == 2
+    assert read_verdict("<think>x</think><answer> 8 </answer>").score == 8.0
+    assert read_verdict(None).choice is None and not read_verdict(None).well_formed
+    # a verdict the engine cut at its stop string still reads (the reply of a served judge ends there too)
+    assert read_verdict("<think>x</think><answer>Answer 1 is better").choice == 1
+
+
+# -- converters -----------------------------------------------------------------------------------------------------
+
+UR_PROMPT = ("Given a question and a reference image, please analyze in detail the two provided answers (Answer 1 and "
+             "Answer 2). ... Your task is provided as follows:\nQuestion: [What is on the sign?]\nAnswer 1: [STOP]\n"
+             "Answer 2: [YIELD]")  # fmt: skip
+
+
+def test_unifiedreward_records_become_judgment_rows(tmp_path, image):
+    records = [
+        {"conversations": [{"from": "human", "value": "<image>\n" + UR_PROMPT},
+                           {"from": "gpt", "value": "<think>The sign reads YIELD.</think>\n<answer>Answer 2 is better</answer>"}],
+         "image": "tile.png"},
+        {"problem": "<image><image>Given a caption and two images ... Text Caption: [a red cube]",
+         "solution": "Image 1 is better", "images": ["tile.png", "tile.png"]},
+        {"problem": "Judge these answers freely.", "solution": "Answer 1 is better", "images": ["tile.png"]},
+        {"problem": "...", "solution": "Video 1 is better", "video": "v.mp4"},
+        {"problem": "...", "solution": "Both are fine", "images": ["tile.png"]},
+    ]  # fmt: skip
+    rows, skipped = unifiedreward.convert(records, tmp_path, tmp_path / "images")
+    assert [r.id for r in rows] == ["0", "1", "2"] and len(skipped) == 2
+    assert "video" in skipped[0] and "no single verdict" in skipped[1]
+    answers, caption, opaque = rows
+    assert answers.question == UR_PROMPT and answers.answer == "Answer 2 is better"
+    assert answers.judgment.responses == ["STOP", "YIELD"] and answers.judgment.question == "What is on the sign?"
+    assert render(swapped(answers.judgment)).endswith("Answer 1: [YIELD]\nAnswer 2: [STOP]")  # its own template
+    assert answers.messages[0].plain_text.startswith("<think>The sign reads YIELD.")  # a cold-start SFT row
+    assert caption.judgment.candidates == "images" and caption.judgment.question == "a red cube"
+    assert caption.question.startswith("Given a caption") and caption.messages is None  # a GRPO row
+    assert opaque.judgment.question is None and opaque.question == "Judge these answers freely."
+    load_rows(write_rows(rows, tmp_path / "out" / "rows.jsonl"))  # valid canonical rows
+
+
+def test_generic_pairs_become_judgment_rows(tmp_path, image):
+    records = [
+        {
+            "question": "Digit?",
+            "image": "tile.png",
+            "response_a": "3",
+            "response_b": "7",
+            "preferred": "b",
+            "reference": "7",
+            "cot": "<think>b is 7</think><answer>Answer 2 is better</answer>",
+        },
+        {"question": "a red cube", "image_a": "tile.png", "image_b": "tile.png", "preferred": 1, "id": "gen"},
+        {"question": "Digit?", "images": ["tile.png"], "response": "3", "score": 2, "scale": [1, 5]},
+        {"question": "Digit?", "image": "tile.png", "response_a": "3", "response_b": "7", "preferred": "c"},
+    ]
+    rows, skipped = pairs.convert(records, tmp_path, tmp_path / "images", template=None)
+    assert [r.answer for r in rows] == ["Answer 2 is better", "Image 1 is better", 2] and rows[1].id == "gen"
+    assert len(skipped) == 1 and "'preferred' must be" in skipped[0]
+    assert rows[0].messages is not None and rows[2].judgment.scale == (1.0, 5.0)
+    custom, _ = pairs.convert(records[:1], tmp_path, tmp_path / "images", template="Q {question} | {response1} | "
+                              "{response2} -> <answer>Answer N is better</answer>")  # fmt: skip
+    assert custom[0].question == "Q Digit? | 3 | 7 -> <answer>Answer N is better</answer>"
+    assert load_rows(write_rows(custom, tmp_path / "c.jsonl"))[0].judgment.template.startswith("Q {question}")
+
+
+# -- the accuracy filter and the teacher ----------------------------------------------------------------------------
+
+
+def test_hard_rows_keeps_what_the_model_still_gets_wrong():
+    rows = [judgment_row(f"j{i}", PAIR) for i in range(3)]
+    rewards = [1, 1, 1, 1, 1, 0.5, 0, 1, 0, 0, 0.5, 0]  # 4 samples per row: accuracy 1, 0.5, 0
+    kept, accuracy = hard_rows(rows, rewards, 4, correct_at=1.0, below=1.0)
+    assert accuracy == [1.0, 0.5, 0.0] and [r.id for r in kept] == ["j1", "j2"]
+    assert kept[0].extra["accuracy_at_k"] == 0.5
+    kept, _ = hard_rows(rows, rewards, 4, correct_at=1.0, below=1.0, min_accuracy=0.25)
+    assert [r.id for r in kept] == ["j1"]
+
+
+def test_the_teacher_cold_start_keeps_well_formed_judgments_that_match_the_label(fake, image):  # noqa: F811
+    server, url = fake
+    other = Judgment("pairwise", "answers", "And this one?", ["It is 3.", "It is 7."], "3", 1)
+    rows = [judgment_row("a", PAIR, images=[image]), judgment_row("b", swapped(PAIR), images=[image]),
+            judgment_row("c", other, images=[image]), judgment_row("d", swapped(other), images=[image])]  # fmt: skip
+    server.script = [(200, RIGHT, 0), (200, RIGHT, 0), (200, "Answer 1 is better", 0), (500, "", 0)]
+    kept, counts = teach(rows, JudgeClient(url, "teacher", concurrency=1, retries=0))
+    assert [r.id for r in kept] == ["a-t0"] and kept[0].messages[0].plain_text == RIGHT
+    assert counts == {"asked": 4, "kept": 1, "disagreed": 1, "malformed": 1, "failed": 1}
+    sent = server.seen[0]["messages"]  # the prompt the judge will be trained on
+    assert sent[0]["role"] == "system" and sent[1]["content"][0]["type"] == "image_url"
+    assert sent[1]["content"][-1]["text"] == rows[0].question
+
+
+def test_synthetic_judgments_name_the_tile_digit_in_one_of_the_two_answers(tmp_path):
+    from data_pipelines.synthetic.judgments import judgment_rows, question_rows
+
+    rows = load_rows(write_rows(judgment_rows(tmp_path, 40, seed=3, digits=(3, 4, 5)), tmp_path / "j.jsonl"))
+    for row in rows:
+        j = row.judgment
+        named = [int(next(c for c in r if c.isdigit())) for r in j.responses]
+        assert named[j.preferred - 1] == row.extra["digit"] == int(j.reference) != named[2 - j.preferred]
+        assert set(named) <= {3, 4, 5} and row.tools == [] and len(row.images) == 1
+    assert 10 < sum(r.judgment.preferred == 1 for r in rows) < 30  # the right answer's position is random
+    questions = question_rows(tmp_path, 5, seed=4)
+    assert all(q.answer_type == "exact" and q.answer.isdigit() and q.judgment is None for q in questions)
