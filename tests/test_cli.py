@@ -28,6 +28,7 @@ def test_only_working_subcommands_are_listed():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert sorted(sub.choices) == [
         "demo",
+        "dpo",
         "eval",
         "eval-report",
         "generate",
