@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from vagent.cli import main
-from vagent.data import Row, encode_messages
+from vagent.data import Judgment, Row, encode_messages
 from vagent.eval import BENCHMARKS, BenchmarkError
 from vagent.eval.runner import evaluate, read_samples
 from vagent.eval.turns import budgets, turn_record, turn_scaling
@@ -77,7 +77,9 @@ def test_every_benchmarks_primary_metric_is_zero_without_an_answer():
     """The read-off scores an episode cut before its answer as no answer: 0 for the metric it reads."""
     rows = {"mat-coding": Row("r", "q", ["stop"], "f1"), "mat-search": Row("r", "q", ["x"], "f1"),
             "vstar": Row("r", "q", "A", "choice", choices=["a", "b"]), "video-mc": Row("r", "q", "A", "choice", choices=["a", "b"]),
-            "temporal-grounding": Row("r", "q", [1.0, 2.0], "span"), "synthetic": Row("r", "q", "x", "exact")}  # fmt: skip
+            "temporal-grounding": Row("r", "q", [1.0, 2.0], "span"), "synthetic": Row("r", "q", "x", "exact"),
+            "judge-pairs": Row("r", "q", "Answer 1 is better", "exact",
+                               judgment=Judgment("pairwise", "answers", "Digit?", ["3", "7"], "3", 1))}  # fmt: skip
     assert set(rows) == set(BENCHMARKS)
     for name, benchmark in BENCHMARKS.items():
         cut = Trajectory(task_id="r", messages=[], answer=None, stop_reason="max_turns")
