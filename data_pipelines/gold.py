@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -43,13 +44,19 @@ def crop_then_answer(image: Image.Image, box, crop_path: Path, *, look: str, rea
     ]
 
 
-def tool_turn(name: str, arguments: dict, context: ToolContext, image_stem: Path) -> tuple[str, dict]:
+def tool_turn(name: str, arguments: dict, context: ToolContext, image_stem: Path,
+              first_image: int | None = None) -> tuple[str, dict]:  # fmt: skip
     """Run a real tool call and return (the ``<tool_call>`` text, the tool turn as row ``messages`` render it):
-    the parts in ``observation_content`` order (frame times included), each image saved as
-    ``<image_stem>-<k>.png`` (k = the part's position). A failing call is a builder bug and raises."""
+    the parts in ``observation_content`` order (frame times included, the images labelled with their indices as the
+    engine labels them), each image saved as ``<image_stem>-<k>.png`` (k = the part's position). ``first_image``: the
+    episode's index of the call's first image (default: right after ``context.images``). A failing call is a builder
+    bug and raises."""
     observation = call_tool(ToolCall(name, arguments), context)
     if observation.error:
         raise RuntimeError(f"the gold {name} call failed: {observation.text}")
+    observation = dataclasses.replace(
+        observation, first_image=len(context.images) if first_image is None else first_image
+    )
     images = iter(observation.images)
     content = []
     for k, part in enumerate(observation_content(observation)):

@@ -230,7 +230,9 @@ def render_turn(event: Event, turn: int, agent: str = "vagent") -> list[dict[str
     header = f"**{'Tool error' if failed else 'Tool result'}** · {event.seconds:.1f} s"
     stamps = observation.timestamps if observation is not None and observation.timestamps else []
     images = message.images
-    captions = [f"frame at {stamps[k]:.2f} s" if k < len(stamps) else "returned image" for k in range(len(images))]
+    first = observation.first_image if observation is not None else None  # the index the engine gave its images
+    returned = ["returned image" if first is None else f"returned image {first + k}" for k in range(len(images))]
+    captions = [f"frame at {stamps[k]:.2f} s" if k < len(stamps) else returned[k] for k in range(len(images))]
     listed = "".join(
         f"\n\n*{c} ({img.width}x{img.height} px, as the model saw it)*" for c, img in zip(captions, images, strict=True)
     )

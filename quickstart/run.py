@@ -168,7 +168,11 @@ def _device(cfg: QuickstartConfig) -> str:
 def _limits(cfg: QuickstartConfig) -> RolloutLimits:
     """The rollout's episode limits, sampled at GRPO's temperature."""
     return RolloutLimits(
-        **{k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb", "attention")},
+        **{
+            k: v
+            for k, v in dataclasses.asdict(cfg.rollout).items()
+            if k not in ("agent", "kv_cache_gb", "attention", "tool_workers")
+        },
         seed=cfg.seed,
     )
 

@@ -28,6 +28,7 @@ def test_only_working_subcommands_are_listed():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert sorted(sub.choices) == [
         "demo",
+        "dpo",
         "eval",
         "eval-report",
         "generate",
@@ -292,6 +293,7 @@ def test_rollout_arguments_parse(capsys):
     base = ["rollout", "--model", "m", "--data", "rows.jsonl", "--out", "t.jsonl"]
     args = build_parser().parse_args(base)
     assert (args.tools, args.samples, args.batch_size, args.html, args.limit) == (["crop"], 1, 8, None, None)
+    assert args.tool_workers == 8 and build_parser().parse_args([*base, "--tool-workers", "32"]).tool_workers == 32
     args = build_parser().parse_args([*base, "--tools", "none", "--samples", "4", "--max-turns", "3", "--top-p", "0.9"])
     assert args.tools == [] and args.samples == 4 and args.max_turns == 3 and args.top_p == 0.9
     assert build_parser().parse_args([*base, "--tools", "crop, zoom_in"]).tools == ["crop", "zoom_in"]
@@ -302,7 +304,7 @@ def test_rollout_arguments_parse(capsys):
     assert (limits.max_tool_calls, limits.max_images, limits.max_turns) == (2, 12, 4)
     limits = episode_limits(build_parser().parse_args([*base, "--agent", "pixel-reasoner"]))
     assert (limits.max_tool_calls, limits.max_turns) == (None, 5)  # its own call budget (4) applies in the engine
-    for bad in (["--tools", "crop,zoom"], ["--samples", "0"], ["--max-tool-calls", "0"]):
+    for bad in (["--tools", "crop,zoom"], ["--samples", "0"], ["--max-tool-calls", "0"], ["--tool-workers", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args([*base, *bad])
         assert exit_info.value.code == 2

@@ -134,6 +134,9 @@ def test_the_call_and_frame_budgets_are_checked_and_reach_the_rollout_limits():
         load_config(QuickstartConfig, None, ["rollout.frame_budget=[2, 8]", "rollout.max_images=8"])
     with pytest.raises(ConfigError, match="frame_budget does not apply to pixel-reasoner"):
         load_config(QuickstartConfig, None, [*budgets, "rollout.agent=pixel-reasoner"])
+    assert load_config(QuickstartConfig, None, ["rollout.tool_workers=32"]).rollout.tool_workers == 32
+    with pytest.raises(ConfigError, match="tool_workers must be positive"):
+        load_config(QuickstartConfig, None, ["rollout.tool_workers=0"])
 
 
 def test_defaults_are_not_shared_between_instances():

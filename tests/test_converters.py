@@ -38,7 +38,7 @@ def test_refcoco_refs_become_grounding_rows_with_gold_crop_trajectories(tmp_path
     assert rows[0].answer == [300.0, 200.0, 380.0, 260.0] and rows[0].evidence.boxes == [rows[0].answer]
     assert '"red car"' in rows[0].question and rows[0].answer_type == "box"
     call, tool, answer = rows[0].messages
-    assert '"name": "crop"' in call.plain_text
+    assert '"name": "crop"' in call.plain_text and tool.plain_text.startswith("Image 1: cropped region [")
     crop = Image.open(next(p.path for p in tool.content if p.type == "image"))
     center = crop.convert("RGB").getpixel((crop.width // 2, crop.height // 2))
     assert max(abs(a - b) for a, b in zip(center, (220, 30, 30), strict=True)) <= 4  # the real crop tool's output
@@ -125,6 +125,8 @@ def test_synthetic_video_rows_hide_the_answer_in_a_short_window(tmp_path, policy
     assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
     clip_turn = row.messages[3].content
     assert any(p.type == "text" and p.text.startswith("t=") for p in clip_turn)  # frames carry their times
+    overview = len(row.messages[1].images)  # the clip's frames are labelled as the images after the overview's
+    assert [p.text for p in clip_turn if p.type == "text"][-1].startswith(f"Images {overview}–"), clip_turn[-1]
 
 
 def test_synthetic_grounding_rows_score_their_own_gold_answer_as_a_perfect_box(tmp_path, policy):

@@ -102,6 +102,11 @@ def test_turns_render_readably():
     out = render_turn(Event("turn", 0.3, message=tool, observation=Observation("x", images=[crop])), 2)
     assert out[0]["content"].startswith("**Tool result** · 0.3 s") and "returned image (56x84 px" in out[0]["content"]
     assert out[1]["content"].size == (149, 224)  # shown enlarged, pixel for pixel
+    placed = Observation("x", images=[crop], first_image=3)  # the engine's index of the image
+    assert (
+        "returned image 3 (56x84 px"
+        in render_turn(Event("turn", 0.3, message=tool, observation=placed), 2)[0]["content"]
+    )
     frames = Message(
         "tool", [ContentPart("text", "2 frames"), ContentPart("image", image=crop), ContentPart("image", image=crop)]
     )
@@ -299,7 +304,7 @@ def test_browser_end_to_end(browser_stack, tool_calling_model, tmp_path):
             trajectory = page.locator("#trajectory")
             playwright.expect(trajectory).to_contain_text("Tool call → crop image 0 at")
             playwright.expect(trajectory).to_contain_text("Tool result")
-            playwright.expect(trajectory).to_contain_text("returned image (")
+            playwright.expect(trajectory).to_contain_text("returned image 1 (")
             assert trajectory.locator("img").count() >= 2  # the uploaded image and the crop
             assert page.locator("#looked img").count() == 1  # the original with the crop box drawn
             page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)

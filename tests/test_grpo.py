@@ -20,6 +20,7 @@ from vagent.data.batching import collate
 from vagent.data.encode import encode_messages
 from vagent.model import load_policy, policy_logits
 from vagent.recipes import grpo
+from vagent.recipes.alarms import Alarms
 from vagent.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -502,7 +503,7 @@ def test_alarms_say_once_when_tool_use_collapses_or_episodes_mostly_hit_a_cap(ca
     from vagent.config import GRPOAlgoConfig
     from vagent.training.distributed import DistEnv
 
-    alarms = grpo._Alarms(GRPOAlgoConfig(), DistEnv(0, 1, 0, torch.device("cpu")))
+    alarms = Alarms(GRPOAlgoConfig(), DistEnv(0, 1, 0, torch.device("cpu")))
     stops = {f"stop/{r}": 0.0 for r in grpo.STOP_REASONS}
     records = [{"tool_call_rate": rate, **stops, "stop/answered": 1.0} for rate in (0.8, 0.8, 0.8, 0.5, 0.1, 0.05)]
     for step, record in enumerate(records):
@@ -527,7 +528,7 @@ def test_a_spent_call_budget_is_a_cap_masked_logged_and_alarmed_like_the_others(
         grpo.STOP_REASONS
     )
     record = {"tool_call_rate": 0.9, **{f"stop/{r}": 0.0 for r in grpo.STOP_REASONS}, "stop/max_calls": 0.7}
-    grpo._Alarms(GRPOAlgoConfig(), DistEnv(0, 1, 0, torch.device("cpu"))).check(0, record)
+    Alarms(GRPOAlgoConfig(), DistEnv(0, 1, 0, torch.device("cpu"))).check(0, record)
     assert record.get("alarm/capped") == 1.0 and "calls 70%" in capsys.readouterr().out
 
 

@@ -394,34 +394,38 @@ def _wait(seconds: float, shade: int) -> str:
 
 
 def test_the_calls_of_one_turn_run_concurrently_and_come_back_in_call_order(policy, monkeypatch):
-    """Two 0.5 s calls and an instant one in one turn: the turn waits about one slow call (under 0.9 s; in sequence
-    it takes 1.0 s), and the results come back in call order though the instant one finished first, every call saw
-    only the images from before the turn, and the images are appended in call order (the one encoder agrees). A
-    pool of one thread (fewer threads than the turn has calls) runs them one after another and does not deadlock."""
+    """Two 1.0 s calls and an instant one in one turn: the turn waits about one slow call (under 1.7 s, where in
+    sequence it takes 2.0 s: a wide margin on shared cores), and the results come back in call order though the
+    instant one finished first, labelled with the indices their images get, every call saw only the images from
+    before the turn, and the images are appended in call order (the one encoder agrees). A pool of one thread (fewer
+    threads than the turn has calls) runs them one after another and does not deadlock."""
     from vagent.data import encode_messages
 
     _timed_tool(monkeypatch)
-    turn = _wait(0.5, 10) + _wait(0.5, 20) + _wait(0, 30)
+    turn = _wait(1.0, 10) + _wait(1.0, 20) + _wait(0, 30)
     task = Task(id="t", question="Q?", images=[IMAGE], tools=["wait"], scripted_turns=[turn, "<answer>a</answer>"])
     for workers in (8, 1):
         [traj] = run(policy, [task], limits=_limits(), tool_workers=workers)
         assert traj.stop_reason == "answered" and traj.metrics["tool_calls"] == 3
         assert [r.metadata["shade"] for r in traj.tool_results] == [10, 20, 30]
         assert [r.metadata["seen"] for r in traj.tool_results] == [1, 1, 1]
-        tools = [m for m in traj.messages if m.role == "tool"]
-        assert all(m.plain_text.startswith(f"waited {s} s") for m, s in zip(tools, (0.5, 0.5, 0), strict=True))
+        tools = [m.plain_text for m in traj.messages if m.role == "tool"]
+        assert [t.split(" s")[0] for t in tools] == ["Image 1: waited 1.0", "Image 2: waited 1.0", "Image 3: waited 0"]
         assert [img.getpixel((0, 0))[0] for img in traj.images[1:]] == [10, 20, 30]
         min_pixels, max_pixels = policy.pixel_budget
         enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
                               factor=policy.image_factor)  # fmt: skip
         assert enc.input_ids.tolist() == traj.token_ids
         if workers > 1:
-            assert 0.5 <= traj.metrics["tool_wait_s"] < 0.9, traj.metrics["tool_wait_s"]
+            assert 1.0 <= traj.metrics["tool_wait_s"] < 1.7, traj.metrics["tool_wait_s"]
         else:
-            assert traj.metrics["tool_wait_s"] >= 1.0
+            assert traj.metrics["tool_wait_s"] >= 2.0 and traj.metrics["tool_queue_s"] >= 1.0 + 2.0  # 2nd 1 s, 3rd 2 s
 
 
-def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results(policy, monkeypatch):
+@pytest.mark.parametrize("workers", [8, 1])
+def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results(policy, monkeypatch, workers):
+    """A turn with a hung call and a quick one: the hung one times out and the quick one keeps its result, also with
+    one worker, where the quick call waits behind the hung one and runs on the thread that takes its place."""
     import threading
     import types
 
@@ -439,12 +443,14 @@ def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results
         id="t", question="Q?", images=[IMAGE], tools=["hang", "wait"], scripted_turns=[turn, "<answer>a</answer>"]
     )
     try:
-        [traj] = run(policy, [task], limits=_limits(), tool_timeout_s=0.5)
+        [traj] = run(policy, [task], limits=_limits(), tool_timeout_s=0.5, tool_workers=workers)
     finally:
         release.set()
     assert traj.stop_reason == "answered" and [r.error for r in traj.tool_results] == ["timeout", None]
     tools = [m for m in traj.messages if m.role == "tool"]
-    assert "did not finish within 0.5 s" in tools[0].plain_text and tools[1].plain_text.startswith("waited 0 s")
+    assert "did not finish within 0.5 s" in tools[0].plain_text and tools[1].plain_text.startswith(
+        "Image 1: waited 0 s"
+    )
     assert len(traj.images) == 2 and traj.images[1].getpixel((0, 0))[0] == 40
 
 
@@ -498,3 +504,110 @@ def test_the_frame_budget_sets_longvts_prompt_frames_and_is_refused_by_pixel_rea
     assert len(pixel_reasoner.prompt("Q?", [], [path], [])[-1].images) == 16
     with pytest.raises(ValueError, match="select_frames only re-shows"):
         pixel_reasoner.prompt("Q?", [], [path], [], frames=7)
+
+
+# -- image labels, queued calls, the image cap ---------------------------------------------------------------
+
+
+def _crop(bbox, image_index=0) -> str:
+    return f'<tool_call>{{"name": "crop", "arguments": {{"bbox": {list(bbox)}, "image_index": {image_index}}}}}</tool_call>'
+
+
+def test_two_crops_of_one_turn_are_labelled_with_the_indices_they_get_and_a_later_index_means_that_image(policy):
+    """A turn crops the red left half then the blue right half (and makes a text-only call between them): the tool
+    turns say "Image 1:" and "Image 2:" (each call saw one image, so each alone would have said "Image 1"), and the
+    next turn's crop of image 2 cuts the blue crop, the image labelled "Image 2"; the trajectory re-encodes."""
+    from vagent.data import encode_messages
+
+    halves = Image.new("RGB", (448, 224), (200, 30, 30))
+    halves.paste((30, 30, 200), (224, 0, 448, 224))
+    w, h = policy.model_view(halves).size
+    left, right = _crop([4, 4, w // 2 - 4, h - 4]), _crop([w // 2 + 4, 4, w - 4, h - 4])
+    unknown = '<tool_call>{"name": "teleport", "arguments": {}}</tool_call>'
+    task = Task(id="t", question="Q?", images=[halves], scripted_turns=[left + unknown + right, _crop([2, 2, 30, 30], 2),
+                                                                        "<answer>blue</answer>"])  # fmt: skip
+    traj = rollout(policy, task, _limits())
+    assert traj.stop_reason == "answered" and [r.error for r in traj.tool_results] == [None, "unknown_tool", None, None]
+    tools = [m for m in traj.messages if m.role == "tool"]
+    labels = [m.plain_text.split(":")[0] for m in tools]
+    assert labels == ["Image 1", "Error", "Image 2", "Image 3"], [m.plain_text for m in tools]
+    colours = [m.images[0].getpixel((2, 2)) for m in (tools[0], tools[2], tools[3])]
+    assert colours[0][0] > 150 and colours[1][2] > 150  # Image 1 red, Image 2 blue
+    assert traj.tool_results[3].metadata["image_index"] == 2 and colours[2][2] > 150  # image 2 is the blue one
+    assert "of image 2 " in tools[3].plain_text
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                          factor=policy.image_factor)  # fmt: skip
+    assert enc.input_ids.tolist() == traj.token_ids
+
+
+def test_time_queued_for_a_worker_is_not_a_timeout(policy, monkeypatch):
+    """One worker, 0.5 s calls, a 1.5 s timeout: a row with two calls and three rows with one (2.5 s of calls in
+    all) all get their results, though the last calls start about 2 s after their turns ended; the wait for a worker is
+    counted in tool_queue_s."""
+    _timed_tool(monkeypatch)
+    tasks = [Task(id=f"r{i}", question="Q?", images=[IMAGE], tools=["wait"],
+                  scripted_turns=[_wait(0.5, 10) * (2 if i == 0 else 1), "<answer>a</answer>"]) for i in range(4)]  # fmt: skip
+    out = run(policy, tasks, limits=_limits(), batch_size=4, tool_workers=1, tool_timeout_s=1.5)
+    assert [[r.error for r in t.tool_results] for t in out] == [[None, None], [None], [None], [None]]
+    assert all(t.stop_reason == "answered" for t in out)
+    queued = sorted(t.metrics["tool_queue_s"] for t in out)
+    assert queued[-1] >= 1.0 and sum(queued) >= 2.0, queued  # calls queue one after another behind one worker
+
+
+def test_a_hung_call_gives_up_its_worker_so_queued_calls_still_run(policy, monkeypatch):
+    """One worker: a row's call hangs and another row's call waits behind it. The hung call is abandoned at its
+    timeout and a new thread takes its place, so the queued call runs (and is no timeout) while the hung thread
+    still hangs."""
+    import threading
+    import types
+
+    from vagent import toolbox
+    from vagent.types import Observation
+
+    _timed_tool(monkeypatch)
+    release = threading.Event()
+    hang = types.ModuleType("hang")
+    hang.NAME, hang.call = "hang", lambda arguments, context: release.wait(60) and Observation(text="late")
+    hang.SCHEMA = {"name": "hang", "description": "hangs", "parameters": {"type": "object", "properties": {}}}
+    monkeypatch.setitem(toolbox.TOOLS, "hang", hang)
+    stuck = Task(id="stuck", question="Q?", images=[IMAGE], tools=["hang"],
+                 scripted_turns=['<tool_call>{"name": "hang", "arguments": {}}</tool_call>', "<answer>a</answer>"])  # fmt: skip
+    behind = Task(id="behind", question="Q?", images=[IMAGE], tools=["wait"],
+                  scripted_turns=[_wait(0, 50), "<answer>b</answer>"])  # fmt: skip
+    try:
+        out = run(policy, [stuck, behind], limits=_limits(), tool_workers=1, tool_timeout_s=0.5)
+        assert not release.is_set()
+    finally:
+        release.set()
+    assert [[r.error for r in t.tool_results] for t in out] == [["timeout"], [None]]
+    assert [t.stop_reason for t in out] == ["answered", "answered"]
+
+
+def test_the_image_cap_counts_only_returned_images_and_every_call_of_the_turn(policy):
+    """A prompt already over max_images: a text-only call never trips the cap, an image call does. At the cap every
+    call of the turn ran and is counted (metrics and tool_results), though only those under the cap are shown."""
+    unknown = '<tool_call>{"name": "teleport", "arguments": {}}</tool_call>'
+    crowded = Task(id="t", question="Q?", images=[IMAGE] * 3, scripted_turns=[unknown, "<answer>a</answer>"])
+    traj = rollout(policy, crowded, _limits(max_images=2))
+    assert traj.stop_reason == "answered" and traj.metrics["tool_calls"] == 1
+    three = Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[CROP * 3, "<answer>a</answer>"])
+    traj = rollout(policy, three, _limits(max_images=2))
+    assert traj.stop_reason == "max_images"
+    assert traj.metrics["tool_calls"] == 3 and len(traj.tool_results) == 3
+    assert [m.role for m in traj.messages].count("tool") == 1 and len(traj.images) == 2
+
+
+def test_a_frame_budget_is_clamped_to_leave_room_for_a_tool_image(policy, tmp_path):
+    """Two videos under a frame budget of 3 with max_images 5: 6 frames would fill the cap, so each video shows 2
+    (4 images, room for one more) and a one-frame call comes back; a row whose prompt images leave no room for one
+    frame per video and a tool image is refused by name."""
+    path = str(write_video(tmp_path / "clip.mp4", frames=40, fps=10.0))
+    call = '<tool_call>{"name": "sample_frames", "arguments": {"start": 1, "end": 2, "num_frames": 1}}</tool_call>'
+    task = Task(id="two-videos", question="When?", videos=[path, path], tools=["sample_frames"],
+                scripted_turns=[call, "<answer>a</answer>"])  # fmt: skip
+    traj = rollout(policy, task, _limits(max_images=5, frame_budget=(3, 3)))
+    assert len(traj.messages[1].images) == 4 and traj.stop_reason == "answered" and len(traj.images) == 5
+    full = Task(id="crowded-row", question="When?", images=[IMAGE] * 3, videos=[path], tools=["sample_frames"])
+    with pytest.raises(ValueError, match="crowded-row"):
+        rollout(policy, full, _limits(max_images=4, frame_budget=(2, 2)))

@@ -144,6 +144,17 @@ def _tasks():
     ]
 
 
+def test_prefill_patch_blocks_are_stacked_on_the_device_as_one_concatenation_would():
+    """The new images' patch blocks of a prefill go to the device block by block into one tensor (no host-side
+    concatenation first): the same values as torch.cat, and a lone block is passed as it is."""
+    from vagent.rollout.hf_backend import _stacked_on
+
+    blocks = [torch.randn(n, 12) for n in (4, 16, 8)]
+    stacked = _stacked_on(blocks, torch.device("cpu"))
+    assert torch.equal(stacked, torch.cat(blocks)) and stacked.dtype == blocks[0].dtype
+    assert _stacked_on(blocks[:1], torch.device("cpu")) is blocks[0]
+
+
 def test_rows_keep_their_slots_and_the_storage_is_not_copied_when_rows_join_and_leave(policy):
     """Rows join and leave the decode batch at every turn and tool call: with room reserved, the storage is
     the same tensor from the first step to the last, and each row stays in one slot for its episode."""

@@ -4,6 +4,7 @@ schedule), GRPO with it on and off, and 2 ranks that find different numbers of p
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -13,15 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from vagent.algorithms import self_critic_pairs
 from vagent.config import ConfigError, GRPOConfig, load_config
+from vagent.data.batching import collate
 from vagent.data.encode import encode_messages
 from vagent.model import load_policy, masked_token_logprobs
 from vagent.training.backend import DDPBackend, build_optimizer, warmup_cosine
 from vagent.training.distributed import DistEnv
 from vagent.training.metrics import read_metrics
-from vagent.training.self_critic import self_critic_step
+from vagent.training.self_critic import SelfCritic
 from vagent.types import ContentPart, Message
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +89,7 @@ def test_bad_pair_rule_arguments_are_errors():
 
 
 @pytest.mark.parametrize(("override", "message"), [("every=0", "every"), ("margin=-1", "margin"),
-                                                   ("beta=0", "beta"), ("lr_scale=0", "lr_scale"),
+                                                   ("beta=0", "beta"), ("coef=0", "coef"),
                                                    ("loss_type=hinge", "loss_type")])  # fmt: skip
 def test_bad_settings_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -125,25 +128,42 @@ def _score(module):
 
 def _old(module, encoded, pad_id):
     """Per trajectory, its (T_i,) log-probs under ``module`` now: the weights that 'sampled' it (one batch)."""
-    from vagent.data.batching import collate
-
     with torch.no_grad():
         lp = _score(module)(collate(encoded, pad_id))
     return [lp[i, : len(e.input_ids)] for i, e in enumerate(encoded)]
 
 
-def _backend(policy, lr=1e-3):
+def _backend(policy, lr=1e-3, max_grad_norm=1.0, total_steps=10):
     optimizer = build_optimizer(policy.model, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = warmup_cosine(optimizer, warmup_steps=0, total_steps=10, min_ratio=0.0)
-    return DDPBackend(policy.model, CPU, optimizer=optimizer, scheduler=scheduler, max_grad_norm=1.0, bf16=False)
+    scheduler = warmup_cosine(optimizer, warmup_steps=0, total_steps=total_steps, min_ratio=0.0)
+    return DDPBackend(policy.model, CPU, optimizer=optimizer, scheduler=scheduler, max_grad_norm=max_grad_norm,
+                      bf16=False)  # fmt: skip
 
 
-def _step(backend, policy, encoded, old, rewards, capped=None, **kwargs):
-    settings = dict(group_size=4, margin=0.0, beta=0.5, loss_type="sigmoid", lr_scale=1.0, max_pairs=0,
-                    pairs_per_micro=1)  # fmt: skip
-    return self_critic_step(backend, encoded, old, rewards, capped or [False] * len(encoded),
-                            **{**settings, **kwargs}, pad_id=policy.tokenizer.pad_token_id or 0, device=CPU.device,
-                            score=_score(backend.module))  # fmt: skip
+def _critic(backend, policy, encoded, rewards, capped=None, env=CPU, **kwargs):
+    settings = dict(group_size=4, margin=0.0, max_pairs=0, capped_chosen=False, coef=1.0, beta=0.5,
+                    loss_type="sigmoid", pairs_per_micro=1)  # fmt: skip
+    return SelfCritic(encoded, rewards, capped or [False] * len(encoded), **{**settings, **kwargs},
+                      pad_id=policy.tokenizer.pad_token_id or 0, device=env.device, score=_score(backend.module))  # fmt: skip
+
+
+def _other_loss(backend, encoded, last, normalizer=None):
+    """Another objective's micro-batch (the NLL of ``encoded``'s sampled tokens over ``normalizer``, their count when
+    None) accumulated as the update accumulates its PPO loss (``last``: it closes the optimizer step's)."""
+    batch = collate(encoded, 0)
+    mask = batch["loss_mask"]
+    with backend.accumulating(last=last):
+        lp = _score(backend.module)(batch)
+        backend.backward(-(lp * mask).sum() / (normalizer or mask[:, 1:].sum()))
+
+
+def _update(backend, critic, old, other=None):
+    """One optimizer step as GRPO's update takes it: ``other``'s loss (standing in for the PPO loss), then the critic's
+    DPO micro-batches closing the accumulation. Returns (the dpo record, the step's grad norm)."""
+    if other is not None:
+        _other_loss(backend, other, last=False)
+    record = critic.backward(backend, old)
+    return record, backend.step()
 
 
 @pytest.fixture()
@@ -154,28 +174,27 @@ def fresh(tiny_qwen25):
     return policy
 
 
-def test_a_dpo_step_raises_its_pairs_chosen_over_rejected_log_ratio(fresh):
-    """Against the log-probs of the weights that sampled, the policy starts at log-ratio 0 (loss log 2); one step
-    later, scored against the same reference, the chosen sides gained on the rejected ones. The step is outside the
-    LR schedule: the rate stays and the schedule does not advance."""
+def test_the_dpo_term_raises_its_pairs_chosen_over_rejected_log_ratio(fresh):
+    """Against the log-probs of the weights that sampled, the policy starts at log-ratio 0 (loss log 2); one update
+    later, scored against the same reference, the chosen sides gained on the rejected ones. The term adds no optimizer
+    step: AdamW and the schedule advance once per update, as without it."""
     backend = _backend(fresh)
     encoded, rewards = _trajectories(fresh, [GROUP_A, GROUP_B, GROUP_EQ])
     old = _old(backend.module, encoded, fresh.tokenizer.pad_token_id or 0)
-    before = backend.scheduler.last_epoch, backend.lr()
-    first = _step(backend, fresh, encoded, old, rewards)
+    first, grad_norm = _update(backend, _critic(backend, fresh, encoded, rewards), old)
     assert first["dpo/pairs"] == 2.0 and first["dpo/reward_gap"] == pytest.approx((1.0 + 0.8) / 2)
     assert first["dpo/loss"] == pytest.approx(math.log(2), abs=1e-5)  # the policy is its reference
     assert abs(first["dpo/chosen_logratio"]) < 1e-5 and abs(first["dpo/rejected_logratio"]) < 1e-5
-    assert math.isfinite(first["dpo/grad_norm"]) and first["dpo/grad_norm"] > 0
-    assert (backend.scheduler.last_epoch, backend.lr()) == before
-    assert [g["lr"] for g in backend.optimizer.param_groups] == [1e-3] * len(backend.optimizer.param_groups)
-    second = _step(backend, fresh, encoded, old, rewards)
+    assert math.isfinite(grad_norm) and grad_norm > 0 and first["time/self_critic"] >= 0
+    assert backend.scheduler.last_epoch == 1
+    assert {int(state["step"]) for state in backend.optimizer.state.values()} == {1}
+    second, _ = _update(backend, _critic(backend, fresh, encoded, rewards), old)
     assert second["dpo/chosen_logratio"] > second["dpo/rejected_logratio"]
     assert second["dpo/reward_margin"] > 0.01 and second["dpo/accuracy"] == 1.0
     assert second["dpo/loss"] < first["dpo/loss"]
 
 
-def test_capped_and_masked_trajectories_change_the_pairs_the_step_trains(fresh):
+def test_capped_and_masked_trajectories_change_the_pairs_the_term_trains(fresh):
     """A's best is capped (never chosen: 2 against 1, gap 0.5); B's worst has no trained tokens (over-turn masking: on
     neither side, so B pairs 5 against 4, gap 0.6)."""
     backend = _backend(fresh)
@@ -183,42 +202,110 @@ def test_capped_and_masked_trajectories_change_the_pairs_the_step_trains(fresh):
     encoded[7].loss_mask.zero_()
     old = _old(backend.module, encoded, fresh.tokenizer.pad_token_id or 0)
     capped = [True] + [False] * 7
-    record = _step(backend, fresh, encoded, old, rewards, capped=capped)
+    critic = _critic(backend, fresh, encoded, rewards, capped=capped)
+    assert critic.micro == [[(2, 1)], [(5, 4)]]
+    record, _ = _update(backend, critic, old)
     assert record["dpo/pairs"] == 2.0 and record["dpo/reward_gap"] == pytest.approx((0.5 + 0.6) / 2)
 
 
-def test_no_pair_no_step_and_max_pairs_keeps_the_widest_gap(fresh):
+def test_no_pair_no_term_and_max_pairs_keeps_the_widest_gap(fresh):
+    """Without a pair the update must close its own accumulation: backward refuses to run (its micro-batches would
+    sync nothing and divide by 0)."""
     backend = _backend(fresh)
-    weights = {k: v.clone() for k, v in fresh.model.state_dict().items()}
     encoded, rewards = _trajectories(fresh, [GROUP_EQ, GROUP_EQ])
     old = _old(backend.module, encoded, fresh.tokenizer.pad_token_id or 0)
-    assert _step(backend, fresh, encoded, old, rewards) == {"dpo/pairs": 0.0}
-    assert all(torch.equal(v, fresh.model.state_dict()[k]) for k, v in weights.items())
+    critic = _critic(backend, fresh, encoded, rewards)
+    assert critic.pairs == 0 and critic.record == {"dpo/pairs": 0.0}
+    with pytest.raises(RuntimeError, match="no pair"):
+        critic.backward(backend, old)
+    assert all(p.grad is None for p in fresh.model.parameters())
     encoded, rewards = _trajectories(fresh, [GROUP_B, GROUP_A])
     old = _old(backend.module, encoded, fresh.tokenizer.pad_token_id or 0)
-    record = _step(backend, fresh, encoded, old, rewards, max_pairs=1)
+    record, _ = _update(backend, _critic(backend, fresh, encoded, rewards, max_pairs=1), old)
     assert record["dpo/pairs"] == 1.0 and record["dpo/reward_gap"] == pytest.approx(1.0)  # A's, not B's 0.8
 
 
-def test_lr_scale_scales_the_step(tiny_qwen25):
-    """AdamW's first step moves each weight by lr x g / |g| (no decay here): a quarter of the rate, a quarter of the
-    move, for the same gradients."""
-    moves = []
-    for scale in (1.0, 0.25):
-        policy = load_policy(tiny_qwen25, device="cpu", dtype="float32")
-        policy.model.train()
-        start = {k: v.detach().clone() for k, v in policy.model.named_parameters()}
-        backend = _backend(policy)
-        encoded, rewards = _trajectories(policy, [GROUP_A])
-        _step(backend, policy, encoded, _old(backend.module, encoded, 0), rewards, lr_scale=scale)
-        moves.append(torch.cat([(p.detach() - start[k]).flatten() for k, p in policy.model.named_parameters()]))
-    assert moves[0].abs().max() == pytest.approx(1e-3, rel=1e-3)
-    # a difference of fp32 weights near 1 is exact to their spacing, 1.2e-7
-    assert torch.allclose(moves[1], 0.25 * moves[0], rtol=1e-3, atol=3e-7)
-    assert float(moves[1].norm() / moves[0].norm()) == pytest.approx(0.25, rel=1e-4)
+def _flat_grad(model):
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
-# -- GRPO with the step ----------------------------------------------------------------------------------------------
+def test_coef_weighs_the_dpo_gradient_beside_the_other_loss(fresh):
+    """The accumulated gradient is the other loss's + coef x the DPO loss's: a quarter of the coef, a quarter of the
+    DPO part, the other part untouched (gradients are read before the step, which clips them together)."""
+    backend = _backend(fresh)
+    encoded, rewards = _trajectories(fresh, [GROUP_A, GROUP_B])
+    other, _ = _trajectories(fresh, [GROUP_C])
+    old = _old(backend.module, encoded, 0)
+    parts = {}
+    for name, coef, with_other in (("dpo", 1.0, False), ("quarter", 0.25, False), ("both", 0.25, True)):
+        if with_other:
+            _other_loss(backend, other, last=False)
+        _critic(backend, fresh, encoded, rewards, coef=coef).backward(backend, old)
+        parts[name] = _flat_grad(fresh.model)
+        backend.optimizer.zero_grad(set_to_none=True)
+    _other_loss(backend, other, last=True)
+    parts["other"] = _flat_grad(fresh.model)
+    assert parts["dpo"].norm() > 0 and parts["other"].norm() > 0
+    # float32 sums of the same micro-batches in another order: equal to their rounding
+    assert torch.allclose(parts["quarter"], 0.25 * parts["dpo"], rtol=1e-5, atol=1e-8)
+    assert torch.allclose(parts["both"], parts["other"] + parts["quarter"], rtol=1e-4, atol=1e-7)
+
+
+def test_after_momentum_the_dpo_term_moves_the_update_along_its_gradient_not_the_momentum(fresh):
+    """What the term adds to an update that follows others: 30 AdamW steps of another objective (momentum built up,
+    the second moment past its first steps' bias correction), then the same update from the same state with and
+    without the term. The term enters AdamW's first moment as 0.1 x grad DPO, as the update's own gradient does, and
+    the weights move by it along -grad DPO as AdamW scales it (/ sqrt(v)), not along the momentum. This step's first
+    version (2f27396), a second AdamW step on grad DPO alone after the update, measured on this setup: cosine 0.26 with
+    the scaled -grad DPO and 0.96 with the previous update's direction."""
+    backend = _backend(fresh, max_grad_norm=0.0, total_steps=100)  # no clipping: the difference is the term's alone
+    encoded, rewards = _trajectories(fresh, [GROUP_A, GROUP_B])
+    other, _ = _trajectories(fresh, [GROUP_C])
+    for _ in range(30):
+        _other_loss(backend, other, last=True)
+        backend.step()
+    old = _old(backend.module, encoded, 0)
+    _critic(backend, fresh, encoded, rewards).backward(backend, old)
+    g = _flat_grad(fresh.model)  # (P,) grad DPO at the weights the update starts from
+    backend.optimizer.zero_grad(set_to_none=True)
+    params = list(fresh.model.parameters())
+    snapshot = [copy.deepcopy(x.state_dict()) for x in (fresh.model, backend.optimizer, backend.scheduler)]
+    previous = _adam_direction(backend.optimizer, params)  # (P,) where the momentum points
+    after, moments = [], []
+    for with_term in (True, False):
+        for x, state in zip((fresh.model, backend.optimizer, backend.scheduler), snapshot, strict=True):
+            x.load_state_dict(copy.deepcopy(state))
+        if with_term:
+            _update(backend, _critic(backend, fresh, encoded, rewards), old, other=other)
+            scale = _adam_moment(backend.optimizer, params, "exp_avg_sq").sqrt() + 1e-8  # (P,) sqrt(v) it divided by
+        else:
+            _other_loss(backend, other, last=True)
+            backend.step()
+        after.append(torch.cat([p.detach().flatten().clone() for p in params]))
+        moments.append(_adam_moment(backend.optimizer, params, "exp_avg", corrected=False))
+    assert torch.allclose(moments[0] - moments[1], 0.1 * g, atol=1e-7)  # (1 - beta1) x coef x grad DPO
+    added = after[0] - after[1]  # (P,) what the term moved
+    cos = lambda a, b: float(F.cosine_similarity(a, b, dim=0))  # noqa: E731
+    assert cos(added, -g / scale) > 0.9  # measured 0.96
+    assert abs(cos(added, -previous)) < 0.2  # measured -0.06
+
+
+def _adam_moment(optimizer, params, key, corrected=True):
+    """(P,) AdamW's ``key`` moment of ``params`` (0 where it holds none), divided by its bias correction."""
+    states = [optimizer.state.get(p, {}) for p in params]
+    step = float(next(s["step"] for s in states if s))
+    beta = 0.9 if key == "exp_avg" else 0.999
+    held = [s[key] if key in s else torch.zeros_like(p) for s, p in zip(states, params, strict=True)]
+    flat = torch.cat([x.flatten() for x in held])
+    return flat / (1 - beta**step) if corrected else flat
+
+
+def _adam_direction(optimizer, params):
+    """(P,) the direction AdamW's next step takes with no new gradient: m / (sqrt(v) + eps), bias-corrected."""
+    return _adam_moment(optimizer, params, "exp_avg") / (_adam_moment(optimizer, params, "exp_avg_sq").sqrt() + 1e-8)
+
+
+# -- GRPO with the term ----------------------------------------------------------------------------------------------
 
 
 def _even_tokens(trajectories, rows):
@@ -233,10 +320,12 @@ def _even_tokens(trajectories, rows):
 def test_grpo_with_self_critic_logs_dpo_beside_grpo_and_off_is_todays_run(
     tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
 ):
-    """Two steps with the step every 2: the first step and the second's rollouts and update are those of the run
-    without it (the stage draws no random number and runs after the update); the second step logs the dpo metrics
-    beside GRPO's, and the final weights differ by the DPO step. A random policy's 6-token turns are all cut by
-    max_tokens: capped_chosen lets them be chosen."""
+    """Two steps with the term every 2: the first step is the run without it, grad norm included; the second's
+    rollouts, rewards and PPO statistics are too (the term draws no random number and adds to the gradient only),
+    its gradient is not, and it logs the dpo metrics beside GRPO's. One optimizer step per GRPO step (the shipped
+    tiny config): the term's log-ratios are taken before it, at the weights that sampled (loss log 2). With a margin
+    no group clears (the rewards are shares in [0, 1]), a step with the term logs 0 pairs and trains exactly as
+    without it (one step: its record holds the gradient's norm). A random policy's 6-token turns are all cut by max_tokens: capped_chosen lets them be chosen."""
     import vagent.rewards as rewards
 
     monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
@@ -246,30 +335,33 @@ def test_grpo_with_self_critic_logs_dpo_beside_grpo_and_off_is_todays_run(
     from vagent.recipes import grpo
 
     runs = {}
-    for name, extra in (
-        ("off", []),
-        ("on", ["grpo.self_critic.enabled=true", "grpo.self_critic.every=2", "grpo.self_critic.capped_chosen=true"]),
-    ):
+    critic = ["grpo.self_critic.enabled=true", "grpo.self_critic.capped_chosen=true"]
+    for name, extra in (("off", []), ("on", [*critic, "grpo.self_critic.every=2"]),
+                        ("no_pair", [*critic, "grpo.self_critic.margin=1", "train.max_steps=1"])):  # fmt: skip
         out = tmp_path / name
         model = grpo.train(load_config(GRPOConfig, GRPO_CONFIG, [*base, f"out_dir={out}", *extra]))
         runs[name] = read_metrics(out / "metrics.jsonl"), load_policy(model, device="cpu").model.state_dict()
-    (off, off_weights), (on, on_weights) = runs["off"], runs["on"]
+    (off, off_weights), (on, on_weights), (none, _) = runs["off"], runs["on"], runs["no_pair"]
     untimed = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "dpo/", "peak_mem"))}  # noqa: E731
-    assert [untimed(r) for r in on] == [untimed(r) for r in off]  # the same rewards, losses, grad norms, ...
+    assert untimed(on[0]) == untimed(off[0])  # the same rewards, loss, grad norm, ...
+    but_gradient = lambda r: {k: v for k, v in untimed(r).items() if k != "grad_norm"}  # noqa: E731
+    assert but_gradient(on[1]) == but_gradient(off[1]) and on[1]["grad_norm"] != off[1]["grad_norm"]
     assert not any(k.startswith("dpo/") for r in off for k in r) and not any(k.startswith("dpo/") for k in on[0])
     record = on[1]
-    assert record["dpo/pairs"] >= 1 and "time/self_critic" in record
-    for key in ("dpo/loss", "dpo/reward_margin", "dpo/chosen_logratio", "dpo/rejected_logratio", "dpo/grad_norm"):
+    assert record["dpo/pairs"] >= 1 and record["time/self_critic"] > 0
+    for key in ("dpo/loss", "dpo/reward_margin", "dpo/chosen_logratio", "dpo/rejected_logratio", "dpo/accuracy"):
         assert math.isfinite(record[key]), key
+    assert record["dpo/loss"] == pytest.approx(math.log(2), abs=1e-4) and abs(record["dpo/chosen_logratio"]) < 1e-4
     assert record["dpo/reward_gap"] > 0
     assert any(not torch.equal(off_weights[k], on_weights[k]) for k in off_weights)
+    assert len(none) == 1 and untimed(none[0]) == untimed(off[0]) and none[0]["dpo/pairs"] == 0.0
 
 
 # -- two ranks -------------------------------------------------------------------------------------------------------
 
-# Each rank steps on its own groups: rank 1 finds no pair (DDP) or fewer than rank 0 (FSDP). Every rank runs as many
-# micro-batches as rank 0 (a rank that skipped one would hang the all-reduce or the gathers), and the step equals
-# one process stepping on every rank's groups.
+# Each rank updates on its own groups: rank 1 finds no pair (DDP) or fewer than rank 0 (FSDP). Every rank runs as
+# many DPO micro-batches as rank 0 after its other loss's (a rank that skipped one would hang the all-reduce or the
+# gathers), and the update equals one process updating on every rank's groups.
 SCENARIOS = {"ddp": ([GROUP_A, GROUP_B], [GROUP_EQ, GROUP_EQ]), "fsdp": ([GROUP_A, GROUP_B], [GROUP_C, GROUP_EQ])}
 
 CHILD = """
@@ -286,8 +378,9 @@ shutdown()
 
 
 def two_steps(checkpoint, kind, groups, env):
-    """Two self-critic steps of a fresh policy on ``groups`` (the second scores the first's result), as ``kind``
-    (``ddp``, or ``fsdp`` with its shards) on ``env``'s ranks."""
+    """Two updates of a fresh policy on ``groups`` (the second scores the first's result), each another loss on the
+    groups and the DPO term, as ``kind`` (``ddp``, or ``fsdp`` with its shards) on ``env``'s ranks. Returns the dpo
+    records with the update's grad norm."""
     from vagent.training.adapters import touch_vision_every_forward
     from vagent.training.fsdp import FSDPBackend, shard_model
 
@@ -304,10 +397,13 @@ def two_steps(checkpoint, kind, groups, env):
                DDPBackend(policy.model, env, **common, bf16=False))  # fmt: skip
     encoded, rewards = _trajectories(policy, groups)
     old = _old(backend.module, encoded, policy.tokenizer.pad_token_id or 0)
-    settings = dict(group_size=4, margin=0.0, beta=0.5, loss_type="sigmoid", lr_scale=1.0, max_pairs=0,
-                    pairs_per_micro=1, pad_id=policy.tokenizer.pad_token_id or 0, device=env.device,
-                    score=_score(backend.module))  # fmt: skip
-    return [self_critic_step(backend, encoded, old, rewards, [False] * len(encoded), **settings) for _ in range(2)]
+    records = []
+    for _ in range(2):
+        # the other loss's share: its summed NLL over a constant, so that the ranks' shares add up to one process's
+        _other_loss(backend, encoded, last=False, normalizer=100.0)
+        record, grad_norm = _update(backend, _critic(backend, policy, encoded, rewards, env=env), old)
+        records.append({k: v for k, v in record.items() if not k.startswith("time/")} | {"grad_norm": grad_norm})
+    return records
 
 
 @pytest.mark.slow  # two torchrun ranks: 27 s on 2 shared cores

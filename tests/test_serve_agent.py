@@ -108,3 +108,6 @@ def test_agent_mode_serves_a_larger_turn_budget_with_an_image_a_turn(policy):
     add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--max-images", "0"])
+    assert parser.parse_args(["--model", "m", "--tool-workers", "3"]).tool_workers == 3  # reaches the engine's pool:
+    with TestClient(create_app(policy, ServerOptions(model_name="m", agent=True, tool_workers=3))) as http:
+        assert http.app.state.scheduler.tool_workers == 3

@@ -1,5 +1,6 @@
 """sample_frames and crop_clip on generated videos whose frames show their own index."""
 
+import dataclasses
 import json
 import os
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vagent.chat import observation_text
 from vagent.toolbox import ToolContext, call_tool
 from vagent.types import ToolCall
 
@@ -59,12 +61,14 @@ def _check_frames(obs, frames=FRAMES, fps=FPS):
 
 
 def test_sample_frames_defaults_to_eight_frames_over_the_whole_video(video):
-    three_images = [Image.new("RGB", (28, 28))] * 3  # frames will become images 3..10 of the episode
+    three_images = [Image.new("RGB", (28, 28))] * 3
     obs = _call("sample_frames", {}, video, images=three_images)
     # Segment centres 0.25, 0.75, ... 3.75 s fall in frames floor(t * 10).
     assert _check_frames(obs) == [2, 7, 12, 17, 22, 27, 32, 37]
     assert obs.metadata["span"] == [0.0, 4.0] and obs.metadata["video_index"] == 0
-    assert "images 3–10" in obs.text and "t = 0.20, 0.70" in obs.text and "Note" not in obs.text
+    assert "t = 0.20, 0.70" in obs.text and "Note" not in obs.text
+    # appended after three images, the frames become images 3-10: the engine sets first_image, vagent's text says so
+    assert observation_text(dataclasses.replace(obs, first_image=3)).startswith("Images 3–10: 8 frame(s) of video 0")
 
 
 def test_sample_frames_over_a_span_by_count_and_by_fps(video):
@@ -74,7 +78,8 @@ def test_sample_frames_over_a_span_by_count_and_by_fps(video):
     by_fps = _call("sample_frames", {"start": 0.5, "end": 2.0, "fps": 2}, video)
     assert len(_check_frames(by_fps)) == 3  # 2 fps x 1.5 s: float noise must not make it 4
     single = _call("sample_frames", {"num_frames": 1}, video, images=[Image.new("RGB", (28, 28))])
-    assert _check_frames(single) == [20] and "(image 1," in single.text
+    assert _check_frames(single) == [20]
+    assert observation_text(dataclasses.replace(single, first_image=1)).startswith("Image 1: 1 frame(s) of video 0")
 
 
 def test_out_of_range_times_are_clamped_and_said(video):

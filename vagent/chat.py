@@ -221,8 +221,20 @@ def parse_turn(text: str) -> ParsedTurn:
 
 
 def observation_text(observation: Observation) -> str:
-    """The text the model reads for an observation; failures are marked so the model can tell."""
-    return f"Error: {observation.text}" if observation.error else observation.text
+    """The text the model reads for an observation: failures are marked so the model can tell, and returned images
+    are labelled with their indices in the episode (``observation.first_image``, set by the engine once it knows
+    them), so a later ``image_index`` can name them.
+
+    >>> observation_text(Observation(text="cropped region [0, 0, 9, 9] of image 0.", images=[None], first_image=2))
+    'Image 2: cropped region [0, 0, 9, 9] of image 0.'
+    >>> observation_text(Observation(text="2 frame(s) of video 0.", images=[None, None], first_image=1))
+    'Images 1–2: 2 frame(s) of video 0.'
+    """
+    text = f"Error: {observation.text}" if observation.error else observation.text
+    first, n = observation.first_image, len(observation.images)
+    if first is None or n == 0:
+        return text
+    return f"{f'Image {first}' if n == 1 else f'Images {first}–{first + n - 1}'}: {text}"
 
 
 def observation_content(observation: Observation) -> list[dict[str, Any]]:

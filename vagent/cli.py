@@ -336,6 +336,7 @@ def _rollout(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             progress=progress,
             agent=args.agent,
+            tool_workers=args.tool_workers,
         )
 
     # The gold answer and sample number ride along in each JSONL record, so scoring needs only this file.
@@ -429,6 +430,8 @@ def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s).")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")
+    p.add_argument("--tool-workers", type=_positive, default=8, help="Threads running tool calls, shared by the "
+                   "episodes in flight; a call's timeout counts from when one starts it (%(default)s).")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
 
 

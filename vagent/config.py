@@ -315,7 +315,16 @@ class RolloutConfig:
         "[lo, hi]: frames of each video the first view (the prompt) shows, drawn per prompt from this range, the "
         "same for every sample of a group (ParaVT), so the model must call the video tools to see the rest. "
         "vagent's profile then shows that many frames with their times; LongVT shows them instead of 1 fps. null = "
-        "the profile's own view (vagent: the video's name and length only). The frames count toward max_images.",
+        "the profile's own view (vagent: the video's name and length only). The frames count toward max_images: each "
+        "row's draw is clamped so that its prompt leaves room for one tool image, and a row whose images and one frame "
+        "per video already fill max_images is an error naming it.",
+    )
+    tool_workers: int = option(
+        8,
+        "Threads running tool calls, shared by all episodes in flight; the calls of one turn run at once. A call's "
+        "timeout counts from when a thread starts it, so calls beyond this wait their turn (the tool_queue_s metric) "
+        "without timing out; more threads let more slow calls (code, search) run at once (at most the episodes in "
+        "flight x calls per turn can).",
     )
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.")
     top_p: float = option(1.0, "Nucleus sampling mass.")
@@ -336,7 +345,7 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive (or null), got {self.kv_cache_gb}")
-        for name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_images"):
+        for name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_images", "tool_workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -534,11 +543,12 @@ class GRPODataConfig:
 class GRPOSelfCriticConfig:
     enabled: bool = option(
         False,
-        "Tool-Star's self-critic step: after the update of every `every`-th GRPO step, one DPO optimizer step on "
-        "preference pairs built from that step's own groups (per group, its highest- against its lowest-reward "
-        "trajectory), scored against the log-probs of the weights that sampled them; no new rollouts.",
+        "Tool-Star's self-critic DPO: on every `every`-th GRPO step, the loss of the update's last optimizer step "
+        "adds coef x a DPO loss on preference pairs built from that step's own groups (per group, its highest- "
+        "against its lowest-reward trajectory), scored against the log-probs of the weights that sampled them; no "
+        "new rollouts, no extra optimizer step.",
     )
-    every: int = option(1, "GRPO steps between self-critic DPO steps (1 = after every step's update).")
+    every: int = option(1, "GRPO steps between those that add the DPO loss (1 = every step).")
     margin: float = option(
         0.0,
         "A group makes a pair only when its best reward exceeds its worst by more than this (>= 0; a group of "
@@ -546,12 +556,16 @@ class GRPOSelfCriticConfig:
     )
     beta: float = option(0.1, "DPO's beta: the implicit reward is beta x (policy - sampler) log-prob.")
     loss_type: Literal["sigmoid", "sigmoid_norm", "ipo"] = option(
-        "sigmoid", "As dpo.loss_type: sigmoid (summed log-probs), sigmoid_norm or ipo (token means)."
+        "sigmoid_norm",
+        "As dpo.loss_type. sigmoid_norm and ipo compare token-mean log-probs; sigmoid (Tool-Star's) sums them, so "
+        "its gradient is about L times sigmoid_norm's for responses of L tokens (lower coef to match).",
     )
-    lr_scale: float = option(
+    coef: float = option(
         1.0,
-        "The DPO step's learning rate, as a multiple of the rate of the step's GRPO update (the same AdamW; the "
-        "schedule does not count the extra step).",
+        "Weight of the pairs' mean DPO loss beside the PPO loss in the gradient of the update's last optimizer step "
+        "(one AdamW step on the sum, clipped together, as verl adds its entropy and KL losses). The pairs start at "
+        "log-ratio 0 (their reference is the sampler), where the term's gradient is coef x beta / 2 (ipo: coef / "
+        "beta) x that of the chosen-minus-rejected log-prob.",
     )
     max_pairs: int = option(
         0, "Pairs per rank and step at most, those of the largest reward gaps first; 0 = every pair found."
@@ -568,8 +582,8 @@ class GRPOSelfCriticConfig:
             raise ValueError(f"every must be >= 1, got {self.every}")
         if self.margin < 0 or self.max_pairs < 0:
             raise ValueError(f"need margin >= 0 and max_pairs >= 0, got {self.margin}, {self.max_pairs}")
-        if self.beta <= 0 or self.lr_scale <= 0:
-            raise ValueError(f"need beta > 0 and lr_scale > 0, got {self.beta}, {self.lr_scale}")
+        if self.beta <= 0 or self.coef <= 0:
+            raise ValueError(f"need beta > 0 and coef > 0, got {self.beta}, {self.coef}")
 
 
 @dataclass

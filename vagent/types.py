@@ -94,6 +94,10 @@ class Observation:
         error: Error kind (e.g. ``"bad_arguments"``, ``"timeout"``) when the call failed; None on success.
         timestamps: For video frames, the time in seconds of each returned image.
         metadata: Structured extras for metrics and rewards (e.g. the crop box in original pixels).
+        first_image: The episode's index of the first of ``images`` (the next follow in order), set by whoever
+            appends them to the episode (the rollout engine, in call order), never by the tool: only the caller knows
+            where they land when several calls of a turn run at once. vagent's protocol labels the output with it
+            (``"Image 3: ..."``); None = not placed (no label).
     """
 
     text: str
@@ -101,6 +105,7 @@ class Observation:
     error: str | None = None
     timestamps: list[float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    first_image: int | None = None
 
     @property
     def ok(self) -> bool:

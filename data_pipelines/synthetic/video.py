@@ -68,8 +68,9 @@ def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 
         stem = f"video-{seed}-{i}"
         overview_call, overview = tool_turn("sample_frames", {"num_frames": 8}, context,
                                             out / "frames" / f"{stem}-sample_frames")  # fmt: skip
+        overview_images = sum(part["type"] == "image" for part in overview["content"])  # the clip's come after them
         clip_call, clip = tool_turn("crop_clip", {"start": max(0.0, span[0] - 0.5), "end": span[1] + 0.5}, context,
-                                    out / "frames" / f"{stem}-crop_clip")  # fmt: skip
+                                    out / "frames" / f"{stem}-crop_clip", first_image=overview_images)  # fmt: skip
         messages = [
             {"role": "assistant", "content": f"<think>Let me get an overview of the video.</think>\n{overview_call}"},
             overview,

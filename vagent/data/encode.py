@@ -45,6 +45,7 @@ __all__ = [
     "encode_segment",
     "encoded_length",
     "image_patches",
+    "message_ids",
     "template_dicts",
     "template_suffix",
 ]
@@ -122,6 +123,12 @@ def encode_message(processor: Any, message: Message, images: Sequence[Image.Imag
     """A system/user/tool message appended to a conversation: its template text tokenized with its
     (model-sized) images, as ``encode_segment`` returns it."""
     return encode_segment(processor, _message_text(processor, message), images)
+
+
+def message_ids(processor: Any, message: Message, patches: Sequence[ImagePatches]) -> torch.Tensor:
+    """(n,) the ids ``encode_message`` gives ``message`` whose images have these ``patches`` (one per image, in
+    order), without running the processor on any pixels: only the text is tokenized."""
+    return _ids_with_patches(processor, _message_text(processor, message), patches)
 
 
 def image_patches(encoded: dict[str, torch.Tensor]) -> list[ImagePatches]:

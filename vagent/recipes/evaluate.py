@@ -52,7 +52,8 @@ def run_eval(args: argparse.Namespace) -> int:
                                                allow_unsandboxed_code=args.unsandboxed))  # fmt: skip
         metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
                            n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
-                           skipped=errors, progress=env.is_main, agent=args.agent)  # fmt: skip
+                           skipped=errors, progress=env.is_main, agent=args.agent,
+                           tool_workers=args.tool_workers)  # fmt: skip
     finally:
         shutdown()
     if metrics and args.judge:

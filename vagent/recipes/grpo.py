@@ -26,9 +26,10 @@ a small dataclass (``_Groups``, ``_Scored``):
              -> ``_score_old_logprobs`` returns ``_Scored``
     update   ``inner_updates`` passes of ``mini_batches`` optimizer steps each: PPO-clip with
              clip-higher, token- or sequence-level aggregation over the whole mini-batch on all ranks,
-             optional k3 KL to the frozen initial policy (``_update_policy``; statistics summed over ranks)
-    self_critic  (``grpo.self_critic``, Tool-Star) every ``every`` steps, one DPO step on pairs of the same groups
-             (best against worst reward) against the old log-probs (``vagent.training.self_critic``)
+             optional k3 KL to the frozen initial policy (``_update_policy``; statistics summed over ranks);
+             every ``every`` steps with ``grpo.self_critic`` (Tool-Star), the last optimizer step's loss adds
+             ``coef`` x DPO on pairs of the same groups, best against worst reward, against the old log-probs
+             (``vagent.training.self_critic``)
 
 Checkpoints and ``resume=auto`` work as in SFT (the data position is the number of prompts consumed).
 Rollouts of the latest step are written under ``out_dir/rollouts/`` (JSONL + HTML viewer) at every
@@ -66,6 +67,7 @@ from vagent.data import Row, encode_messages, load_rows
 from vagent.data.batching import collate
 from vagent.data.encode import Encoded
 from vagent.model import Policy, load_policy, masked_token_logprobs, policy_logits
+from vagent.recipes.alarms import CAPS, Alarms
 from vagent.recipes.common import (
     build_backend,
     config_from_argv,
@@ -100,11 +102,10 @@ from vagent.training.distributed import (
 )
 from vagent.training.fsdp import InferenceCopy, load_sharded
 from vagent.training.metrics import MetricsLogger
-from vagent.training.self_critic import self_critic_step
+from vagent.training.self_critic import SelfCritic
 from vagent.types import StopReason, Trajectory
 
 STOP_REASONS = typing.get_args(StopReason)  # the same keys on every rank: all are logged, 0 when none stopped so
-CAPS = ("max_turns", "max_tokens", "max_images", "max_calls")  # stops that cut an episode rather than end it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +233,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
         generator = ctx.generation_policy()
         val(0, generator, ctx.backend, logger, ctx.generation_backend(generator))
 
-    alarms = _Alarms(cfg.grpo, env)
+    alarms = Alarms(cfg.grpo, env)
     bar = tqdm(total=ctx.total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
     last: list[Trajectory] = []
     for step in range(start_step, ctx.total_steps):
@@ -291,7 +292,11 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     backend = build_backend(cfg.train, cfg.optim, model, env, total_steps=optimizer_steps, bf16=bf16,
                             micro_batch_size=algo.micro_batch_size, grad_accum=1, find_unused=False)  # fmt: skip
     limits = RolloutLimits(
-        **{k: v for k, v in config_to_dict(cfg.rollout).items() if k not in ("agent", "kv_cache_gb", "attention")},
+        **{
+            k: v
+            for k, v in config_to_dict(cfg.rollout).items()
+            if k not in ("agent", "kv_cache_gb", "attention", "tool_workers")
+        },
         seed=cfg.seed,
     )
     say(env, f"grpo: {len(rows)} prompts, {env.world_size} rank(s) x {algo.prompts_per_step} prompts x "
@@ -313,13 +318,13 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
     lr = ctx.backend.lr()  # the rate this step's updates use
     groups = _collect_groups(ctx, consumed, timer)
     update_stats: dict[str, float] = {}
-    critic: dict[str, float] = {}
+    dpo: dict[str, float] = {}
     if groups.n_groups:
         scored = _score_old_logprobs(ctx, groups, step, timer)
-        update_stats = _update_policy(ctx, scored, step, timer)
-        if ctx.cfg.grpo.self_critic.enabled and (step + 1) % ctx.cfg.grpo.self_critic.every == 0:
-            critic = _self_critic(ctx, scored)
-        del scored  # its encodings hold the step's patches
+        critic = _self_critic(ctx, scored, step)  # None but on every `every`-th step
+        update_stats = _update_policy(ctx, scored, step, timer, critic)
+        dpo = critic.record if critic else {}
+        del scored, critic  # their encodings hold the step's patches
     for t in groups.seen:  # trained on: the patches go now (a checkpoint's export reads the messages' images)
         t.patches = []
     trim_host_memory()
@@ -329,40 +334,7 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
             f"warning: step {step + 1}: first-update ratio deviates from 1 by {update_stats['ratio_check']:.2e}",
         )
     timer["step"] = time.perf_counter() - t_step
-    return {**_metrics(groups, update_stats, timer, ctx.env), **critic, "lr": lr}, groups.seen, groups.consumed
-
-
-class _Alarms:
-    """Say once, in the console and in the step's record (``alarm/*``), what users of RL agents most often find too
-    late: tool use collapsing (the share of episodes that call a tool falls below ``alarm_tool_fraction`` of its
-    mean over the first ``alarm_after_steps`` steps) and episodes that mostly stop on a cap rather than an answer
-    (more than ``alarm_cap_share``). Every rank sees the same all-reduced record, so all decide alike."""
-
-    def __init__(self, algo: Any, env: DistEnv) -> None:
-        self.algo, self.env = algo, env
-        self.first: list[float] = []
-        self.said: set[str] = set()
-
-    def check(self, step: int, record: dict[str, Any]) -> None:
-        algo, rate = self.algo, record["tool_call_rate"]
-        if len(self.first) < algo.alarm_after_steps:
-            self.first.append(rate)
-        elif algo.alarm_tool_fraction and "tool_collapse" not in self.said:
-            reference = sum(self.first) / len(self.first)
-            if reference > 0 and rate < algo.alarm_tool_fraction * reference:
-                self._raise(record, "tool_collapse", f"step {step + 1}: {rate:.0%} of the episodes called a tool, "
-                            f"against {reference:.0%} over the first {len(self.first)} steps: tool use is collapsing")  # fmt: skip
-        capped = sum(record[f"stop/{reason}"] for reason in CAPS)
-        if capped > algo.alarm_cap_share and "capped" not in self.said:
-            self._raise(record, "capped", f"step {step + 1}: {capped:.0%} of the episodes stopped on a cap (turns "
-                        f"{record['stop/max_turns']:.0%}, tokens {record['stop/max_tokens']:.0%}, images "
-                        f"{record['stop/max_images']:.0%}, calls {record['stop/max_calls']:.0%}) instead of "
-                        "answering: raise the caps or check the prompts")  # fmt: skip
-
-    def _raise(self, record: dict[str, Any], name: str, message: str) -> None:
-        self.said.add(name)
-        record[f"alarm/{name}"] = 1.0
-        say(self.env, f"warning: {message}")
+    return {**_metrics(groups, update_stats, timer, ctx.env), **dpo, "lr": lr}, groups.seen, groups.consumed
 
 
 class SamplerMismatch(RuntimeError):
@@ -468,7 +440,7 @@ def _roll_out(ctx: _Run, generator: Policy, batch_rows: list[Row], components: d
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(ctx.env.device, ctx.bf16):
         trajectories = run(generator, tasks, algo.group_size, ctx.limits, batch_size=algo.rollout_batch_size,
-                           agent=ctx.cfg.rollout.agent, services=ctx.services,
+                           agent=ctx.cfg.rollout.agent, services=ctx.services, tool_workers=ctx.cfg.rollout.tool_workers,
                            backend=ctx.generation_backend(generator), keep_patches=True)  # fmt: skip
     timer["gen"] += time.perf_counter() - t0
     timer["tools"] += sum(t.metrics.get("tool_wait_s", 0.0) for t in trajectories) / max(1, len(trajectories))
@@ -532,20 +504,19 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     return scored
 
 
-def _self_critic(ctx: _Run, scored: _Scored) -> dict[str, float]:
-    """self_critic stage (Tool-Star): one DPO step on pairs of the groups just trained, scored as the update scores,
-    against their old log-probs (``vagent.training.self_critic``). Returns the ``dpo/*`` metrics and its time."""
-    algo, t0 = ctx.cfg.grpo, time.perf_counter()
-    critic, trajectories = algo.self_critic, scored.trajectories
-    record = self_critic_step(
-        ctx.backend, scored.encoded, scored.old, [t.reward or 0.0 for t in trajectories],
-        [t.stop_reason in CAPS for t in trajectories], group_size=algo.group_size, margin=critic.margin,
-        beta=critic.beta, loss_type=critic.loss_type, lr_scale=critic.lr_scale, max_pairs=critic.max_pairs,
-        capped_chosen=critic.capped_chosen, pairs_per_micro=max(1, algo.micro_batch_size // 2),
-        pad_id=ctx.policy.tokenizer.pad_token_id or 0, device=ctx.env.device,
-        score=lambda batch: _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx.cfg))[0],
+def _self_critic(ctx: _Run, scored: _Scored, step: int) -> SelfCritic | None:
+    """Tool-Star's self-critic term on every ``every``-th step (a collective): the pairs of the groups about to be
+    trained, scored as the update scores, whose DPO loss joins the update's last optimizer step."""
+    algo, critic, trajectories = ctx.cfg.grpo, ctx.cfg.grpo.self_critic, scored.trajectories
+    if not critic.enabled or (step + 1) % critic.every:
+        return None
+    return SelfCritic(
+        scored.encoded, [t.reward or 0.0 for t in trajectories], [t.stop_reason in CAPS for t in trajectories],
+        group_size=algo.group_size, margin=critic.margin, max_pairs=critic.max_pairs,
+        capped_chosen=critic.capped_chosen, coef=critic.coef, beta=critic.beta, loss_type=critic.loss_type,
+        pairs_per_micro=max(1, algo.micro_batch_size // 2), pad_id=ctx.policy.tokenizer.pad_token_id or 0,
+        device=ctx.env.device, score=lambda batch: _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx.cfg))[0],
     )  # fmt: skip
-    return {**record, "time/self_critic": time.perf_counter() - t0}
 
 
 def _head_args(cfg: GRPOConfig) -> tuple[bool, int, tuple[float, float]]:
@@ -571,10 +542,12 @@ def _add_sampler_gap(scored: _Scored, i: int, device: torch.device) -> None:
     scored.sampled += int(mask.sum())
 
 
-def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float]) -> dict[str, float]:
+def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float],
+                   critic: SelfCritic | None = None) -> dict[str, float]:  # fmt: skip
     """update stage: ``inner_updates`` passes of ``mini_batches`` optimizer steps each (PPO-clip with clip-higher,
-    token- or sequence-level aggregation over the whole mini-batch on all ranks, optional k3 KL). Returns the
-    statistics summed over every rank (``ratio_check``: the largest first-update |ratio - 1| on any rank)."""
+    token- or sequence-level aggregation over the whole mini-batch on all ranks, optional k3 KL; ``critic``'s DPO
+    loss joins the last). Returns the statistics summed over every rank (``ratio_check``: the largest first-update
+    |ratio - 1| on any rank)."""
     algo, env, encoded = ctx.cfg.grpo, ctx.env, scored.encoded
     t0 = time.perf_counter()
     stats: Counter[str] = Counter()
@@ -591,8 +564,9 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
             normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
             # collated one at a time: a list of them would hold every image of the mini-batch again, on the device
             count = math.ceil(len(members) / algo.micro_batch_size)
+            dpo = critic if critic and critic.pairs and inner == algo.inner_updates - 1 and m == parts - 1 else None
             for k, (idx, batch) in enumerate(_micro_batches(ctx, encoded, members)):
-                with ctx.backend.accumulating(last=k == count - 1):
+                with ctx.backend.accumulating(last=k == count - 1 and dpo is None):
                     loss, ratio_dev = _micro_batch_loss(ctx, scored, idx, batch, normalizer, stats)
                     ctx.backend.backward(loss)
                 if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1
@@ -601,6 +575,8 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
                 for i in range(n):
                     _add_sampler_gap(scored, i, env.device)
                 _check_sampler(ctx, step, scored)  # before the optimizer step: a mismatched batch never trains
+            if dpo is not None:  # its micro-batches close this step's accumulation: one gradient, clipped together
+                dpo.backward(ctx.backend, scored.old)
             stats["grad_norm"] += ctx.backend.step()
             stats["optimizer_steps"] += 1
     timer["update"] = time.perf_counter() - t0
@@ -752,7 +728,8 @@ class _Validation:
             torch.manual_seed(self.cfg.seed + env.rank)  # every validation draws the same numbers (when it samples)
             tasks = [Task.from_row(row, self.cfg.data.tools) for row in mine]
             trajectories = run(policy, tasks, samples, self.limits, batch_size=self.cfg.grpo.rollout_batch_size,
-                               agent=self.cfg.rollout.agent, services=self.services, backend=sampler)  # fmt: skip
+                               agent=self.cfg.rollout.agent, services=self.services, backend=sampler,
+                               tool_workers=self.cfg.rollout.tool_workers)  # fmt: skip
         per_sample_rows = [row for row in mine for _ in range(samples)]
         totals, parts = self.judged.combine(trajectories, per_sample_rows, samples)
         correct = parts["accuracy"] if "accuracy" in parts else REWARDS["accuracy"](trajectories, per_sample_rows)

@@ -11,138 +11,48 @@ is only ever *read* (to parse calls); it is never tokenized back into the row. E
 ``trajectory.token_ids``.
 
 Each row is in exactly one ``RowState`` and the driver loop dispatches on it: GENERATING (its turn request
-is with the backend), TOOLS (its calls run concurrently in a thread pool, each with the encoding of its output;
-the results come back in call order) or DONE.
+is with the backend), TOOLS (its calls run concurrently in a thread pool, ``vagent.rollout.calls``, each with the
+encoding of its output; the results come back in call order, each output labelled with its images' indices) or DONE.
 Rows generate together in a ``GenerationBackend``'s batch (``HFBackend`` by default: continuous batching,
 a KV slot per row kept across turns); a row running tools leaves the batch and rejoins when its
-observations are ready, so the other rows keep generating. A call that does not return within
-``tool_timeout_s`` is abandoned: the row gets a ``timeout`` error observation for it and goes on (the stuck thread
-is left to finish on its own; tools with their own limits, like the ``code`` sandbox, never get that far).
+observations are ready, so the other rows keep generating. A call still running ``tool_timeout_s`` after a worker
+started it is abandoned: the row gets a ``timeout`` error observation for it and goes on (see ``calls`` for what that
+guards against and what not). The turn's results are appended in call order up to the caps: an output whose images
+would pass ``max_images`` ends the episode before it, as one whose tokens would pass ``max_total_tokens`` does
+before the turn's results; every call of the turn ran and is counted either way.
 
 The agent protocol (how model text becomes tool calls, how observations are rendered, the prompt, the stop
 strings, call budgets, pre-filled and inline text) is the row's ``vagent.agents`` profile's, read at one call
-site each: ``profile.parse``, ``profile.act``, ``profile.observation_message``, ``prompt_messages`` and
-``profile.stop_strings``.
+site each: ``profile.parse``, ``profile.act`` and ``profile.observation_message`` (in ``calls``),
+``prompt_messages`` (in ``episode``, with ``Task`` and ``RolloutLimits``) and ``profile.stop_strings``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from PIL import Image
 
 from vagent.agents import AgentProfile, get_profile
-from vagent.chat import ParsedTurn, ParseError
-from vagent.data.encode import encode_message, encode_prompt, image_patches, template_suffix
-from vagent.data.rows import Row
+from vagent.chat import ParseError
+from vagent.data.encode import encode_prompt, template_suffix
 from vagent.media import load_image
 from vagent.model import Policy
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
+from vagent.rollout.calls import Segment, ToolCalls, TurnCalls, segment
+from vagent.rollout.episode import RolloutLimits, Task, first_view_frames, prompt_messages
 from vagent.rollout.hf_backend import HFBackend
 from vagent.toolbox import ToolContext, ToolServices
 from vagent.types import ContentPart, Frame, ImagePatches, Message, Observation, ToolCall, ToolResult, Trajectory
 
-__all__ = [
-    "STOP_STRINGS",
-    "RolloutLimits",
-    "RowState",
-    "Task",
-    "act",
-    "first_view_frames",
-    "prompt_messages",
-    "rollout",
-    "run",
-]
+__all__ = ["STOP_STRINGS", "RowState", "rollout", "run"]
 
 STOP_STRINGS = get_profile("vagent").stop_strings  # vagent's own protocol; each profile has its own
-
-
-@dataclass
-class Task:
-    """One episode to run.
-
-    Attributes:
-        id: The canonical row's id.
-        question: The user's question.
-        images: Prompt images (paths or PIL images), full resolution.
-        videos: Video paths the video tools can read.
-        tools: Names of the tools offered.
-        scripted_turns: Assistant turns forced before the policy samples (loss mask 0), e.g. to
-            show a tool round-trip with an untrained model, or to replay a gold prefix. A ``None``
-            entry lets the policy sample that turn; while scripted turns remain, a sampled turn with
-            neither a call nor an answer does not end the episode (forced-turn ablations, benchmarks).
-    """
-
-    id: str
-    question: str
-    images: list[str | Image.Image] = field(default_factory=list)
-    videos: list[str] = field(default_factory=list)
-    tools: list[str] = field(default_factory=lambda: ["crop"])
-    scripted_turns: list[str | None] = field(default_factory=list)
-
-    @classmethod
-    def from_row(cls, row: Row, default_tools: Sequence[str]) -> Task:
-        """The episode of a canonical row: the question with its choices listed as "A. ...", its media, and
-        the row's own tool list when it has one (an empty list means no tools), else ``default_tools``."""
-        question = row.question
-        if row.choices:
-            question += "\n" + "\n".join(f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(row.choices))
-        tools = row.tools if row.tools is not None else default_tools
-        return cls(id=row.id, question=question, images=list(row.images), videos=list(row.videos), tools=list(tools))
-
-
-@dataclass
-class RolloutLimits:
-    """Per-episode limits and sampling settings.
-
-    Attributes:
-        max_tool_calls: Tool calls allowed across the episode, every call of a turn counted (None = no cap beyond
-            the agent profile's own ``limits.max_calls``; the smaller of the two applies). A turn whose calls would
-            pass it ends the episode before they run (stop reason ``max_calls``).
-        frame_budget: ``(lo, hi)``: frames of each video the prompt shows, drawn per task (``first_view_frames``) so
-            that the first view does not already show everything. None = the profile's own view.
-        seed: Seeds the per-task draws (``frame_budget``); tokens are sampled from torch's generator, not from it.
-    """
-
-    max_turns: int = 4
-    max_new_tokens: int = 96
-    max_total_tokens: int = 4096
-    max_images: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tool_calls: int | None = None
-    frame_budget: tuple[int, int] | None = None
-    seed: int = 0
-
-
-def first_view_frames(task_id: str, budget: tuple[int, int] | Sequence[int], seed: int = 0) -> int:
-    """How many frames of each video the first view of task ``task_id`` shows: drawn uniformly from ``budget``
-    (``[lo, hi]``, both included) by a generator seeded with the task and ``seed``, so every sample of a task (a
-    GRPO group) shares its prompt, a rerun draws the same, and different tasks draw differently.
-
-    >>> first_view_frames("q1", (4, 4))
-    4
-    """
-    lo, hi = budget
-    return random.Random(f"{seed}/{task_id}").randint(lo, hi)  # a str seed is hashed by sha512: stable across runs
-
-
-def act(parsed: ParsedTurn, context: ToolContext, offered: list[str], agent: str | AgentProfile = "vagent"
-        ) -> list[Observation]:  # fmt: skip
-    """One observation per action of a turn, in order, as the agent profile runs them. Never raises.
-
-    Under vagent's protocol, well-formed calls run through ``call_tool`` (which checks the name and the
-    arguments); blocks that could not be parsed come back as error observations with the parse error's kind.
-    """
-    return get_profile(agent).act(parsed, context, offered)
 
 
 class RowState(enum.Enum):
@@ -151,24 +61,6 @@ class RowState(enum.Enum):
     GENERATING = "generating"  # a turn request is with the backend
     TOOLS = "tools"  # its tool calls run in the pool; it rejoins the batch when they return (or time out)
     DONE = "done"  # stopped (``stop`` says why); collected as a Trajectory
-
-
-@dataclass
-class _Segment:
-    """A forced piece of a row: ids (mask 0) and the patches of the images whose placeholders it holds."""
-
-    ids: list[int]
-    patches: list[ImagePatches] = field(default_factory=list)
-
-
-@dataclass
-class _CallOutcome:
-    """One call's result, made in a worker thread: the observation, the turn that carries it back, encoded."""
-
-    observation: Observation
-    message: Message
-    segment: _Segment
-    model_sizes: list[tuple[int, int]]  # of the observation's images as the model sees them
 
 
 @dataclass
@@ -185,22 +77,20 @@ class _Row:
     metrics: Counter[str] = field(default_factory=Counter)
     state: RowState = RowState.GENERATING
     turns: int = 0
-    futures: list[Future] = field(default_factory=list)  # one per call of the turn, in call order
-    deadline: float = 0.0
+    calls: TurnCalls | None = None  # the open turn's calls while the row is in TOOLS
     pending_actions: list[ToolCall | ParseError] = field(default_factory=list)
     tool_results: list[ToolResult] = field(default_factory=list)  # Trajectory.tool_results
     frames: list[Frame] = field(default_factory=list)  # Trajectory.frames
-    tool_started: float = 0.0
     prefill: list[int] = field(default_factory=list)  # ids the profile forced at the start of the open turn
     open_turn: Message | None = None  # an inline profile's assistant turn, continued after each tool result
     answer: str | None = None
     stop: str | None = None
 
-    def force(self, segment: _Segment) -> None:
-        self.ids += segment.ids
-        self.mask += [0] * len(segment.ids)
-        self.logprobs += [0.0] * len(segment.ids)
-        self.patches += segment.patches
+    def force(self, forced: Segment) -> None:
+        self.ids += forced.ids
+        self.mask += [0] * len(forced.ids)
+        self.logprobs += [0.0] * len(forced.ids)
+        self.patches += forced.patches
 
 
 class _Engine:
@@ -212,7 +102,7 @@ class _Engine:
         self.keep_patches = keep_patches
         self.profile = get_profile(agent)
         self.services = services
-        self.batch_size, self.tool_timeout_s = batch_size, tool_timeout_s
+        self.batch_size = batch_size
         # a backend whose KV storage is sized once holds so many rows; the others wait for a slot (never an OOM)
         held = getattr(backend, "max_rows", None)
         self.in_flight = min(batch_size, max(held, 1)) if held is not None else batch_size  # 0: its step says why
@@ -221,7 +111,7 @@ class _Engine:
         # one call budget: the rollout's and the agent's own (Pixel-Reasoner: 4), whichever is smaller
         budgets = [b for b in (limits.max_tool_calls, self.profile.limits.max_calls) if b is not None]
         self.max_calls = min(budgets) if budgets else None
-        self.pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="vagent-tool")
+        self.tools = ToolCalls(self.profile, policy.processor, policy.model_view, tool_workers, tool_timeout_s)
         tokenizer = policy.tokenizer
         self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
         self.im_end, self.newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.encode("\n")
@@ -243,8 +133,7 @@ class _Engine:
                 else:  # nothing to generate: sleep until a tool returns or times out
                     self._wait_for_tools()
                 for key, row in list(self.rows.items()):
-                    if row.state is RowState.TOOLS and (all(f.done() for f in row.futures)
-                                                        or time.monotonic() >= row.deadline):  # fmt: skip
+                    if row.state is RowState.TOOLS and self.tools.ready(row.calls):
                         self._on_tools_done(row)  # GENERATING or DONE next
                     if row.state is RowState.DONE:
                         done[key] = self._finish(self.rows.pop(key))
@@ -252,34 +141,45 @@ class _Engine:
         finally:
             for key in self.rows:  # only after an error: the backend must not keep these rows' slots
                 self.backend.release(key)
-            # Abandoned (timed-out) tool threads must not block the caller: do not wait for them.
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.tools.shutdown()  # abandoned (timed-out) tool threads must not block the caller: never waited for
         return done
 
     def _wait_for_tools(self) -> None:
-        waiting = [r for r in self.rows.values() if r.state is RowState.TOOLS]
-        if waiting:
-            timeout = max(0.0, min(r.deadline for r in waiting) - time.monotonic())
-            running = [f for r in waiting for f in r.futures if not f.done()]  # a done one would return at once
-            wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+        self.tools.wait([r.calls for r in self.rows.values() if r.state is RowState.TOOLS])
 
     # -- row life cycle -----------------------------------------------------------------------------
 
-    def _prompt(self, task: Task) -> tuple[list[Image.Image], list[Image.Image], list[Message], _Segment]:
+    def _prompt(self, task: Task) -> tuple[list[Image.Image], list[Image.Image], list[Message], Segment]:
         """A task's images (original and model-sized), prompt messages and encoded prompt: made once per task
         and shared by its samples (a GRPO group), whose identical prompts the backend then prefills once."""
         made = self.last_prompt  # a task's samples start one after another: one slot is enough, and memory stays flat
         if made is None or made[0] is not task:
-            budget, frames = self.limits.frame_budget, None
-            if budget is not None and task.videos:  # drawn per task: every sample of a group sees the same view
-                frames = first_view_frames(task.id, budget, self.limits.seed)
+            frames = self._first_view_frames(task)
             messages = prompt_messages(task, [load_image(img) for img in task.images], self.profile, frames=frames)
             # The profile may add images of its own (LongVT and Pixel-Reasoner show a video as frames).
             originals = [part.image for m in messages for part in m.content if part.type == "image"]
+            showed_frames = len(originals) > len(task.images)  # profiles without a frame view ignore the budget
+            if frames is not None and showed_frames and len(originals) >= self.limits.max_images:
+                raise ValueError(
+                    f"task {task.id!r}: its {len(task.images)} image(s) and a first view of {frames} frame(s) per "
+                    f"video ({len(task.videos)} video(s), rollout.frame_budget) fill max_images ({self.limits.max_images})"
+                    " before any tool image: raise max_images, or give this row fewer images or videos"
+                )
             shown = [self.policy.model_view(img) for img in originals]
-            segment = _segment(encode_prompt(self.policy.processor, messages, shown))
-            made = self.last_prompt = (task, originals, shown, messages, segment)
+            encoded = segment(encode_prompt(self.policy.processor, messages, shown))
+            made = self.last_prompt = (task, originals, shown, messages, encoded)
         return made[1], made[2], list(made[3]), made[4]
+
+    def _first_view_frames(self, task: Task) -> int | None:
+        """Frames of each video the task's prompt shows under the frame budget (None: no budget, or no video): the
+        draw, clamped so that the prompt, ``images + videos x frames`` as vagent's profile shows them, leaves room
+        under ``max_images`` for at least one tool image; at least one frame (``_prompt`` refuses a task whose
+        prompt then fills the cap)."""
+        budget = self.limits.frame_budget
+        if budget is None or not task.videos:
+            return None
+        room = (self.limits.max_images - 1 - len(task.images)) // len(task.videos)
+        return max(1, min(first_view_frames(task.id, budget, self.limits.seed), room))  # per task: a group shares it
 
     def _start(self, key: int, task: Task) -> None:
         policy = self.policy
@@ -323,7 +223,7 @@ class _Engine:
         row.turns += 1
         row.metrics["turns"] += 1
         row.prefill = prefill if row.open_turn is None else []
-        row.force(_Segment(opening))
+        row.force(Segment(opening))
         if scripted is not None:
             row.metrics["scripted_turns"] += 1
             row.scripted.pop(0)
@@ -386,63 +286,28 @@ class _Engine:
         else:
             row.state = RowState.TOOLS
             row.pending_actions = list(parsed.actions)
-            row.tool_started = time.monotonic()
-            row.deadline = row.tool_started + self.tool_timeout_s
-            # The turn's calls run at once, each its own job in the pool: none waits for another, so a bounded pool
-            # cannot deadlock, and calls queue first come first served whatever row they belong to. All of them see
-            # the images from before the turn (a copy: an abandoned call can never change the row after it moved on).
-            before = dataclasses.replace(row.context, images=list(row.context.images),
-                                         model_sizes=list(row.context.model_sizes))  # fmt: skip
-            row.futures = [self.pool.submit(self._call_tool, dataclasses.replace(parsed, actions=[action]), before,
-                                            row.task.tools) for action in parsed.actions]  # fmt: skip
+            row.calls = self.tools.submit(parsed, row.context, row.task.tools)  # at once, each its own job
 
     def _stop(self, row: _Row, reason: str) -> None:
         row.state, row.stop = RowState.DONE, reason
 
-    def _call_tool(self, turn: ParsedTurn, context: ToolContext, offered: list[str]) -> _CallOutcome:
-        """Worker thread: run one call (``turn`` holds only it) and encode the turn that carries its result back."""
-        [observation] = self.profile.act(turn, context, offered)
-        shown = [self.policy.model_view(img) for img in observation.images]
-        return self._outcome(observation, shown)
-
-    def _outcome(self, observation: Observation, shown: list[Image.Image]) -> _CallOutcome:
-        message = self.profile.observation_message(observation)
-        if self.profile.inline:  # text inside the open assistant turn, tokenized as the agent's loop does
-            segment = _Segment(self.policy.tokenizer.encode(message.plain_text))
-        else:
-            segment = _segment(encode_message(self.policy.processor, message, shown))
-        return _CallOutcome(observation, message, segment, [img.size for img in shown])
-
     def _on_tools_done(self, row: _Row) -> None:
-        """The turn's calls returned or its deadline passed: append their results in call order, up to the caps."""
-        outcomes = []
-        for future in row.futures:
-            done = future.done()  # read once: a call may finish while this runs
-            if done and future.exception() is None:
-                outcomes.append(future.result())
-                continue
-            # timed out (or the call or its encoding raised): the model hears about it and the episode goes on
-            if done:
-                observation = Observation(text=f"the tool call {future.exception()}.", error="tool_exception")
-            else:
-                future.cancel()  # still queued: it never starts (a running one is left to finish on its own)
-                observation = Observation(text=f"the tool call did not finish within {self.tool_timeout_s:g} s.",
-                                          error="timeout")  # fmt: skip
-            outcomes.append(self._outcome(observation, []))
-        row.futures = []
-        row.metrics["tool_wait_s"] += time.monotonic() - row.tool_started  # in the calling-tools state
-        kept, images = [], len(row.context.images)
-        for outcome in outcomes:  # the image cap counts in call order, whichever call finished first
-            images += len(outcome.observation.images)
-            if images > self.limits.max_images:
-                break
-            kept.append(outcome)
-        out_of_images = len(kept) < len(outcomes)
-        for action, outcome in zip(row.pending_actions, kept, strict=False):
+        """The turn's calls returned or ran out of time: append their results in call order, up to the caps."""
+        calls, row.calls = row.calls, None
+        outcomes = self.tools.collect(calls)
+        row.metrics["tool_wait_s"] += time.monotonic() - calls.ended  # in the calling-tools state
+        row.metrics["tool_queue_s"] += calls.queued_s()  # of which its calls waited for a worker (summed over calls)
+        for action, outcome in zip(row.pending_actions, outcomes, strict=True):  # every call ran: each is counted
             row.metrics["tool_calls"] += 1
             if outcome.observation.error:
                 row.metrics[f"tool_error/{outcome.observation.error}"] += 1
             row.tool_results.append(self._tool_result(action, outcome.observation))
+        kept, images = [], len(row.context.images)
+        for outcome in outcomes:  # the image cap counts in call order, whichever call finished first
+            images += len(outcome.observation.images)
+            if outcome.observation.images and images > self.limits.max_images:  # only returned images trip it
+                break
+            kept.append(outcome)
         closing = 1 + len(self.newline) if row.open_turn is not None else 0  # what _finish adds to close the turn
         if len(row.ids) + sum(len(o.segment.ids) for o in kept) + closing > self.limits.max_total_tokens:
             # the observation would carry the episode past its cap: stop before it, never with part of an image's
@@ -462,8 +327,7 @@ class _Engine:
                 row.open_turn = _joined(row.open_turn, result)
             else:
                 self._emit(row, outcome.message, outcome.observation)
-        if out_of_images:
-            row.metrics["tool_calls"] += 1
+        if len(kept) < len(outcomes):
             self._stop(row, "max_images")
         elif len(row.ids) >= self.limits.max_total_tokens:
             self._stop(row, "max_tokens")
@@ -487,7 +351,7 @@ class _Engine:
         self.backend.release(row.key)
         if row.open_turn is not None:  # an inline turn cut by a limit: close it the way the template would
             closing = [self.im_end, *self.newline]
-            row.force(_Segment(closing))
+            row.force(Segment(closing))
             self._emit(
                 row, _joined(row.open_turn, Message("assistant", [], token_ids=closing, sampled=[0] * len(closing)))
             )
@@ -510,24 +374,6 @@ class _Engine:
         return trajectory
 
 
-def prompt_messages(task: Task, images: list[Image.Image | str] | None = None, agent: str | AgentProfile = "vagent",
-                    frames: int | None = None) -> list[Message]:  # fmt: skip
-    """The system and user messages an episode of ``task`` starts from, as the agent profile writes them (vagent:
-    the system prompt with the schemas of the offered tools, then the prompt images, the videos' names and
-    lengths, and the question). SFT builds its prompts here too, so the cold start trains on exactly the prompt
-    the engine shows.
-
-    Args:
-        task: The episode.
-        images: The prompt images (default: ``task.images`` as given: paths or PIL images).
-        agent: The agent profile (``vagent.agents.PROFILES``) or its name.
-        frames: Frames of each video the prompt shows (``RolloutLimits.frame_budget``'s draw); None = the profile's
-            own view of a video.
-    """
-    images = list(task.images if images is None else images)
-    return get_profile(agent).prompt(task.question, images, task.videos, task.tools, frames=frames)
-
-
 def _joined(first: Message, then: Message) -> Message:
     """One assistant message from two consecutive pieces of the same turn (an inline profile's turn)."""
     return Message(
@@ -537,10 +383,6 @@ def _joined(first: Message, then: Message) -> Message:
         token_ids=(first.token_ids or []) + (then.token_ids or []),
         sampled=(first.sampled or []) + (then.sampled or []),
     )
-
-
-def _segment(encoded: dict[str, torch.Tensor]) -> _Segment:
-    return _Segment(encoded["input_ids"].tolist(), image_patches(encoded))
 
 
 def run(
@@ -571,9 +413,10 @@ def run(
         progress: Called with each trajectory as it finishes.
         backend: What generates (default: a new ``HFBackend`` over ``policy``). Pass one to keep its KV storage
             across calls, to read its ``stats()``, or to run a reference configuration (tests, benchmarks).
-        tool_workers: Threads running tool calls, shared by all rows; the calls of one turn run concurrently.
-        tool_timeout_s: A call of a turn that has not returned this long after the turn ended is abandoned with a
-            ``timeout`` observation (a call still queued then never runs).
+        tool_workers: Threads running tool calls, shared by all rows (``rollout.tool_workers``); the calls of one
+            turn run concurrently, and calls beyond it wait for a thread (the ``tool_queue_s`` metric).
+        tool_timeout_s: A call still running this long after a worker started it is abandoned with a ``timeout``
+            observation (its thread finishes on its own; a new one takes its place). Time queued does not count.
         on_turn: Called with every new assistant/tool message (streaming displays), and for a tool message the
             ``Observation`` it renders (its ``metadata`` has e.g. a crop's box in original pixels), else None.
         agent: The agent profile (``vagent.agents.PROFILES``) or its name: prompt, call syntax, tool mapping,
@@ -583,6 +426,10 @@ def run(
 
     Returns:
         Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).
+
+    Raises:
+        ValueError: Under ``limits.frame_budget``, a task whose prompt images and one frame per video already fill
+            ``max_images`` (named in the message): no tool image could ever be shown.
     """
     limits = limits or RolloutLimits()
     backend = backend if backend is not None else HFBackend(policy)

@@ -318,7 +318,7 @@ class HFBackend:
         vision = {}
         if pixels:
             device = self.policy.device
-            vision = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
+            vision = {"pixel_values": _stacked_on(pixels, device), "image_grid_thw": torch.cat(grids).to(device)}
         last = torch.tensor([len(n) - 1 for n in new])
         mask = self._mask([row.slot for row in rows], cached, width, key_length)
         logits = self._forward(input_ids, positions, mask, last, **vision)
@@ -490,3 +490,17 @@ def _same_images(a: TurnRequest, b: TurnRequest) -> bool:
     return len(a.pixel_values) == len(b.pixel_values) and all(
         x is y or torch.equal(x, y) for x, y in zip(a.pixel_values, b.pixel_values, strict=True)
     )
+
+
+def _stacked_on(blocks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(sum of N_i, D) the images' patch blocks (N_i, D) as one tensor on ``device``, each block copied straight into
+    its rows there: no concatenation on the host first (on a GPU that was a transient host copy of every image being
+    prefilled). A lone block goes as it is (on the CPU, the carried tensor itself)."""
+    if len(blocks) == 1:
+        return blocks[0].to(device)
+    out = torch.empty((sum(len(b) for b in blocks), *blocks[0].shape[1:]), dtype=blocks[0].dtype, device=device)
+    start = 0
+    for block in blocks:
+        out[start : start + len(block)].copy_(block)
+        start += len(block)
+    return out

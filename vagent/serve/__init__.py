@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "profile's own, 4 for vagent); any budget, e.g. 32 for a policy trained at 6 (turn scaling).")  # fmt: skip
     p.add_argument("--max-images", type=_positive, help="Images per agent episode, prompt included (default: the "
                    "profile's own, 8 for vagent); a turn budget that crops every turn needs turns + 1.")  # fmt: skip
+    p.add_argument("--tool-workers", type=_positive, default=8, help="With --agent: threads running tool calls, "
+                   "shared by the episodes of a batch; a call's timeout counts from when one starts it (%(default)s).")  # fmt: skip
     p.add_argument("--allowed-media-root", action="append", default=[], type=Path,
                    help="Local image paths must be under this dir; repeat for several. Default: data: URLs only.")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=64, help="Requests held at once; more get 429 (%(default)s).")
@@ -92,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         tools=tools,
         max_turns=args.max_turns or own.max_turns,
         max_images=args.max_images or own.max_images,
+        tool_workers=args.tool_workers,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(policy, options)

@@ -67,6 +67,7 @@ class ServerOptions:
         tools: The tools agent mode offers (a request's ``tools`` may pick a subset by name).
         max_turns: Assistant turns per agent episode (forced turns of a request add to it).
         max_images: Images per agent episode, prompt included.
+        tool_workers: Threads running the tool calls of an agent batch.
     """
 
     model_name: str
@@ -81,11 +82,12 @@ class ServerOptions:
     tools: list[str] = field(default_factory=lambda: ["crop"])
     max_turns: int = 4
     max_images: int = 8
+    tool_workers: int = 8
 
 
 def create_app(policy: Policy, options: ServerOptions) -> FastAPI:
     """The FastAPI app serving ``policy``; its model thread starts now and stops with the app."""
-    scheduler = Scheduler(policy, agent_profile=options.agent_profile)
+    scheduler = Scheduler(policy, agent_profile=options.agent_profile, tool_workers=options.tool_workers)
     header = policy.tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
     admitted = [0]  # requests in the server; touched only on the event loop, so no lock
 

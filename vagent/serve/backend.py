@@ -144,12 +144,13 @@ def run_agent(
     seed: int | None = None,
     batch_size: int = 16,
     agent: str = "vagent",
+    tool_workers: int = 8,
 ) -> list[Trajectory]:
-    """Run the engine's tool loop on ``tasks`` (one sample each) as one batch under the ``agent`` profile;
-    ``seed`` fixes the sampling."""
+    """Run the engine's tool loop on ``tasks`` (one sample each) as one batch under the ``agent`` profile, its calls
+    on ``tool_workers`` threads; ``seed`` fixes the sampling."""
     if seed is None:
-        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent)
+        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers)
     cuda = policy.device.type == "cuda"
     with torch.random.fork_rng(devices=[policy.device] if cuda else [], device_type="cuda"):
         torch.manual_seed(seed)
-        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent)
+        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers)

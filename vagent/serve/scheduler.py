@@ -78,8 +78,9 @@ class Scheduler:
         agent_batch_size: Episodes the tool loop runs at once.
     """
 
-    def __init__(self, policy: Policy, agent_batch_size: int = 16, agent_profile: str = "vagent") -> None:
-        self.policy, self.agent_profile = policy, agent_profile
+    def __init__(self, policy: Policy, agent_batch_size: int = 16, agent_profile: str = "vagent",
+                 tool_workers: int = 8) -> None:  # fmt: skip
+        self.policy, self.agent_profile, self.tool_workers = policy, agent_profile, tool_workers
         self.generator = BatchedGenerator(policy)
         self.agent_batch_size = agent_batch_size
         self._inbox: deque[Job] = deque()
@@ -163,8 +164,8 @@ class Scheduler:
             seed = group[0].seed
             tasks = [task for job in group for task in job.tasks]
             try:
-                trajectories = run_agent(self.policy, tasks, group[0].limits, seed=seed,
-                                         batch_size=self.agent_batch_size, agent=self.agent_profile)  # fmt: skip
+                trajectories = run_agent(self.policy, tasks, group[0].limits, seed=seed, batch_size=self.agent_batch_size,
+                                         agent=self.agent_profile, tool_workers=self.tool_workers)  # fmt: skip
             except Exception as e:
                 log.exception("agent rollout failed")
                 for job in group:

@@ -149,7 +149,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
             text=f"The code was not run: no sandbox is available on this machine ({e}).", error="sandbox_unavailable"
         )
     images, notes = _images(result, context)
-    text = _describe(result, sandbox.timeout_s, images, notes, first_index=len(context.images))
+    text = _describe(result, sandbox.timeout_s, images, notes)
     metadata = {
         "exit_code": result.exit_code,
         "timed_out": result.timed_out,
@@ -186,9 +186,7 @@ def _images(result: SandboxResult, context: ToolContext) -> tuple[list[tuple[str
     return images, notes
 
 
-def _describe(
-    result: SandboxResult, timeout_s: float, images: list[tuple[str, Image.Image]], notes: list[str], first_index: int
-) -> str:
+def _describe(result: SandboxResult, timeout_s: float, images: list[tuple[str, Image.Image]], notes: list[str]) -> str:
     parts = []
     if result.timed_out:
         parts.append(f"Timeout: the code ran longer than {timeout_s:g} s and was stopped.")
@@ -206,8 +204,8 @@ def _describe(
             cut = f"\n[output truncated: {dropped:,} more bytes not shown]" if dropped else ""
             parts.append(f"{label}:\n{text.rstrip()}{cut}")
     if images:
-        shown = ", ".join(f"{name} (image {first_index + i})" for i, (name, _) in enumerate(images))
-        parts.append(f"Returned {len(images)} image(s): {shown}.")
+        # in this order; the engine labels them with their indices ("Images 3–4: ...") when it appends them
+        parts.append(f"Returned {len(images)} image(s): {', '.join(name for name, _ in images)}.")
     if notes:
         parts.append("Note: " + "; ".join(notes) + ".")
     if not parts:

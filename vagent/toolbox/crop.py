@@ -50,10 +50,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
     region = image.crop(pixel_box)
     out = fit(region, context)
     shown = shown_box(pixel_box, index, image, context)
-    text = (
-        f"Image {len(context.images)}: cropped region {shown} of image {index} "
-        f"({region.width}x{region.height} original pixels)."
-    )
+    text = f"cropped region {shown} of image {index} ({region.width}x{region.height} original pixels)."
     if notes:
         text += " Note: box " + "; ".join(notes) + "."
     return Observation(text=text, images=[out], metadata={"box_original": list(pixel_box), "image_index": index})

@@ -113,7 +113,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
         return Observation(text="draw failed: nothing could be drawn: " + "; ".join(notes) + ".", error="bad_shapes")
     out = fit(canvas, context)
     counts = ", ".join(f"{v} {k}{'' if v == 1 else 'es' if k == 'box' else 's'}" for k, v in drawn.items() if v)
-    text = f"Image {len(context.images)}: drew {counts} in {color} on image {index}; {out.width}x{out.height} pixels."
+    text = f"drew {counts} in {color} on image {index}; {out.width}x{out.height} pixels."
     if notes:
         text += " Note: " + "; ".join(notes) + "."
     return Observation(text=text, images=[out], metadata={"image_index": index, "drawn": drawn})

@@ -79,5 +79,5 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
             out = _FACTORS[key](out).enhance(value)
             done.append(f"{key} x{value:g}")
     what = ", ".join(done) if done else "no change (every setting was neutral)"
-    text = f"Image {len(context.images)}: image {index} enhanced: {what}; {out.width}x{out.height} pixels."
+    text = f"image {index} enhanced: {what}; {out.width}x{out.height} pixels."
     return Observation(text=text, images=[out], metadata={"image_index": index, "applied": done})

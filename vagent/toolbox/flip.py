@@ -40,5 +40,5 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
     direction = arguments["direction"]
     out = fit(workable(image, context).transpose(_TRANSPOSES[direction]), context)
     swapped = "left and right" if direction == "horizontal" else "top and bottom"
-    text = f"Image {len(context.images)}: image {index} flipped {direction}ly ({swapped} swapped); {out.width}x{out.height} pixels."
+    text = f"image {index} flipped {direction}ly ({swapped} swapped); {out.width}x{out.height} pixels."
     return Observation(text=text, images=[out], metadata={"image_index": index, "direction": direction})

@@ -64,5 +64,5 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
     signed = angle - 360.0 if angle > 180.0 else angle  # say 270 counter-clockwise as 90 clockwise
     turned = f"rotated {abs(signed):g} degrees {'counter-clockwise' if signed > 0 else 'clockwise'} ({how})"
     turned = turned if angle else "unchanged (the angle is a whole number of turns)"
-    text = f"Image {len(context.images)}: image {index} {turned}; {out.width}x{out.height} pixels."
+    text = f"image {index} {turned}; {out.width}x{out.height} pixels."
     return Observation(text=text, images=[out], metadata={"image_index": index, "angle": angle})

@@ -131,12 +131,10 @@ def frames_observation(
     except MediaError as e:
         raise Refusal("bad_video", f"video {video_index} cannot be decoded: {e}.") from None
     times = [i / video.fps for i in indices]
-    # The engine appends these frames to the episode's images, so frame k becomes image first + k.
-    first = len(context.images)
-    where = f"image {first}" if len(frames) == 1 else f"images {first}–{first + len(frames) - 1}"
+    # No image indices here: the engine labels the frames with theirs ("Images 3–5: ...") when it appends them.
     text = (
         f"{len(frames)} frame(s) of video {video_index} (duration {video.duration:.2f} s) from "
-        f"{span[0]:.2f}–{span[1]:.2f} s {how}, at t = {', '.join(f'{t:.2f}' for t in times)} s ({where}, in that order)."
+        f"{span[0]:.2f}–{span[1]:.2f} s {how}, at t = {', '.join(f'{t:.2f}' for t in times)} s (in that order)."
     )
     if notes:
         text += " Note: " + " ".join(notes)

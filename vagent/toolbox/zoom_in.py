@@ -89,7 +89,7 @@ def call(arguments: dict[str, Any], context: ToolContext) -> Observation:
         notes.append(f"the region has only {region.width}x{region.height} original pixels, so the zoom interpolates")
     shown = shown_box(pixel_box, index, image, context)
     text = (
-        f"Image {len(context.images)}: region {shown} of image {index} zoomed {achieved:.1f}x "
+        f"region {shown} of image {index} zoomed {achieved:.1f}x "
         f"({region.width}x{region.height} original pixels shown at {out_w}x{out_h})."
     )
     if notes:

@@ -259,15 +259,14 @@ def load_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum
     return config
 
 
-def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR | None,
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
                   max_grad_norm: float) -> float:  # fmt: skip
-    """Clip the trainable parameters' gradients (0 = no clipping), step the optimizer and the schedule (None: an
-    extra step the schedule does not count), zero the gradients. Returns the pre-clip global grad norm (over every
-    rank's shard when the parameters are DTensors, as under FSDP2)."""
+    """Clip the trainable parameters' gradients (0 = no clipping), step the optimizer and the schedule, zero the
+    gradients. Returns the pre-clip global grad norm (over every rank's shard when the parameters are DTensors,
+    as under FSDP2)."""
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2

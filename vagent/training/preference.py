@@ -1,6 +1,7 @@
 """Preference pairs: rows -> encoded (chosen, rejected) micro-batches, and the scoring of a batch of pairs by a policy
-against a reference (the DPO loss and its statistics). The DPO recipe trains on it; any stage that trains on pairs of
-trajectories (a self-critic step inside GRPO) scores them with ``pair_logprobs`` and ``preference_loss``.
+against a reference (the DPO loss and its statistics). The DPO recipe trains on it. GRPO's self-critic term
+(``vagent.training.self_critic``) takes the same pure loss and ``collate_pairs`` but scores its pairs with GRPO's own
+scorer, at the rollout's temperature and nucleus, against the step's old log-probs.
 
 Each side of a pair is the conversation SFT would build for a row whose ``messages`` were that side's turns
 (``gold_conversation``: the rollout engine's prompt for the row, then the turns) and is encoded by the one encoder, so
