@@ -1,14 +1,17 @@
-"""``vagent memory``'s plan against the measured peak of one SFT and one GRPO step on CPU, tiny and small shapes.
+"""``vagent memory``'s plan against the measured peak of one SFT, GRPO and DPO step on CPU, tiny and small shapes.
 
-    python benchmarks/memory_plan.py [--sizes tiny,small] [--seq-len 1024] [--out results.json] [--doc]
+    python benchmarks/memory_plan.py [--sizes tiny,small] [--stages sft,grpo,dpo] [--seq-len 1024] [--out results.json] [--doc]
 
 For each preset (on Qwen's 151,936-row vocabulary) and stage, the shipped tiny CPU config with the shape's
 overrides is planned (``vagent.recipes.memory``, ``--device cpu --images 0``: the measured batches are text) and
 one step of two micro-batches (gradient accumulation, as the configs run) is measured in a fresh process: the
 recipe's own loss path (``masked_token_logprobs`` for SFT's summed
-NLL, ``_scored_logprobs`` + PPO-clip for GRPO), backward, gradient clipping and the fused AdamW step, fp32.
-Batches are ``micro_batch x seq_len`` random token ids, the second row left-padded by 10% (so attention runs
-masked, as real batches do), the loss on the last half of each row (``--trained-fraction 0.5``).
+NLL, ``_scored_logprobs`` + PPO-clip for GRPO, ``preference_loss`` for DPO), backward, gradient clipping and the
+fused AdamW step, fp32. Batches are ``micro_batch x seq_len`` random token ids, the rows after the first left-padded
+by 10% (so attention runs masked, as real batches do), the loss on the last half of each row (``--trained-fraction
+0.5``). DPO's micro-batch is ``micro_batch`` pairs, so ``2 x micro_batch`` rows (the chosen, then the rejected), and
+its tiny config holds the reference as a frozen fp32 copy (``dpo.precompute_ref: false``, no LoRA): the measured
+process loads that copy too and runs its no-grad forward of each micro-batch before the policy's, as the recipe does.
 
 Peak memory on CPU: a first step allocates the optimizer's moments; then the kernel's resident-set high-water mark
 is reset (``/proc/self/clear_refs``) and the second step runs; measured = ``VmHWM`` - the resident set after
@@ -29,13 +32,13 @@ from pathlib import Path
 from cpu_memory import reset_peak, status_kib
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = {"sft": ROOT / "configs/sft/qwen2_5_vl_tiny_cpu.yaml", "grpo": ROOT / "configs/grpo/qwen2_5_vl_tiny_cpu.yaml"}
+CONFIGS = {stage: ROOT / f"configs/{stage}/qwen2_5_vl_tiny_cpu.yaml" for stage in ("sft", "grpo", "dpo")}
 
 
 def overrides(stage: str, model: Path, micro_batch: int, seq_len: int) -> list[str]:
     # the plan reads the shape from model.path's config.json; data.train is required but never read here
     common = [f"model.path={model}", "data.train=unused.jsonl", "train.precision=fp32"]
-    if stage == "sft":
+    if stage in ("sft", "dpo"):  # DPO: micro_batch pairs
         return [*common, f"data.micro_batch_size={micro_batch}", f"data.max_length={seq_len}"]
     return [*common, f"grpo.micro_batch_size={micro_batch}", f"rollout.max_total_tokens={seq_len}"]
 
@@ -50,16 +53,23 @@ def worker(spec: dict) -> dict:
     from vagent.model import masked_token_logprobs
     from vagent.recipes.grpo import _scored_logprobs
     from vagent.training.backend import build_optimizer
+    from vagent.training.preference import pair_logprobs, preference_loss
 
     cfg = load_config(SCHEMAS[spec["stage"]], spec["config"], spec["overrides"])
     micro, length = spec["micro_batch"], spec["seq_len"]
+    rows = 2 * micro if spec["stage"] == "dpo" else micro
     torch.manual_seed(0)
     base = status_kib("VmRSS")
     model = AutoModelForImageTextToText.from_pretrained(spec["model"], dtype=torch.float32).train()
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = None
+    if spec["stage"] == "dpo":  # the recipe's frozen copy: load_policy(dtype="float32"), no gradient
+        assert not cfg.dpo.precompute_ref and not cfg.train.lora.enabled, "the DPO case measures a frozen copy"
+        reference = AutoModelForImageTextToText.from_pretrained(spec["model"], dtype=torch.float32).eval()
+        reference.requires_grad_(False)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    ids = torch.randint(0, 1000, (micro, length))
+    ids = torch.randint(0, 1000, (rows, length))
     attention = torch.ones_like(ids)
     attention[1:, : length // 10] = 0  # left padding: attention runs masked
     mask = torch.zeros_like(ids)
@@ -71,6 +81,12 @@ def worker(spec: dict) -> dict:
             if spec["stage"] == "sft":
                 lp, _ = masked_token_logprobs(model, batch, mask, chunk_size=cfg.train.lm_head_chunk)
                 loss = -lp.sum() / mask.sum()
+            elif spec["stage"] == "dpo":
+                head = dict(chunk_size=cfg.train.lm_head_chunk, share_prefix=cfg.train.share_prefix)
+                with torch.no_grad():
+                    ref = pair_logprobs(reference, batch, average=False, **head)
+                summed, _ = preference_loss(model, batch, ref, beta=cfg.dpo.beta, loss_type=cfg.dpo.loss_type, **head)
+                lp, loss = ref, summed / (2 * micro)  # the step's pair mean: 2 micro-batches of micro pairs
             else:
                 lp, _ = _scored_logprobs(model, batch, True, cfg.train.lm_head_chunk)
                 per_token, _ = policy_loss(lp, lp.detach() - 0.01, torch.linspace(-1, 1, micro), mask)
@@ -98,7 +114,8 @@ def plan_gib(stage: str, args: argparse.Namespace, model: Path) -> tuple[float, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,small")
-    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--stages", default="sft,grpo,dpo")
+    parser.add_argument("--micro-batch", type=int, default=2, help="Sequences per micro-batch (DPO: pairs).")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--show-plans", action="store_true", help="Print each plan's lines too.")
     parser.add_argument("--out")
@@ -114,7 +131,7 @@ def main() -> int:
     rows = []
     for size in args.sizes.split(","):
         model = build_tiny_checkpoint(root / size, size=size, vocab="qwen")
-        for stage in ("sft", "grpo"):
+        for stage in args.stages.split(","):
             planned, text = plan_gib(stage, args, model)
             if args.show_plans:
                 print(text)
@@ -128,7 +145,9 @@ def main() -> int:
             rows.append({"size": size, "stage": stage, "plan_gib": planned, "measured_gib": measured})
             print(f"{size:>6} {stage:>4}: plan {planned:.3f} GiB, measured {measured:.3f} GiB "
                   f"({(planned - measured) / measured:+.1%})", flush=True)  # fmt: skip
-    summary = f"{args.micro_batch} x {args.seq_len} tokens per micro-batch, Qwen's 151,936-row vocabulary, fp32, CPU"
+    summary = (f"{args.micro_batch} x {args.seq_len} tokens per micro-batch (DPO: {args.micro_batch} pairs, "
+               f"{2 * args.micro_batch} x {args.seq_len}, and a frozen reference copy), Qwen's 151,936-row vocabulary, "
+               "fp32, CPU")  # fmt: skip
     table = ["| shape | stage | plan | measured | plan vs measured |", "|---|---|---:|---:|---:|"]
     table += [f"| {r['size']} | {r['stage']} | {r['plan_gib']:.3f} GiB | {r['measured_gib']:.3f} GiB | "
               f"{(r['plan_gib'] - r['measured_gib']) / r['measured_gib']:+.1%} |" for r in rows]  # fmt: skip

@@ -1,22 +1,26 @@
-"""The memory plan: parameter counts against real models, the shipped 3B/7B configs fit 80 GiB at 8 ranks, errors."""
+"""The memory plan: parameter counts against real models, every shipped training config planned (the 3B/7B ones fit
+80 GiB per rank at their GPUs, and the memory guide's table is what the command prints), DPO's pairs and reference,
+errors."""
 
+import re
+import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from vagent.config import TrainConfig
+from vagent.config import CONFIGS, DPOConfig, TrainConfig, load_config
+from vagent.recipes.memory import STAGES, build_parser, setup_from_config
 from vagent.training.memory import SHAPES, GiB, Setup, image_bytes, plan, shape_from_config_json
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCTION = sorted(
-    [
-        *ROOT.glob("configs/sft/qwen2_5_vl_*b_fsdp.yaml"),
-        *ROOT.glob("configs/sft/qwen2_5_vl_*b_lora.yaml"),
-        *ROOT.glob("configs/grpo/qwen2_5_vl_*b*.yaml"),
-    ]
-)
+# every YAML `vagent memory` plans: the training stages' (configs/quickstart/ is a pipeline, configs/tiny/ a model)
+PLANNED = sorted(f"configs/{stage}/{p.name}" for stage in STAGES for p in (ROOT / "configs" / stage).glob("*.yaml"))
+# the 3B/7B configs the memory guide's table lists at 8 GPUs (the DeepSpeed ones are SFT's variants)
+PRODUCTION = [c for c in PLANNED if re.search(r"_[37]b", c) and "zero" not in c]
+GUIDE = ROOT / "docs" / "guide" / "memory.md"
 
 
 def _memory(*args, check=True, capsys=None):
@@ -56,16 +60,56 @@ def test_the_released_shapes_have_their_published_sizes():
     assert SHAPES["qwen2.5-vl-3b"].params() == pytest.approx(3.75e9, rel=0.002)
 
 
-@pytest.mark.parametrize("config", PRODUCTION, ids=lambda p: p.name)
-def test_every_shipped_3b_and_7b_config_fits_80_gib_per_rank_on_8_gpus(config, capsys, monkeypatch):
+def _lines(stdout: str) -> dict[str, float]:
+    """The plan's lines, GiB by name."""
+    return {m[1]: float(m[2]) for m in re.finditer(r"^  (\S.*?)\s+(-?\d+\.\d\d) GiB  ", stdout, re.M)}
+
+
+def test_every_training_stage_is_planned_and_every_other_config_folder_is_named():
+    """A stage added to ``CONFIGS`` that ``vagent memory`` does not plan, or a new folder under configs/, fails here
+    rather than going unplanned."""
+    assert set(CONFIGS) - {"tiny"} == set(STAGES)  # configs/tiny/ builds a model, it trains nothing
+    folders = {p.name for p in (ROOT / "configs").iterdir() if p.is_dir()}
+    assert folders == {*STAGES, "tiny", "quickstart", "deepspeed"}  # a pipeline of stages; DeepSpeed's JSON
+    assert all(any(c.startswith(f"configs/{stage}/") for c in PLANNED) for stage in STAGES)
+
+
+@pytest.mark.parametrize("config", PLANNED, ids=lambda c: c[len("configs/") : -len(".yaml")])
+def test_every_shipped_training_config_is_planned(config, tiny_qwen25, capsys, monkeypatch):
+    """Each YAML under configs/sft/, grpo/ and dpo/ (a new one too) plans at its launch line's ranks: a 3B/7B one at
+    its model's released shape fits 80 GiB per GPU, a tiny one plans on CPU at the tiny checkpoint's own shape."""
     monkeypatch.chdir(ROOT)
-    size = "7b" if "7b" in config.name else "3b"
-    done = _memory("--config", config, "--world-size", 8, "--shape", f"qwen2.5-vl-{size}", "--gpu-memory", 80,
-                   capsys=capsys)  # fmt: skip
+    stage, launch = config.split("/")[1], (ROOT / config).read_text().splitlines()[0]
+    model = re.search(r"_(3b|7b|tiny)", config)
+    assert model, f"{config}: name it after its model (3b, 7b or tiny) so that it is planned at that shape"
+    ranks = int(re.search(r"--nproc_per_node (\d+)", launch)[1]) if launch.startswith("# Launch: torchrun") else 1
+    if model[1] == "tiny":
+        where = ["--device", "cpu", f"model.path={tiny_qwen25}"]
+    else:
+        where = ["--shape", f"qwen2.5-vl-{model[1]}", "--gpu-memory", 80]
+    done = _memory("--config", config, "--world-size", ranks, *where, capsys=capsys)
+    train = load_config(CONFIGS[stage], config).train
+    sharding = train.sharding if train.sharding == "fsdp" else Path(train.deepspeed or "ddp").stem
+    assert done.stdout.startswith(f"{stage} memory plan per rank: ")
+    assert f"{sharding} over {ranks} rank(s)" in done.stdout and "LM head" in done.stdout
     assert 0 < _peak(done.stdout) <= 80
-    sharding = "ddp" if "_lora" in config.name else "fsdp"  # FSDP2 shards full fine-tuning; LoRA runs under DDP
-    assert f"{sharding} over 8 rank(s)" in done.stdout and "LM head" in done.stdout
-    assert config.read_text().startswith("# Launch: torchrun")
+
+
+def test_the_memory_guide_lists_every_3b_and_7b_config_with_what_its_memory_line_prints(capsys, monkeypatch):
+    """docs/guide/memory.md's table: one row per config, each the peak (and GRPO's host memory) that the `vagent
+    memory` line in the config's own header prints now."""
+    monkeypatch.chdir(ROOT)
+    rows = re.findall(r"^\| `(configs/[^`]+)` \| [^|]+ \| ([\d.]+) GiB \|(?: ([\d.]+) GiB)? \|$",
+                      GUIDE.read_text(), re.M)  # fmt: skip
+    assert sorted(config for config, _, _ in rows) == PRODUCTION
+    for config, peak, host in rows:
+        line = next(ln for ln in (ROOT / config).read_text().splitlines() if "vagent memory --config" in ln)
+        args = shlex.split(line.split("vagent memory", 1)[1])
+        assert args[:2] == ["--config", config] and "--world-size" in args, line
+        done = _memory(*args, capsys=capsys)
+        assert f"{_peak(done.stdout):.2f}" == peak, config
+        planned_host = re.search(r"^host per rank: ([\d.]+) GiB", done.stdout, re.M)
+        assert (planned_host[1] if planned_host else "") == host, config
 
 
 def test_the_7b_grpo_and_sft_plans_at_8_ranks(capsys, monkeypatch):
@@ -152,3 +196,117 @@ def test_sharding_comes_from_the_flag_the_config_or_deepspeeds_file(tmp_path):
     assert _sharding(cfg, None) == "zero3" and _sharding(cfg, "fsdp") == "fsdp"
     cfg = type("C", (), {"train": TrainConfig(sharding="fsdp")})()
     assert _sharding(cfg, None) == "fsdp"
+
+
+# -- DPO: 2B sequences per micro-batch of B pairs, and the reference as the recipe holds it ------------------------
+
+DPO_FSDP, DPO_LORA = "configs/dpo/qwen2_5_vl_3b_fsdp.yaml", "configs/dpo/qwen2_5_vl_3b_lora.yaml"
+
+
+def _dpo_setup(config: str, *overrides: str, world_size: int = 8) -> Setup:
+    args = build_parser().parse_args(["--config", config, "--world-size", str(world_size)])
+    return setup_from_config(load_config(DPOConfig, ROOT / config, list(overrides)), args, "dpo")
+
+
+def _by_name(p) -> dict[str, float]:
+    return {name: value for name, value, _ in p.lines}
+
+
+def test_a_dpo_micro_batch_of_b_pairs_plans_the_activations_of_2b_sequences():
+    """One forward over the chosen and the rejected rows: twice the activations (text and vision) and head positions
+    of SFT on the same B sequences at data.max_length, and the same weights, gradients and optimizer states."""
+    shape = SHAPES["qwen2.5-vl-3b"]
+    dpo = _dpo_setup(DPO_FSDP, "data.micro_batch_size=2")
+    assert (dpo.micro_batch, dpo.seq_len, dpo.reference) == (4, 8192, "precomputed")
+    sft = replace(dpo, stage="sft", micro_batch=2, reference=None)  # SFT of the same 2 sequences per side
+    for change in ({}, {"freeze_vision": False}, {"gradient_checkpointing": False}, {"lm_head_chunk": 0}):
+        d, s = _by_name(plan(shape, replace(dpo, **change))), _by_name(plan(shape, replace(sft, **change)))
+        assert d["activations"] == pytest.approx(2 * s["activations"])
+        assert d.get("vision activations", 0) == pytest.approx(2 * s.get("vision activations", 0))
+        assert ("vision activations" in d) == ("freeze_vision" in change)
+        for state in ("parameters", "gradients", "optimizer states", "gathered units"):
+            assert d[state] == s[state]
+        head = "LM head / log-prob buffers"
+        assert d[head] == _by_name(plan(shape, replace(sft, micro_batch=4, **change)))[head]
+        if change.get("lm_head_chunk") == 0:  # whole logits: the other 2 x 8192 x 0.5 positions' fp32 x 3 + bf16
+            assert d[head] - s[head] == pytest.approx(2 * 8192 * 0.5 * shape.vocab * (3 * 4 + 2))
+        else:  # one 1,024-position chunk at a time, whatever the batch
+            assert d[head] == s[head]
+
+
+def test_the_dpo_reference_adds_a_frozen_copy_only_where_the_recipe_loads_one(tiny_qwen25, capsys, monkeypatch):
+    """As shipped, the 3B FSDP config precomputes the reference and the LoRA one disables the adapters: no reference
+    weights. A frozen copy (dpo.precompute_ref=false) is fp32 shards plus its bf16 root unit, which FSDP2 leaves
+    gathered after the copy's no-grad forward; under DDP a whole fp32 copy."""
+    monkeypatch.chdir(ROOT)
+    shape, at_8 = SHAPES["qwen2.5-vl-3b"], ("--world-size", 8, "--shape", "qwen2.5-vl-3b")
+    pre = _memory("--config", DPO_FSDP, *at_8, capsys=capsys).stdout
+    lora = _memory("--config", DPO_LORA, *at_8, capsys=capsys).stdout
+    copy = _memory("--config", DPO_FSDP, *at_8, "dpo.precompute_ref=false", capsys=capsys).stdout
+    for out in (pre, lora, copy):
+        assert out.startswith("dpo memory plan per rank: ") and "1 x 2 x 8192" not in out
+        assert "2 x 8192 tokens (1 pair: chosen and rejected)" in out and _peak(out) <= 80
+    assert _lines(pre)["reference model"] == 0 and "dpo.precompute_ref" in pre
+    assert _lines(lora)["reference model"] == 0 and "the policy with its adapters disabled" in lora
+    # the root unit by hand: the tied embedding, the patch embedding, the 2x2 merger (its norm, 2 linears)
+    root = 151936 * 2048 + 3 * 2 * 14 * 14 * 1280 + 1280 + (5120 * 5120 + 5120) + (5120 * 2048 + 2048)
+    frozen = 4 * shape.params() / 8 + 2 * root
+    exact = _by_name(plan(shape, _dpo_setup(DPO_FSDP, "dpo.precompute_ref=false")))
+    assert exact["reference model"] == frozen
+    assert _lines(copy)["reference model"] == round(frozen / GiB, 2) and "fp32 shards (1/8) + its bf16 root" in copy
+    assert _peak(copy) == pytest.approx(_peak(pre) + frozen / GiB, abs=0.011)
+    # one rank, DDP, fp32 (the tiny CPU config as shipped): the whole copy, as load_policy(dtype="float32") loads it
+    tiny = _memory("--config", "configs/dpo/qwen2_5_vl_tiny_cpu.yaml", "--device", "cpu",
+                   f"model.path={tiny_qwen25}", capsys=capsys).stdout  # fmt: skip
+    params = shape_from_config_json(tiny_qwen25).params()
+    assert "a frozen fp32 copy, whole on every rank" in tiny
+    assert _lines(tiny)["reference model"] == round(4 * params / GiB, 2)
+    assert "2 x 4096 tokens" not in tiny and "4 x 4096 tokens (2 pairs: chosen and rejected)" in tiny
+
+
+def test_grpos_kl_reference_is_planned_as_dpos_frozen_copy(capsys, monkeypatch):
+    """Both recipes load the reference the same way (load_sharded / load_policy in fp32): one plan for both."""
+    monkeypatch.chdir(ROOT)
+    at_8 = ("--world-size", 8, "--shape", "qwen2.5-vl-3b")
+    grpo = _memory("--config", "configs/grpo/qwen2_5_vl_3b.yaml", *at_8, "grpo.kl_coef=0.05", capsys=capsys).stdout
+    dpo = _memory("--config", DPO_FSDP, *at_8, "dpo.precompute_ref=false", capsys=capsys).stdout
+    assert _lines(grpo)["reference model"] == _lines(dpo)["reference model"] > 2
+    assert "the KL term's reference: a frozen copy in fp32 shards" in grpo
+    lora = _memory("--config", "configs/grpo/qwen2_5_vl_3b_lora.yaml", *at_8, "grpo.kl_coef=0.05", capsys=capsys)
+    assert _lines(lora.stdout)["reference model"] == 0 and "adapters disabled" in lora.stdout
+    none = _memory("--config", "configs/grpo/qwen2_5_vl_3b.yaml", *at_8, capsys=capsys).stdout  # kl_coef 0
+    assert "reference model" not in none
+
+
+def test_a_frozen_fsdp_reference_keeps_its_root_unit_gathered_after_a_no_grad_forward(tiny_qwen25):
+    """What the plan's FSDP reference term rests on (torch's FSDP2): the root's weights stay unsharded, in bf16, after
+    a forward with no backward to reshard them; a decoder layer's go back to their fp32 shards."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from vagent.training.distributed import DistEnv, shutdown
+    from vagent.training.fsdp import load_sharded
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    try:
+        reference = load_sharded(tiny_qwen25, env, bf16=True, prepare=lambda m: m.requires_grad_(False)).model
+        text = reference.model.language_model
+        assert isinstance(text.embed_tokens.weight, DTensor)
+        ids = torch.randint(0, 100, (2, 16))
+        with torch.no_grad():
+            reference(input_ids=ids, attention_mask=torch.ones_like(ids))
+        embed, layer = text.embed_tokens.weight, text.layers[0].self_attn.q_proj.weight
+        assert not isinstance(embed, DTensor) and embed.dtype == torch.bfloat16
+        assert isinstance(layer, DTensor) and layer.dtype == torch.float32
+    finally:
+        shutdown()
+
+
+def test_grpo_and_dpo_refuse_deepspeeds_sharding(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for config in (DPO_FSDP, "configs/grpo/qwen2_5_vl_3b.yaml"):
+        done = _memory("--config", config, "--shape", "qwen2.5-vl-3b", "--sharding", "zero3", check=False,
+                       capsys=capsys)  # fmt: skip
+        assert done.returncode == 2 and "does not train under DeepSpeed" in done.stderr and not done.stdout
+    with pytest.raises(ValueError, match="2 sequences per pair"):
+        plan(SHAPES["qwen2.5-vl-3b"], Setup(stage="dpo", micro_batch=3))

@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                "QuickstartConfig", _quickstart)  # fmt: skip
     from vagent.recipes import memory
 
-    p = sub.add_parser("memory", help="Per-rank memory plan of an SFT or GRPO config (no model is loaded).")
+    p = sub.add_parser("memory", help="Per-rank memory plan of an SFT, GRPO or DPO config (no model is loaded).")
     memory.build_parser(p).set_defaults(func=memory.run)
     _add_stage(sub, "sft", "SFT cold start on gold trajectories (one process, or under torchrun).", "SFTConfig", _sft)
     _add_stage(sub, "grpo", "GRPO with verifiable rewards (one process, or under torchrun).", "GRPOConfig", _grpo)

@@ -1,4 +1,4 @@
-"""``vagent memory``: the per-rank memory plan of an SFT or GRPO config, before anything is loaded.
+"""``vagent memory``: the per-rank memory plan of an SFT, GRPO or DPO config, before anything is loaded.
 
     vagent memory --config configs/grpo/qwen2_5_vl_7b.yaml --world-size 8 [--gpu-memory 80] [key=value ...]
 
@@ -7,7 +7,7 @@ Reads the config (``key=value`` overrides as in the recipes), the model's shape 
 config that builds its tiny model, that preset; and prints ``vagent.training.memory.plan``, whose last line is
 ``peak per rank: X GiB``. With ``--gpu-memory`` a plan that does not fit exits 2 with one line saying by how much.
 The sharding is ``--sharding``, else ``train.sharding`` where the config has it, else ZeRO-2/3 from
-``train.deepspeed``'s file name, else DDP.
+``train.deepspeed``'s file name, else DDP (GRPO and DPO do not train under DeepSpeed).
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vagent.config import CONFIGS, ConfigError, GRPOConfig, SFTConfig, load_config
+from vagent.config import CONFIGS, ConfigError, DPOConfig, GRPOConfig, SFTConfig, load_config
 from vagent.tiny_model import PRESETS, QWEN_VOCAB_ROWS
 from vagent.training.memory import SHAPES, GiB, ModelShape, Setup, plan, shape_from_config_json
 
-__all__ = ["build_parser", "main", "model_shape", "named_shapes", "setup_from_config", "tiny_shape"]
+STAGES = ("sft", "grpo", "dpo")
+
+__all__ = ["STAGES", "build_parser", "main", "model_shape", "named_shapes", "setup_from_config", "tiny_shape"]
 
 
 def tiny_shape(size: str, vocab: int = QWEN_VOCAB_ROWS) -> ModelShape:
@@ -40,15 +42,17 @@ def named_shapes() -> dict[str, ModelShape]:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="vagent memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="An SFT or GRPO YAML (configs/sft/, configs/grpo/).")
-    p.add_argument("--stage", choices=["sft", "grpo"], help="Default: the config's folder name.")
+    p.add_argument("--config", required=True, help="An SFT, GRPO or DPO YAML (configs/sft/, grpo/, dpo/).")
+    p.add_argument("--stage", choices=STAGES, help="Default: the config's folder name.")
     p.add_argument("--world-size", type=int, default=1, help="Ranks (GPUs) the run uses.")
     p.add_argument("--gpu-memory", type=float, help="GiB per GPU: exit 2 when the plan does not fit.")
     p.add_argument("--sharding", choices=["ddp", "fsdp", "zero2", "zero3"], help="Overrides the config's.")
     p.add_argument("--shape", choices=sorted(named_shapes()), help="A named shape instead of model.path's config.json.")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: fp32 unless train.precision=bf16, and attention keeps T x T probabilities.")  # fmt: skip
-    p.add_argument("--images", type=int, help="Images per sequence (default: 1 for SFT, rollout.max_images GRPO).")
+    p.add_argument(
+        "--images", type=int, help="Images per sequence (default: 1 for SFT and DPO, rollout.max_images GRPO)."
+    )
     p.add_argument("--image-tokens", type=int, help="Language-model tokens per image (default: model.max_pixels / 784, "
                    "for GRPO at most rollout.max_total_tokens / images / 2). A 1000x750 picture at Qwen2.5-VL's "
                    "default pixel budget is 972.")  # fmt: skip
@@ -88,7 +92,7 @@ def _sharding(cfg: Any, given: str | None) -> str:
     return "ddp"
 
 
-def setup_from_config(cfg: SFTConfig | GRPOConfig, args: argparse.Namespace, stage: str) -> Setup:
+def setup_from_config(cfg: SFTConfig | GRPOConfig | DPOConfig, args: argparse.Namespace, stage: str) -> Setup:
     train = cfg.train
     bf16 = train.precision == "bf16" or (train.precision == "auto" and args.device == "cuda")
     common = dict(stage=stage, world_size=args.world_size, sharding=_sharding(cfg, args.sharding), bf16=bf16,
@@ -97,15 +101,21 @@ def setup_from_config(cfg: SFTConfig | GRPOConfig, args: argparse.Namespace, sta
                   lora_targets=tuple(train.lora.target_modules), trained_fraction=args.trained_fraction,
                   lm_head_chunk=train.lm_head_chunk)  # fmt: skip
     image_tokens = args.image_tokens or cfg.model.max_pixels // (28 * 28)
-    if stage == "sft":
+    lora = train.lora.enabled
+    if stage in ("sft", "dpo"):
         images = 1 if args.images is None else args.images
-        return Setup(**common, micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.max_length, images=images,
-                     image_tokens=image_tokens)  # fmt: skip
+        if stage == "sft":
+            return Setup(**common, micro_batch=cfg.data.micro_batch_size, seq_len=cfg.data.max_length, images=images,
+                         image_tokens=image_tokens)  # fmt: skip
+        # B pairs are one forward over 2B sequences (collate_pairs: the chosen rows, then the rejected ones)
+        reference = "precomputed" if cfg.dpo.precompute_ref else "adapters" if lora else "copy"
+        return Setup(**common, micro_batch=2 * cfg.data.micro_batch_size, seq_len=cfg.data.max_length, images=images,
+                     image_tokens=image_tokens, reference=reference)  # fmt: skip
     images = cfg.rollout.max_images if args.images is None else args.images
     tokens = args.image_tokens or min(image_tokens, cfg.rollout.max_total_tokens // max(images, 1) // 2)
     return Setup(**common, micro_batch=cfg.grpo.micro_batch_size, seq_len=cfg.rollout.max_total_tokens,
                  images=images, image_tokens=tokens,
-                 reference_model=cfg.grpo.kl_coef > 0 and not train.lora.enabled,
+                 reference=("adapters" if lora else "copy") if cfg.grpo.kl_coef > 0 else None,
                  rollout_batch=cfg.grpo.rollout_batch_size, rollout_len=cfg.rollout.max_total_tokens,
                  kv_cache_gb=cfg.rollout.kv_cache_gb, group_size=cfg.grpo.group_size,
                  episodes=_episodes(cfg.grpo))  # fmt: skip
@@ -120,11 +130,13 @@ def _episodes(algo: Any) -> int:
 
 def run(args: argparse.Namespace) -> int:
     stage = args.stage or Path(args.config).parent.name
-    if stage not in ("sft", "grpo"):
-        raise ConfigError(f"cannot tell the stage of {args.config} from its folder: pass --stage sft or grpo")
+    if stage not in STAGES:
+        raise ConfigError(f"cannot tell the stage of {args.config} from its folder: pass --stage sft, grpo or dpo")
     cfg = load_config(CONFIGS[stage], args.config, args.overrides)
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be positive, got {args.world_size}")
+    if stage != "sft" and args.sharding in ("zero2", "zero3"):
+        raise ConfigError(f"--sharding {args.sharding}: {stage.upper()} does not train under DeepSpeed (ddp or fsdp)")
     shape = model_shape(cfg, args.shape)
     setup = setup_from_config(cfg, args, stage)
     result = plan(shape, setup)

@@ -1,10 +1,19 @@
-"""A memory plan per rank for SFT and GRPO: arithmetic over the model's shape, no model built.
+"""A memory plan per rank for SFT, GRPO and DPO: arithmetic over the model's shape, no model built.
 
 ``plan(shape, setup)`` adds up what one rank holds at its peak: the weights (fp32 masters, sharded or not, and
 the bf16 copies compute reads), gradients, AdamW's two fp32 moments, the activations autograd keeps for one
 micro-batch at the config's token limit (with or without gradient checkpointing), the language-model head's
-buffers (chunked or whole logits) and, for GRPO, the rollout's KV cache and the whole weights generation needs.
+buffers (chunked or whole logits), the frozen reference where the loss has one (GRPO's KL term, DPO) and, for GRPO,
+the rollout's KV cache and the whole weights generation needs. A DPO micro-batch of B pairs is one forward over 2B
+sequences (the chosen rows, then the rejected ones): its activations and head buffers are those of 2B sequences.
 ``vagent memory --config ...`` prints it; ``benchmarks/memory_plan.py`` checks it against measured peaks.
+
+The reference is resident only as a frozen copy, which the recipes load in fp32 (autocast or FSDP's mixed-precision
+policy computes in bf16): whole on every rank, or under FSDP in fp32 shards plus its root unit (embeddings, head,
+patch embedding, merger), which stays gathered after the copy's no-grad forward (FSDP2 does not reshard a root after
+its forward, and no backward comes to reshard it). With LoRA the reference is the policy with its adapters disabled, and with
+DPO's ``precompute_ref`` its log-probs are scored once before training (no-grad forwards, below the step's peak) and
+kept on the host, 2 floats per pair: neither adds device memory.
 
 For GRPO it also plans the host memory (CPU RAM, apart from the device peak) of the step's episodes: each image is
 held once, as the processor's fp32 patches (``3 x temporal_patch x patch**2 x 4`` bytes per patch, 8x the image's
@@ -138,7 +147,7 @@ def shape_from_config_json(path: str | Path) -> ModelShape:
 class Setup:
     """How the model is trained, from a config (``vagent memory`` builds it)."""
 
-    stage: Literal["sft", "grpo"]
+    stage: Literal["sft", "grpo", "dpo"]
     world_size: int = 1
     sharding: Sharding = "ddp"
     bf16: bool = True
@@ -147,13 +156,15 @@ class Setup:
     freeze_vision: bool = False
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    micro_batch: int = 1
+    micro_batch: int = 1  # sequences per forward (DPO: 2 per pair, the chosen and the rejected)
     seq_len: int = 4096  # tokens per sequence at the config's limit (images included)
     images: int = 1  # images per sequence (their patches run through the vision tower)
     image_tokens: int = 256  # language-model tokens per image (patches / merge^2)
-    trained_fraction: float = 0.5  # share of a sequence's tokens the loss reads (SFT: answers; GRPO: sampled)
+    trained_fraction: float = 0.5  # share of a sequence's tokens the loss reads (answers; GRPO: sampled)
     lm_head_chunk: int = 1024  # 0 = whole logits
-    reference_model: bool = False  # GRPO with kl_coef > 0 and full fine-tuning keeps a frozen copy
+    # how the loss's reference log-probs are made (GRPO with kl_coef > 0, DPO): a frozen copy beside the policy, the
+    # policy with its LoRA adapters disabled, or (DPO's precompute_ref) once before training; None: no reference
+    reference: Literal["copy", "adapters", "precomputed"] | None = None
     rollout_batch: int = 0  # GRPO: sequences generated at once
     rollout_len: int = 0  # GRPO: tokens per generated sequence (prompt + all turns)
     kv_cache_gb: float | None = None  # GRPO: the rollout's KV storage sized once (rollout.kv_cache_gb)
@@ -222,21 +233,44 @@ def _state(shape: ModelShape, s: Setup, p: MemoryPlan) -> tuple[int, int]:
                 ("optimizer states", optim, "AdamW: 2 fp32 moments per trainable param"
                  + (f" (1/{n})" if s.sharding != "ddp" else ""))]  # fmt: skip
     p.state += weights + grads + optim
-    if s.reference_model:  # frozen copy for the KL term, bf16 on GPU (fp32 on CPU), sharded like the weights
-        ref = (2 if s.bf16 else 4) * total / (n if s.sharding in ("fsdp", "zero3") else 1)
-        p.lines.append(("reference model", ref, "frozen copy for the KL term"))
-        p.state += ref
+    _reference(shape, s, total, p)
     if s.sharding in ("fsdp", "zero3"):
-        root = (
-            shape.vocab * shape.hidden * (1 if shape.tied else 2)
-            + shape.vision_params()
-            - shape.vision_depth * (shape.vision_block_params())
-        )  # embeddings, head, patch embed, merger: the root unit
+        root = _root_params(shape)
         unit = max(shape.layer_params(), shape.vision_block_params())
         gathered = 2 * (root + 2 * unit) + 4 * min(trainable, root + unit)  # bf16 gathers, fp32 unsharded grads
         p.lines.append(("gathered units", gathered, "bf16 root + 2 layers, fp32 grads of one unit before reduce"))
         p.update += gathered
     return total, trainable
+
+
+def _root_params(shape: ModelShape) -> int:
+    """The root FSDP unit: embeddings, head, patch embedding and merger (every decoder layer and vision block is a
+    unit of its own)."""
+    return (
+        shape.vocab * shape.hidden * (1 if shape.tied else 2)
+        + shape.vision_params()
+        - (shape.vision_depth * shape.vision_block_params())
+    )
+
+
+def _reference(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
+    """The frozen reference of GRPO's KL term and of DPO, as the recipes hold it (see the module docstring)."""
+    if s.reference is None:
+        return
+    what = "the KL term's reference" if s.stage == "grpo" else "DPO's reference"
+    if s.reference == "adapters":
+        ref, how = 0.0, f"none resident: {what} is the policy with its adapters disabled"
+    elif s.reference == "precomputed":
+        ref, how = 0.0, "none resident: scored once before training (dpo.precompute_ref), 2 floats per pair on the host"
+    elif s.sharding == "fsdp":
+        n, root = s.world_size, _root_params(shape)
+        ref = 4 * total / n + (2 if s.bf16 else 4) * root
+        how = (f"{what}: a frozen copy in fp32 shards (1/{n}) + its {'bf16' if s.bf16 else 'fp32'} root unit "
+               f"({root / 1e9:.3f}B), left gathered after its forward")  # fmt: skip
+    else:
+        ref, how = 4 * total, f"{what}: a frozen fp32 copy, whole on every rank"
+    p.lines.append(("reference model", ref, how))
+    p.state += ref
 
 
 def _activations(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
@@ -255,7 +289,11 @@ def _activations(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
         kept = full
         ckpt = shape.layers * h * tokens * a + per_layer_token * tokens + attention
         how = f"{shape.layers} layers kept (with gradient checkpointing: {ckpt / GiB:.2f} GiB)"
-    p.lines.append(("activations", kept, f"{s.micro_batch} x {s.seq_len} tokens, {how}"))
+    rows = f"{s.micro_batch} x {s.seq_len} tokens"
+    if s.stage == "dpo":
+        pairs = s.micro_batch // 2
+        rows += f" ({pairs} pair{'s' if pairs > 1 else ''}: chosen and rejected)"
+    p.lines.append(("activations", kept, f"{rows}, {how}"))
     p.update += kept
     if s.images and not s.freeze_vision:  # a frozen tower gets no gradient: nothing of it is kept
         patches = s.micro_batch * s.images * s.image_tokens * shape.merge**2
@@ -328,6 +366,8 @@ def plan(shape: ModelShape, setup: Setup) -> MemoryPlan:
     """The per-rank memory of ``setup`` on ``shape`` (see the module docstring for what is counted)."""
     if setup.world_size < 1 or setup.micro_batch < 1 or setup.seq_len < 1:
         raise ValueError("world_size, micro_batch and seq_len must be positive")
+    if setup.stage == "dpo" and setup.micro_batch % 2:
+        raise ValueError(f"a DPO micro-batch is 2 sequences per pair, got micro_batch {setup.micro_batch}")
     p = MemoryPlan()
     total, _ = _state(shape, setup, p)
     _activations(shape, setup, p)
