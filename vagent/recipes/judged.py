@@ -93,7 +93,7 @@ def judge_scores(client: JudgeClient, cfg: JudgeConfig, trajectories: Sequence[T
     params = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
     if cfg.prompt == "judgment":  # its turn ends where the rollout engine ended its training turns
         params["stop"] = ["</answer>"]
-    urls: dict[Any, str] = {}  # image path -> data URL: a group's requests share one encoding of its row's images
+    urls: dict[Any, str] = {}  # image path -> data URL: the call's requests share one encoding of each image
     if cfg.mode != "pairwise":
         asks = [i for i, t in enumerate(trajectories) if _answer(t)]
         requests_ = [_request(cfg, template, rows[i], [_answer(trajectories[i])], urls) for i in asks]
