@@ -54,8 +54,8 @@ def evaluate_endpoint(client: JudgeClient, benchmark: Benchmark, rows: Sequence[
     ``score`` and ``report``); writes ``samples.jsonl``, ``metrics.json`` and ``metrics.md`` to ``out_dir``.
 
     A request that fails (timeout, HTTP error, a reply cut at ``max_tokens``) is scored as an unparseable verdict
-    and counted in ``judge_failures``; replies are cached in ``out_dir/judge_cache.jsonl`` by the client, so a rerun sends only
-    what failed.
+    and counted in ``judge_failures``; replies are cached in ``out_dir/judge_cache.jsonl`` by the client, so a rerun
+    sends only the requests that got none (a cut reply is cached: the same request is cut the same way).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     urls: dict[Any, str] = {}  # a pair and its swap show the same images: one encoding each
