@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 from vagent.data import Row, load_rows, write_rows
 from vagent.rewards import combine
 from vagent.types import Trajectory
 
-__all__ = ["add_rollout_arguments", "distill_rows", "roll_out", "trajectory_messages"]
+__all__ = ["add_rollout_arguments", "distill_rows", "reward_options", "roll_out", "trajectory_messages"]
 
 
 def trajectory_messages(trajectory: Trajectory, image_dir: Path) -> list[dict]:
@@ -72,12 +74,34 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--rewards", default="accuracy=1.0", help="name=weight,... from vagent.rewards.REWARDS")
+    parser.add_argument("--reward-options", default="", help="Keyword arguments of the rewards, name.key=value,... "
+                        "(as rewards.options), e.g. judgment.format_weight=0 to score a judge's verdicts alone.")  # fmt: skip
     parser.add_argument("--tools", default="crop", help="Tools of rows without their own list; 'none' for none.")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=8, help="Rows rolled out together.")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def reward_options(text: str) -> dict[str, dict[str, Any]]:
+    """``--reward-options`` as ``combine``'s options: ``"judgment.format_weight=0,x.k=v"`` -> ``{"judgment":
+    {"format_weight": 0}, "x": {"k": "v"}}`` (a value is read as JSON when it is JSON, else kept as a string).
+
+    >>> reward_options("judgment.format_weight=0,judgment.tolerance=0.5")
+    {'judgment': {'format_weight': 0, 'tolerance': 0.5}}
+    """
+    options: dict[str, dict[str, Any]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, dot, rest = item.partition(".")
+        key, eq, value = rest.partition("=")
+        if not (name and dot and key and eq):
+            raise SystemExit(f"--reward-options: {item!r} is not name.key=value")
+        try:
+            options.setdefault(name, {})[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options.setdefault(name, {})[key] = value
+    return options
 
 
 def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], list[float]]:
@@ -90,6 +114,7 @@ def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], lis
     from vagent.toolbox import TOOLS
 
     weights = {k: float(v) for k, v in (item.split("=") for item in args.rewards.split(","))}
+    options = reward_options(args.reward_options)  # before the model loads: a typo fails at once
     rows = load_rows(args.data, known_tools=TOOLS)
     tools = [] if args.tools == "none" else args.tools.split(",")
     policy = load_policy(args.model)
@@ -98,7 +123,7 @@ def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], lis
     trajectories = run(policy, [Task.from_row(r, tools) for r in rows], args.samples, limits,
                        batch_size=args.batch_size)  # fmt: skip
     per_sample = [row for row in rows for _ in range(args.samples)]
-    totals, _ = combine(trajectories, per_sample, weights)
+    totals, _ = combine(trajectories, per_sample, weights, options)
     return rows, trajectories, totals
 
 

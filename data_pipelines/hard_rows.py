@@ -1,14 +1,17 @@
 """The rows a checkpoint still gets wrong: its accuracy over k samples per row, and the rows below a threshold.
 
     python -m data_pipelines.hard_rows --model CKPT --data rows.jsonl --out hard.jsonl --samples 4 \
-        --rewards judgment=1.0 --correct-at 1.0 --below 1.0 [--tools none]
+        --rewards judgment=1.0 --reward-options judgment.format_weight=0 --correct-at 1.0 --below 1.0 [--tools none]
 
 Each row is rolled out ``--samples`` times; a sample is right when its reward (``--rewards``, weighted as in
-``data_pipelines.distill``) reaches ``--correct-at``; the row's accuracy is the share of right samples. Rows whose
-accuracy is below ``--below`` are written as they were read, with ``accuracy_at_k`` added: UnifiedReward-Think's
-GRPO stage trains on the judgments its judge still gets wrong after rejection sampling. With ``--below 1`` every
-row the model does not always get right is kept; rows it never gets right give GRPO a group without a winner, so
-a lower ``--min-accuracy`` can leave them out.
+``data_pipelines.distill``, with ``--reward-options``) reaches ``--correct-at``; the row's accuracy is the share of
+right samples. Rows whose accuracy is below ``--below`` are written as they were read, with ``accuracy_at_k``
+added: UnifiedReward-Think's GRPO stage trains on the judgments its judge still gets wrong after rejection
+sampling. For a judge, ``judgment.format_weight=0`` makes the reward the verdict's agreement with the label alone;
+with the reward's default format weight of 0.5 a reward of 0.5 is either a right verdict badly formed or a wrong
+one well formed, and ``--correct-at 1.0`` counts both as wrong. With ``--below 1`` every row the model does not
+always get right is kept; rows it never gets right give GRPO a group without a winner, so a ``--min-accuracy``
+above 0 leaves them out.
 """
 
 from __future__ import annotations

@@ -12,21 +12,25 @@ the preference labels. Kept replies become the rows' gold ``messages`` in ``DIR/
 ready for ``vagent sft``.
 
 ``judgment_row`` builds a judgment row from a ``vagent.data.Judgment``; the converters and the synthetic builder
-use it.
+use it. ``balanced`` and ``position_report`` are the converters' check on where the labels sit: a dump of
+(chosen, rejected) pairs converted as given labels every row 1, and a judge trained on it learns the position.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from vagent.data import Judgment, Row, load_rows, write_rows
-from vagent.data.judgment import render, verdict_text
+from vagent.data.judgment import render, swapped_row, verdict_text
 
-__all__ = ["judgment_row", "teach"]
+__all__ = ["BALANCED", "balanced", "judgment_row", "position_report", "record_images", "teach"]
+
+BALANCED = (0.4, 0.6)  # shares of rows labelled 1 that position_report accepts without a warning
 
 
 def judgment_row(rid: str, judgment: Judgment, *, images: Sequence[str] = (), source: str = "judgment",
@@ -47,10 +51,47 @@ def judgment_row(rid: str, judgment: Judgment, *, images: Sequence[str] = (), so
     return row
 
 
+def record_images(record: dict[str, Any]) -> list[Any]:
+    """A source record's images: ``images`` (a list), or ``image``: one image, or a list of them (LLaVA's
+    conversation format allows both)."""
+    images = record.get("images") or record.get("image") or []
+    return list(images) if isinstance(images, list) else [images]
+
+
+def balanced(rows: Sequence[Row]) -> tuple[list[Row], int]:
+    """``rows`` with about half of the pairwise ones shown the other way round (``vagent.data.judgment.swapped_row``:
+    the label follows its candidate), and how many were swapped. A row is swapped when a hash of its id is odd: the
+    same rows on every run, whatever the source's order. A swapped row loses its gold ``messages`` (its chain of
+    thought names positions); a pointwise row, or one whose prompt was kept as written with text candidates, stays
+    as it is."""
+    out, n = [], 0
+    for row in rows:
+        odd = hashlib.blake2b(row.id.encode(), digest_size=1).digest()[0] % 2
+        twin = swapped_row(row) if odd and row.judgment is not None and row.judgment.kind == "pairwise" else None
+        out.append(twin or row)
+        n += twin is not None
+    return out, n
+
+
+def position_report(rows: Sequence[Row]) -> list[str]:
+    """Lines to print after a conversion: the share of pairwise rows labelled 1, and a warning when it lies outside
+    ``BALANCED``."""
+    labels = [row.judgment.preferred for row in rows if row.judgment is not None and row.judgment.kind == "pairwise"]
+    if not labels:
+        return []
+    share = sum(p == 1 for p in labels) / len(labels)
+    lines = [f"preferred == 1 in {share:.1%} of {len(labels)} pairwise rows"]
+    if not BALANCED[0] <= share <= BALANCED[1]:
+        lines.append(f"warning: {share:.1%} of the labels name position 1, outside [{BALANCED[0]:.0%}, "
+                     f"{BALANCED[1]:.0%}]: a judge trained on these rows can learn the position instead of the "
+                     "judgment; --balance shows about half of them the other way round")  # fmt: skip
+    return lines
+
+
 def teach(rows: Sequence[Row], client, *, samples: int = 1, temperature: float = 0.0, max_tokens: int = 1024
           ) -> tuple[list[Row], dict[str, int]]:  # fmt: skip
     """The teacher's well-formed judgments that agree with each row's label, as SFT rows; and counts of what was
-    asked, kept, unreadable and failed."""
+    asked, kept, disagreed, malformed and failed (no reply, or one cut at ``max_tokens``)."""
     # imported here: the converters import this module for judgment_row, and need neither torch nor the engine
     from vagent.eval.judges import row_request
     from vagent.rewards.judgment import read_verdict, verdict_matches
@@ -62,7 +103,7 @@ def teach(rows: Sequence[Row], client, *, samples: int = 1, temperature: float =
         replies = client.complete_many(requests, temperature=temperature, max_tokens=max_tokens, seed=k)
         for row, reply in zip(rows, replies, strict=True):
             counts["asked"] += 1
-            verdict = read_verdict(reply.text)
+            verdict = read_verdict(reply.text, row.judgment.candidates)
             if reply.error is not None:
                 counts["failed"] += 1
             elif not verdict.well_formed:

@@ -14,8 +14,8 @@ Stages, each the documented command's own code (docs/guide/judges.md):
 3. rejection sampling: the cold-start judge judges ``train_rows`` rows ``rs_samples`` times; its well-formed
    judgments that match the label (``judgment`` reward 1, ``data_pipelines.distill``) are the SFT data of the
    next model, trained from the cold start;
-4. GRPO on the rows that model still gets wrong (``data_pipelines.hard_rows``: accuracy over ``hard_samples``
-   samples below ``hard_below``), rewarded by ``judgment``;
+4. GRPO on the rows that model still gets wrong (``data_pipelines.hard_rows``: the share of ``hard_samples``
+   samples whose verdict matches the label below ``hard_below``), rewarded by ``judgment``;
 5. ``vagent eval --benchmark judge-pairs`` of every stage's judge on ``test_rows`` held-out pairs, both orders;
 6. the closed loop: the final judge behind ``vagent serve``, and one GRPO step of a policy (the tiny model after
    ``policy_sft_steps`` SFT steps answering the tile questions) whose ``judge`` reward asks it with the prompt it
@@ -178,7 +178,7 @@ def run(cfg: JudgeQuickstartConfig) -> str:
     hard = out / "hard.jsonl"
     sampling[1] = str(cfg.hard_samples)
     hard_rows.main(["--model", str(rs), "--data", str(paths["filtered"]), "--out", str(hard), "--correct-at", "1.0",
-                    "--below", str(cfg.hard_below), *sampling])  # fmt: skip
+                    "--below", str(cfg.hard_below), "--reward-options", "judgment.format_weight=0", *sampling])  # fmt: skip
     final = grpo.train(_judge_grpo_config(cfg, out / "grpo", rs, hard))
     stage("GRPO on the rows it still gets wrong")
 

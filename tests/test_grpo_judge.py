@@ -41,10 +41,12 @@ def test_grpo_with_a_judge_that_dies_mid_run(tmp_path, tiny_qwen25, zoom_rows_fi
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert 0.0 <= r["reward/judge"] <= 1.0 and 0.0 <= r["reward/judge_failures"] <= 1.0
-    # The live judge answered (only successful replies are cached): its random text is unparseable, so those
-    # samples got the neutral score; after the kill every judged sample failed to connect and was counted.
+    # The live judge answered (the replies it sent are cached, with their finish_reason): its random text runs to
+    # judge.max_tokens (cut: finish_reason length) or reads as no verdict, a failure either way, so those samples got
+    # the neutral score; after the kill every judged sample failed to connect and was counted.
     cache = [json.loads(line) for line in (tmp_path / "run" / "judge_cache.jsonl").read_text().splitlines()]
     assert cache, "the live judge answered nothing"
+    assert all(entry["finish_reason"] in ("stop", "length") for entry in cache), cache
     assert records[1]["reward/judge_failures"] > 0 and records[2]["reward/judge_failures"] > 0
     final = [
         json.loads(line) for line in (tmp_path / "run" / "rollouts").glob("*.jsonl").__next__().read_text().splitlines()

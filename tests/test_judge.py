@@ -7,12 +7,13 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import pytest
 
 from vagent.config import JudgeConfig
+from vagent.data import Row
 from vagent.judge import JudgeClient, judge_messages, parse_verdict
+from vagent.judge.client import TRUNCATED
 from vagent.recipes.judged import JudgedRewards, judge_scores
 from vagent.rewards import REWARDS, pairwise_win_rates
 from vagent.types import Message, ToolResult, Trajectory
@@ -67,6 +68,8 @@ def test_score_mode_parser(text, score):
         ("<answer>Answer 1 is better. Answer 2 is better.</answer>", None),  # contradictory
         ("<answer>Both are fine</answer>", None),
         ("<think>Answer 1 is better? no</think><answer>tie</answer>", None),  # the verdict block has none
+        ("<think>1. Answer 2 is better grounded", None),  # reasoning cut short: no verdict
+        ("<think>2 misreads it</think> Answer 1 is better.", 1.0),  # after closed reasoning
     ],
 )
 def test_pairwise_parser(text, score):
@@ -110,7 +113,7 @@ def test_judge_reward_maps_failures_to_neutral():
 
 
 def _row(answer="Eiffel Tower", answer_type="f1"):
-    return SimpleNamespace(answer=answer, answer_type=answer_type, choices=None, evidence=None, question="q")
+    return Row(id="q", question="q", answer=answer, answer_type=answer_type)
 
 
 def _traj(answer, tools=(), stop="answered", metrics=None):
@@ -140,14 +143,15 @@ def test_tool_star_wrong_with_tools_gets_no_bonus():
 
 
 class _Judge(BaseHTTPRequestHandler):
-    """A scripted endpoint: the server's ``script`` lists (status, content, delay_s) per request."""
+    """A scripted endpoint: the server's ``script`` lists (status, content, delay_s[, finish_reason]) per request."""
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append(body)
-        status, content, delay = self.server.script.pop(0) if self.server.script else (200, "Judgement: 1", 0)
+        status, content, delay, *finish = self.server.script.pop(0) if self.server.script else (200, "Judgement: 1", 0)
         time.sleep(delay)
-        payload = {"choices": [{"message": {"content": content}}]} if status == 200 else {"error": {"message": "no"}}
+        choice = {"message": {"content": content}, "finish_reason": finish[0] if finish else "stop"}
+        payload = {"choices": [choice]} if status == 200 else {"error": {"message": "no"}}
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -187,6 +191,30 @@ def test_client_retries_5xx_and_caches_by_request(fake, tmp_path):
     assert not client.complete([{"role": "user", "content": "other"}]).cached
     reloaded = JudgeClient(url, "m", cache_path=tmp_path / "cache.jsonl")  # the cache survives a restart
     assert reloaded.complete(messages).text == "Judgement: 0" and len(server.seen) == 3
+
+
+def test_a_reply_cut_at_max_tokens_is_a_failure_cached_as_one(fake, tmp_path):
+    """A CoT judge cut mid-reasoning (finish_reason length) names no verdict, whatever its reasoning says: the
+    reply is a failure, not retried, and cached with its finish_reason (the same request is cut the same way)."""
+    server, url = fake
+    cut = "<think>1. Semantic accuracy: Answer 2 is better grounded in the image"
+    server.script = [(200, cut, 0, "length")]
+    messages = [{"role": "user", "content": "q"}]
+    reply = JudgeClient(url, "m", retries=2, cache_path=tmp_path / "cache.jsonl").complete(messages)
+    assert (reply.text, reply.error, reply.finish_reason, reply.attempts) == (cut, TRUNCATED, "length", 1)
+    again = JudgeClient(url, "m", cache_path=tmp_path / "cache.jsonl").complete(messages)
+    assert again.cached and again.error == TRUNCATED and len(server.seen) == 1
+    assert parse_verdict(cut, "pairwise").score is None  # nor would the lenient parser read a verdict from it
+
+
+def test_a_judge_cut_mid_reasoning_fails_its_comparison_in_the_loop(fake):
+    server, url = fake
+    server.script = [(200, "<think>1. Semantic accuracy: Answer 2 is better grounded", 0, "length")]
+    cfg = JudgeConfig(url=url, mode="pairwise", prompt="judgment")
+    samples = [_sample("a"), _sample("b")]
+    scores, failed = judge_scores(JudgeClient(url, "m", concurrency=1), cfg, samples, [_row()] * 2, group_size=2)
+    assert scores == [None, None] and failed == [True, True]  # neutral and counted, not "Answer 2 won"
+    assert samples[0].metrics["judge"]["comparisons"][0]["error"] == TRUNCATED
 
 
 def test_client_does_not_retry_a_4xx_and_never_raises(fake):
@@ -230,14 +258,33 @@ def test_pointwise_scores_failures_and_reasoning_in_the_trajectory(fake, tmp_pat
 
 def test_pairwise_scores_are_win_rates_within_each_group(fake):
     server, url = fake
-    # Group 1 (a, b, c): a beats b, a beats c, c beats b. Group 2: two equal answers tie without a call.
-    server.script = [(200, "<answer>Answer 1 is better</answer>", 0)] * 2 + [
-        (200, "<answer>Answer 2 is better</answer>", 0)
-    ]
+    # Group 1 (a, b, c): a beats b, a beats c, c beats b, asked as (b, a), (a, c), (c, b) (pair_order alternates
+    # which sample is Answer 1). Group 2: two equal answers tie without a call.
+    server.script = [(200, f"<answer>Answer {k} is better</answer>", 0) for k in (2, 1, 1)]
     client = JudgeClient(url, "m", concurrency=1)
     cfg = JudgeConfig(url=url, mode="pairwise")
     samples = [_sample("a"), _sample("b"), _sample("c"), _sample("same"), _sample("Same.")]
     scores, failed = judge_scores(client, cfg, samples, [_row()] * 5, group_size=3)
     assert scores == [1.0, 0.0, 0.5, 0.5, 0.5] and not any(failed)
     assert len(server.seen) == 3  # the equal pair cost no call
-    assert samples[0].metrics["judge"]["comparisons"][0]["score"] == 1.0
+    shown = [[p["text"] for p in body["messages"][0]["content"]][-1] for body in server.seen]
+    assert ["[Answer 1]: b\n[Answer 2]: a" in shown[0], "[Answer 1]: a\n[Answer 2]: c" in shown[1]] == [True, True]
+    first = samples[0].metrics["judge"]["comparisons"][0]  # b (Answer 1) against a: 0, Answer 1 lost
+    assert (first["answer1"], first["answer2"], first["score"]) == (1, 0, 0.0)
+
+
+@pytest.mark.parametrize("both_orders", [False, True])
+def test_a_judge_that_always_names_answer_1_moves_no_sample_of_a_group_more_than_another(fake, both_orders):
+    """A judge with pure position bias: every sample of a group of 8 distinct answers is shown first in 3 or 4 of
+    its 7 comparisons (pair_order), so win rates stay within 1/7 of a half; before, sample 0 (always Answer 1) won
+    everything and sample 7 nothing. Both orders cancel the bias exactly."""
+    server, url = fake
+    server.script = [(200, "<answer>Answer 1 is better</answer>", 0)] * 56
+    cfg = JudgeConfig(url=url, mode="pairwise", both_orders=both_orders)
+    samples = [_sample(f"answer {k}") for k in range(8)]
+    scores, failed = judge_scores(JudgeClient(url, "m", concurrency=1), cfg, samples, [_row()] * 8, group_size=8)
+    assert not any(failed) and len(server.seen) == (56 if both_orders else 28)
+    if both_orders:
+        assert scores == [0.5] * 8
+    else:
+        assert sorted(scores) == [3 / 7] * 4 + [4 / 7] * 4

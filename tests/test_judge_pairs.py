@@ -14,12 +14,13 @@ from data_pipelines.judgments import judgment_row
 from tests.test_judge import fake  # noqa: F401 (the scripted OpenAI-compatible endpoint fixture)
 from vagent.cli import main
 from vagent.config import ConfigError, GRPOConfig, JudgeConfig, load_config
-from vagent.data import Judgment, load_rows, write_rows
+from vagent.data import Judgment, Row, load_rows, write_rows
 from vagent.data.encode import encode_prompt
 from vagent.eval import BENCHMARKS
 from vagent.eval.benchmarks.judge_pairs import SWAPPED, report
 from vagent.eval.judges import evaluate_endpoint, judgment_request, row_request
-from vagent.judge import JudgeClient
+from vagent.judge import JudgeClient, verdicts
+from vagent.judge.verdicts import _data_url as data_url
 from vagent.recipes.judged import judge_scores
 from vagent.rollout import Task, prompt_messages
 from vagent.serve.request import parse_chat_request
@@ -85,6 +86,24 @@ def test_agreement_position_bias_and_unparseable_verdicts(tmp_path):
     assert metrics["consistency"] == pytest.approx(2 / 3) and metrics["agreement_both_orders"] == pytest.approx(2 / 3)
     assert metrics["first_preference"] == pytest.approx(3 / 5)  # p0, p1s, p2 name position 1; p0s, p1 position 2
     assert report(rows, _scored(rows[-1:], {}))["single_order"] == 1
+    # first_preference counts only pairs judged both ways: the single-order row's label (position 2) is unbalanced
+    right = {r.id: f"<think>x</think><answer>{r.answer}</answer>" for r in rows}
+    metrics = report(rows, _scored(rows, right))
+    assert metrics["first_preference"] == 0.5 and metrics["single_order"] == 1 and metrics["consistency"] == 1.0
+
+
+def test_a_judge_cut_mid_reasoning_is_unparseable_not_right(fake, tmp_path):  # noqa: F811
+    """A CoT judge cut at its token limit ("<think>... Answer 2 is better grounded ...") has given no verdict: as a
+    checkpoint's episode (stop reason max_tokens) and as an endpoint's reply (finish_reason length)."""
+    rows, _ = BENCH.load(_pairs(tmp_path), None)
+    p1 = rows[2]  # labelled 2
+    cut = "<think>1. Semantic accuracy: Answer 2 is better grounded in the image"
+    scores = BENCH.score(p1, Trajectory(p1.id, [Message.text("assistant", cut)], stop_reason="max_tokens"))
+    assert scores == {"agreement": 0.0, "unparseable": 1.0, "well_formed": 0.0}
+    server, url = fake
+    server.script = [(200, cut, 0, "length")]
+    metrics = evaluate_endpoint(JudgeClient(url, "judge", retries=0), BENCH, [p1], tmp_path / "run")
+    assert (metrics["agreement"], metrics["unparseable"], metrics["judge_failures"]) == (0.0, 1.0, 1)
 
 
 def test_an_endpoint_judge_is_evaluated_from_its_replies(fake, tmp_path):  # noqa: F811
@@ -130,8 +149,8 @@ def test_the_served_judge_reads_its_training_prompt(tmp_path, policy):
     row = load_rows(write_rows([judgment_row("j", judgment, images=[str(image)])], tmp_path / "rows.jsonl"))[0]
     trained = prompt_messages(Task.from_row(row, ["crop"]))  # what SFT, distill and GRPO show the judge
     # what the GRPO loop sends for a policy's answers to that question (judge.prompt: judgment)
-    policy_row = SimpleNamespace(question="What digit is on the green tile?", answer="4", answer_type="exact",
-                                 images=[str(image)])  # fmt: skip
+    policy_row = Row(id="q", question="What digit is on the green tile?", answer="4", answer_type="exact",
+                     images=[str(image)])  # fmt: skip
     captured = []
 
     class Client:
@@ -140,8 +159,8 @@ def test_the_served_judge_reads_its_training_prompt(tmp_path, policy):
             return [SimpleNamespace(text="", error="offline")] * len(requests)
 
     cfg = JudgeConfig(url="http://judge/v1", prompt="judgment", mode="pairwise")
-    samples = [Trajectory("t", [], answer=a, stop_reason="answered") for a in ("It is 4.", "5")]
-    judge_scores(Client(), cfg, samples, [policy_row] * 2, group_size=2)
+    samples = [Trajectory("t", [], answer=a, stop_reason="answered") for a in ("5", "It is 4.")]
+    judge_scores(Client(), cfg, samples, [policy_row] * 2, group_size=2)  # pair_order: sample 1 is Answer 1
     assert captured == [judgment_request(judgment, [str(image)])] == [row_request(row)]
     served = parse_chat_request(json.dumps({"model": "judge", "messages": captured[0]}).encode(), model_name="judge",
                                 allowed_roots=[], max_image_pixels=10**8).messages  # fmt: skip
@@ -151,6 +170,56 @@ def test_the_served_judge_reads_its_training_prompt(tmp_path, policy):
     shown = [policy.model_view(Image.open(image).convert("RGB"))]
     assert torch.equal(encode_prompt(policy.processor, served, shown)["input_ids"],
                        encode_prompt(policy.processor, trained, shown)["input_ids"])  # fmt: skip
+
+
+def test_the_judge_sees_the_question_the_policy_saw_with_its_choices(tmp_path):
+    image = tmp_path / "tile.png"
+    Image.new("RGB", (56, 56), (20, 140, 40)).save(image)
+    row = Row(id="c", question="Which digit is on the tile?", choices=["3", "7"], answer="A", answer_type="choice",
+              images=[str(image)])  # fmt: skip
+    shown = Task.from_row(row, []).question  # what the policy's prompt asked
+    assert shown.endswith("\nA. 3\nB. 7")
+    samples = [Trajectory("t", [], answer=a, stop_reason="answered") for a in ("A", "B")]
+    for cfg, expected in ((JudgeConfig(url="http://judge/v1", prompt="judgment", mode="pairwise"), f"Question: {shown}\n"),
+                          (JudgeConfig(url="http://judge/v1", mode="correct"), f"[Question]: {shown}\n")):  # fmt: skip
+        client = _Capture()
+        judge_scores(client, cfg, samples, [row] * 2, group_size=2)
+        assert expected in client.requests[0][-1]["content"][-1]["text"]
+
+
+@pytest.mark.parametrize("both_orders", [False, True])
+def test_a_groups_requests_share_one_encoding_of_its_image(tmp_path, monkeypatch, both_orders):
+    """Every pairwise request of a group shows the row's image: it is encoded once per judge_scores call and each
+    request holds the same string (a 2000x1500 PNG is 0.7 s and 11.5 MiB as a data URL)."""
+    image = tmp_path / "tile.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(image)
+    encodes = []
+
+    def counted(picture, max_side=None):
+        encodes.append(picture.size)
+        return data_url(picture, max_side)
+
+    monkeypatch.setattr(verdicts, "_data_url", counted)
+    row = Row(id="q", question="Digit?", answer="4", answer_type="exact", images=[str(image)])
+    samples = [Trajectory("t", [], answer=f"It is {k}.", stop_reason="answered") for k in range(4)]
+    client = _Capture()
+    judge_scores(client, JudgeConfig(url="http://judge/v1", prompt="judgment", mode="pairwise",
+                                     both_orders=both_orders), samples, [row] * 4, group_size=4)  # fmt: skip
+    urls = [part["image_url"]["url"] for request in client.requests for m in request if isinstance(m["content"], list)
+            for part in m["content"] if part["type"] == "image_url"]  # fmt: skip
+    assert len(urls) == (12 if both_orders else 6) and encodes == [(64, 48)]
+    assert all(url is urls[0] for url in urls)  # one string, not copies
+
+
+class _Capture:
+    """A judge client that records the requests and answers none (each fails)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def complete_many(self, requests, **params):
+        self.requests.extend(requests)
+        return [SimpleNamespace(text="", error="offline")] * len(requests)
 
 
 def test_judge_config_checks_the_judgment_prompt():
@@ -166,7 +235,7 @@ def test_a_pointwise_trained_judge_scores_on_its_scale(fake):  # noqa: F811
     server, url = fake
     server.script = [(200, "<think>ok</think><answer>8</answer>", 0), (200, "<think>?</think><answer>n/a</answer>", 0)]
     cfg = JudgeConfig(url=url, prompt="judgment", mode="score", scale=[0.0, 10.0], reference=False)
-    row = SimpleNamespace(question="Q?", answer="4", answer_type="exact", images=[])
+    row = Row(id="q", question="Q?", answer="4", answer_type="exact")
     samples = [Trajectory("t", [], answer=a, stop_reason="answered") for a in ("four", "five")]
     scores, failed = judge_scores(JudgeClient(url, "m", concurrency=1), cfg, samples, [row] * 2, group_size=2)
     assert scores == [0.8, None] and failed == [False, True]

@@ -3,6 +3,7 @@ malformed and position-swapped verdicts, the converters, the accuracy filter, an
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -10,13 +11,13 @@ from PIL import Image
 
 from data_pipelines.convert import pairs, unifiedreward
 from data_pipelines.hard_rows import hard_rows
-from data_pipelines.judgments import judgment_row, teach
+from data_pipelines.judgments import balanced, judgment_row, position_report, teach
 from tests.test_judge import fake  # noqa: F401 (the scripted OpenAI-compatible endpoint fixture)
 from vagent.data import Judgment, Row, RowError, load_rows, write_rows
-from vagent.data.judgment import render, swapped, verdict_text
+from vagent.data.judgment import _NOUN, render, swapped, verdict_text
 from vagent.judge import JudgeClient
 from vagent.rewards import REWARDS
-from vagent.rewards.judgment import read_verdict
+from vagent.rewards.judgment import NOUNS, read_verdict
 from vagent.types import Message, Trajectory
 
 PAIR = Judgment("pairwise", "answers", "What digit is on the tile?", ["It is 3.", "It is 7."], "3", 1)
@@ -49,6 +50,7 @@ def test_a_judgment_row_is_its_rendered_prompt_and_verdict_and_survives_a_round_
         ({"judgment": {**PAIR.to_dict(), "kind": "ranking"}}, "'judgment.kind' must be one of"),
         ({"judgment": {**PAIR.to_dict(), "responses": ["only one"]}}, "'judgment.responses' must hold 2"),
         ({"judgment": {**PAIR.to_dict(), "prefered": 1}}, "unknown key(s) ['prefered']"),
+        ({"tools": ["crop"]}, "field 'tools' must be [] (or absent) for a judgment row"),
     ],
 )
 def test_a_bad_judgment_row_is_refused_naming_the_field(change, message, tmp_path):
@@ -57,6 +59,23 @@ def test_a_bad_judgment_row_is_refused_naming_the_field(change, message, tmp_pat
     with pytest.raises(RowError, match="rows.jsonl:1 \\(id 'j1'\\)") as error:
         load_rows(tmp_path / "rows.jsonl")
     assert message in str(error.value)
+
+
+def test_a_judgment_row_offers_no_tools_whatever_the_runs_default(tmp_path, image):
+    """Without a ``tools`` key a judgment row still offers none, so SFT and GRPO (whose ``data.tools`` default is
+    ["crop"]) show it the system prompt a served judge is asked with."""
+    from vagent.eval.judges import row_request
+    from vagent.training.data import gold_conversation
+
+    data = judgment_row("j1", PAIR, images=[image], messages=[{"role": "assistant", "content": RIGHT}]).to_dict()
+    del data["tools"]
+    (tmp_path / "rows.jsonl").write_text(json.dumps(data) + "\n")
+    row = load_rows(tmp_path / "rows.jsonl")[0]
+    assert row.tools == []
+    system = gold_conversation(row, ["crop"])[0]  # what SFT trains on with data.tools: [crop]
+    assert system.plain_text == row_request(row)[0]["content"] and "crop" not in system.plain_text
+    with pytest.raises(RowError, match="'tools' must be \\[\\]"):
+        Row(id="j", question=row.question, answer=row.answer, answer_type="exact", judgment=PAIR, tools=["crop"])
 
 
 def test_image_candidates_need_two_images_and_a_pointwise_row_scores(image):
@@ -96,7 +115,14 @@ RIGHT = "<think>Answer 1 says 3, the reference.</think>\n<answer>Answer 1 is bet
         (RIGHT + "\n<answer>Answer 2 is better</answer>", 0.0),  # two answers: not well-formed, verdict unread
         ("<think>both</think><answer>Answer 1 is better or Answer 2 is better</answer>", 0.5),  # unreadable verdict
         ("<think>hmm</think><answer>the first one</answer>", 0.5),  # unparseable verdict, well-formed
-        ("I think Answer 1 is better.", 0.5),  # right verdict without any tags
+        ("Answer 1 is better", 0.5),  # right, no tags: the whole reply is the verdict
+        ("<think>1 says 3</think> Answer 1 is better.", 0.5),  # right, after closed reasoning (one period allowed)
+        # strict, as UnifiedReward-Think's accuracy reward: the verdict is the whole answer, the row's noun, as written
+        ("I think Answer 1 is better.", 0.0),  # a sentence around it: no verdict
+        ("<think>x</think><answer>Answer 1 is better than Answer 2</answer>", 0.5),
+        ("<think>x</think><answer>answer 1 is better</answer>", 0.5),
+        ("<think>x</think><answer>Image 1 is better</answer>", 0.5),  # another noun than the row's
+        ("<think>x</think><answer>Response 1 is better</answer>", 0.5),
     ],
 )
 def test_judgment_reward_on_well_formed_and_malformed_verdicts(text, reward):
@@ -128,10 +154,20 @@ def test_judgment_reward_edge_cases():
 
 def test_read_verdict():
     assert read_verdict("<think>x</think><answer>Image 2 is better</answer>").choice == 2
+    assert read_verdict("<think>x</think><answer>Image 2 is better</answer>", "answers").choice is None
     assert read_verdict("<think>x</think><answer> 8 </answer>").score == 8.0
+    assert read_verdict("<think>x</think><answer>8/10</answer>").score is None  # only the score
     assert read_verdict(None).choice is None and not read_verdict(None).well_formed
     # a verdict the engine cut at its stop string still reads (the reply of a served judge ends there too)
     assert read_verdict("<think>x</think><answer>Answer 1 is better").choice == 1
+    # a CoT judge cut at its token limit mid-reasoning has no verdict, whatever its reasoning says
+    for cut in ("<think>1. Semantic accuracy: Answer 2 is better grounded in the image", "<think>Step 1: the score"):
+        reading = read_verdict(cut)
+        assert (reading.choice, reading.score, reading.well_formed) == (None, None, False), cut
+
+
+def test_the_reward_and_the_rows_name_candidates_with_the_same_nouns():
+    assert NOUNS == _NOUN  # vagent.rewards cannot import vagent.data (siblings): the two tables must agree
 
 
 # -- converters -----------------------------------------------------------------------------------------------------
@@ -151,10 +187,15 @@ def test_unifiedreward_records_become_judgment_rows(tmp_path, image):
         {"problem": "Judge these answers freely.", "solution": "Answer 1 is better", "images": ["tile.png"]},
         {"problem": "...", "solution": "Video 1 is better", "video": "v.mp4"},
         {"problem": "...", "solution": "Both are fine", "images": ["tile.png"]},
+        {"conversations": [{"from": "human", "value": "<image>\n<image>\nGiven a caption ... Text Caption: [a cube]"},
+                           {"from": "gpt", "value": "<think>2 is red</think>\n<answer>Image 2 is better</answer>"}],
+         "image": ["tile.png", "tile.png"]},  # LLaVA's "image" may be a list
     ]  # fmt: skip
     rows, skipped = unifiedreward.convert(records, tmp_path, tmp_path / "images")
-    assert [r.id for r in rows] == ["0", "1", "2"] and len(skipped) == 2
-    assert "video" in skipped[0] and "no single verdict" in skipped[1]
+    assert [r.id for r in rows] == ["0", "1", "2", "5"] and len(skipped) == 2
+    assert rows[3].images == [str(tmp_path / "tile.png")] * 2 and rows[3].answer == "Image 2 is better"
+    rows = rows[:3]
+    assert "video" in skipped[0] and "no verdict 'Answer N is better'" in skipped[1]
     answers, caption, opaque = rows
     assert answers.question == UR_PROMPT and answers.answer == "Answer 2 is better"
     assert answers.judgment.responses == ["STOP", "YIELD"] and answers.judgment.question == "What is on the sign?"
@@ -180,15 +221,50 @@ def test_generic_pairs_become_judgment_rows(tmp_path, image):
         {"question": "a red cube", "image_a": "tile.png", "image_b": "tile.png", "preferred": 1, "id": "gen"},
         {"question": "Digit?", "images": ["tile.png"], "response": "3", "score": 2, "scale": [1, 5]},
         {"question": "Digit?", "image": "tile.png", "response_a": "3", "response_b": "7", "preferred": "c"},
+        {"question": "Digit?", "image": ["tile.png", "tile.png"], "response_a": "3", "response_b": "7", "preferred": 1},
     ]
     rows, skipped = pairs.convert(records, tmp_path, tmp_path / "images", template=None)
-    assert [r.answer for r in rows] == ["Answer 2 is better", "Image 1 is better", 2] and rows[1].id == "gen"
-    assert len(skipped) == 1 and "'preferred' must be" in skipped[0]
+    assert [r.answer for r in rows] == ["Answer 2 is better", "Image 1 is better", 2, "Answer 1 is better"]
+    assert len(skipped) == 1 and "'preferred' must be" in skipped[0] and rows[1].id == "gen"
+    assert rows[3].images == [str(tmp_path / "tile.png")] * 2  # "image" given as a list
     assert rows[0].messages is not None and rows[2].judgment.scale == (1.0, 5.0)
     custom, _ = pairs.convert(records[:1], tmp_path, tmp_path / "images", template="Q {question} | {response1} | "
                               "{response2} -> <answer>Answer N is better</answer>")  # fmt: skip
     assert custom[0].question == "Q Digit? | 3 | 7 -> <answer>Answer N is better</answer>"
     assert load_rows(write_rows(custom, tmp_path / "c.jsonl"))[0].judgment.template.startswith("Q {question}")
+
+
+def test_balance_swaps_about_half_of_a_chosen_rejected_dump_and_warns_when_it_is_not(tmp_path, image, capsys):
+    """A (chosen, rejected) dump written as response_a/response_b labels every row 1: the converter says so, and
+    --balance shows about half the other way round (by a hash of the id: the same rows every run). (``image``
+    writes tile.png beside the data.)"""
+    records = [{"id": f"r{i}", "question": f"Digit {i}?", "image": "tile.png", "response_a": f"It is {i}.",
+                "response_b": "It is 9.", "preferred": "a", "reference": str(i),
+                "cot": "<think>a names it</think><answer>Answer 1 is better</answer>"} for i in range(40)]  # fmt: skip
+    data = tmp_path / "dump.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert pairs.main(["--data", str(data), "--out", str(tmp_path / "asis")]) == 0
+    assert "preferred == 1 in 100.0% of 40 pairwise rows\nwarning:" in capsys.readouterr().out
+    assert pairs.main(["--data", str(data), "--out", str(tmp_path / "balanced"), "--balance"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out
+    rows = load_rows(tmp_path / "balanced" / "rows.jsonl")  # valid rows: each prompt its rendered judgment
+    flipped = [r for r in rows if r.judgment.preferred == 2]
+    assert 0.4 <= 1 - len(flipped) / len(rows) <= 0.6 and f"swapped {len(flipped)} of 40" in out
+    for row in flipped:  # the label follows its candidate; the gold CoT, which names positions, is dropped
+        assert row.judgment.responses[1] == f"It is {row.judgment.reference}." and row.messages is None
+    assert all(r.messages is not None for r in rows if r.judgment.preferred == 1)
+    again, _ = balanced(pairs.convert(records, tmp_path, tmp_path / "images")[0])
+    assert [r.judgment.preferred for r in again] == [r.judgment.preferred for r in rows]  # deterministic
+
+
+def test_a_position_report_warns_outside_its_band():
+    def rows(ones, n):
+        return [judgment_row(f"j{i}", PAIR if i < ones else swapped(PAIR)) for i in range(n)]
+
+    assert position_report(rows(5, 10)) == ["preferred == 1 in 50.0% of 10 pairwise rows"]
+    assert position_report(rows(3, 10))[1].startswith("warning: 30.0% of the labels name position 1")
+    assert position_report([]) == []
 
 
 # -- the accuracy filter and the teacher ----------------------------------------------------------------------------
@@ -202,6 +278,32 @@ def test_hard_rows_keeps_what_the_model_still_gets_wrong():
     assert kept[0].extra["accuracy_at_k"] == 0.5
     kept, _ = hard_rows(rows, rewards, 4, correct_at=1.0, below=1.0, min_accuracy=0.25)
     assert [r.id for r in kept] == ["j1"]
+
+
+def test_hard_rows_can_select_on_the_verdicts_alone():
+    """With the judgment reward's format weight, a right verdict badly formed and a wrong one well formed both
+    score 0.5; ``--reward-options judgment.format_weight=0`` scores the verdict alone."""
+    from data_pipelines.distill import add_rollout_arguments, reward_options
+    from vagent.rewards import combine
+
+    parser = argparse.ArgumentParser()
+    add_rollout_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--data", "d", "--rewards", "judgment=1.0",
+                              "--reward-options", "judgment.format_weight=0"])  # fmt: skip
+    options = reward_options(args.reward_options)
+    assert options == {"judgment": {"format_weight": 0}}
+    rows = [judgment_row("right-malformed", PAIR), judgment_row("wrong-well-formed", PAIR)]
+    samples = [
+        _said("<answer>Answer 1 is better</answer>"),
+        _said("<think>x</think><answer>Answer 2 is better</answer>"),
+    ]
+    default, _ = combine(samples, rows, {"judgment": 1.0})
+    verdicts, _ = combine(samples, rows, {"judgment": 1.0}, options)
+    assert default == [0.5, 0.5] and verdicts == [1.0, 0.0]
+    kept, _ = hard_rows(rows, verdicts, 1, correct_at=1.0, below=1.0)
+    assert [r.id for r in kept] == ["wrong-well-formed"]
+    with pytest.raises(SystemExit, match="name.key=value"):
+        reward_options("format_weight=0")
 
 
 def test_the_teacher_cold_start_keeps_well_formed_judgments_that_match_the_label(fake, image):  # noqa: F811

@@ -735,7 +735,9 @@ class JudgeConfig:
     scale: list[float] = option([1.0, 10.0], "prompt judgment, mode score: the [low, high] the judge scores on.")
     images: bool = option(False, "Send the row's images to the judge (for VLM judges such as UnifiedReward-Think).")
     both_orders: bool = option(
-        False, "pairwise: compare each pair in both orders (cancels position bias; twice the calls)."
+        False,
+        "pairwise: compare each pair in both orders (cancels position bias; twice the calls). Otherwise which sample "
+        "is Answer 1 alternates within a group (each first in half of its comparisons).",
     )
     neutral: float = option(
         0.5, "Score of a sample whose judgement failed (timeout, unparseable); counted in reward/judge_failures."

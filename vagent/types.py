@@ -254,6 +254,13 @@ class Trajectory:
         """Every image in conversation order: the prompt's, then each tool output's."""
         return [img for message in self.messages for img in message.images]
 
+    @property
+    def last_reply(self) -> str:
+        """The text of the last assistant turn: what a judge's verdict is read from, and what a judge is shown of an
+        answer without ``<answer>``. ``answer`` (or "") for a trajectory without an assistant turn (one built from
+        an answer alone)."""
+        return next((m.plain_text for m in reversed(self.messages) if m.role == "assistant"), self.answer or "")
+
     def to_dict(self, save_image: Callable[[Image.Image], str] | None = None) -> dict[str, Any]:
         """A JSON-ready dict. In-memory images are written with ``save_image`` (returns a path) or dropped."""
 

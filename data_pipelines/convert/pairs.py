@@ -1,6 +1,7 @@
 """Generic preference records -> canonical judgment rows (pairwise, or pointwise with a score).
 
-    python -m data_pipelines.convert.pairs --data pairs.jsonl --out DIR [--image-root IMAGES] [--template FILE]
+    python -m data_pipelines.convert.pairs --data pairs.jsonl --out DIR [--image-root IMAGES] [--template FILE] \
+        [--balance]
 
 One JSON object per line (or a JSON list), images as paths relative to ``--image-root`` (default: the file's
 folder)::
@@ -12,12 +13,18 @@ folder)::
     {"question": "...", "images": ["f0.png", "f1.png"], "response": "...", "score": 7, "scale": [1, 10]}
                                                                           one answer, graded (pointwise)
 
-``image`` may be ``images`` (a list: several images or video frames). ``preferred`` is ``a``/``b`` or 1/2. ``id``
+``image`` may be ``images`` (a list: several images or video frames), or itself a list. ``preferred`` is ``a``/``b`` or 1/2. ``id``
 is optional (the line number otherwise). ``cot`` (optional) is a gold judgment, ``<think>...</think><answer>...
 </answer>``, kept as the row's ``messages`` for SFT. The prompt is ``vagent.data.judgment.render`` of the record with
 vagent's default template, or with ``--template`` (a text file with ``{question}``, ``{response1}``, ``{response2}``,
 ``{reference_line}``, ...): whatever it is, a judge trained on these rows is asked the same way in a GRPO loop by
 ``judge.prompt: judgment`` (with ``judge.template`` set to the same text when it is not the default).
+
+Positions are kept as the records give them. The share of pairwise rows labelled 1 is printed, with a warning
+outside [0.4, 0.6]: a dump of (chosen, rejected) pairs written as ``response_a``/``response_b`` labels every row
+``a``, and a judge trained on it learns the position. ``--balance`` shows about half of the pairs the other way
+round (``data_pipelines.judgments.balanced``: chosen by a hash of the row id; a swapped row drops its ``cot``,
+which names positions).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.convert.deepeyes import image_path, read_records
-from data_pipelines.judgments import judgment_row
+from data_pipelines.judgments import balanced, judgment_row, position_report, record_images
 from vagent.data import Judgment, Row, write_rows
 
 __all__ = ["convert", "convert_record"]
@@ -46,7 +53,7 @@ def convert_record(record: dict[str, Any], index: int, image_root: Path, out_ima
     question = record["question"]
     if not isinstance(question, str) or not question.strip():
         raise ValueError("'question' must be a non-empty string")
-    images = record.get("images") or ([record["image"]] if record.get("image") else [])
+    images = record_images(record)
     reference = record.get("reference")
     if "image_a" in record or "image_b" in record:
         images = [record["image_a"], record["image_b"]]
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-root", help="Folder image paths are relative to (default: the data file's).")
     parser.add_argument("--template", help="Text file: the judge prompt template (default: vagent's).")
     parser.add_argument("--out", required=True, help="Output dir: rows.jsonl.")
+    parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
+                        "(chosen by a hash of the row id; a swapped row drops its cot, which names positions).")  # fmt: skip
     args = parser.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     template = Path(args.template).read_text(encoding="utf-8") if args.template else None
@@ -97,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped {why}")
     if not rows:
         raise SystemExit(f"no record of {data} could be converted")
+    if args.balance:
+        rows, n = balanced(rows)
+        print(f"--balance: swapped {n} of {len(rows)} rows")
+    for line in position_report(rows):
+        print(line)
     print(f"wrote {len(rows)} rows to {write_rows(rows, out / 'rows.jsonl')}")
     return 0
 

@@ -1,6 +1,6 @@
 """UnifiedReward-Think's training data -> canonical pairwise judgment rows.
 
-    python -m data_pipelines.convert.unifiedreward --data train_data.json --out DIR [--image-root IMAGES]
+    python -m data_pipelines.convert.unifiedreward --data train_data.json --out DIR [--image-root IMAGES] [--balance]
 
 Two layouts, both read from the CodeGoat24/UnifiedReward repository:
 
@@ -26,7 +26,13 @@ are read back and the row carries its prompt as a template (``judgment.template`
 (``vagent eval --benchmark judge-pairs``) and a GRPO loop can ask the trained judge with the same template
 (``judge.template``). ``<image>`` markers are dropped (vagent shows the row's images before the prompt). Video
 records (``video``, ``Video N is better``) are skipped: vagent's judge sees images (extract frames into
-``images`` first, as UnifiedReward's GRPO data does).
+``images`` first, as UnifiedReward's GRPO data does). The verdict is read by ``vagent.rewards.judgment.read_verdict``,
+the reader of the reward that will train on it, so a record whose verdict the reward could not read is skipped
+(``Answer 1 is better`` exactly, inside ``<answer>`` or as the whole text).
+
+The share of rows labelled 1 is printed, with a warning outside [0.4, 0.6]; ``--balance`` shows about half of the
+rows the other way round (``data_pipelines.judgments.balanced``; rows whose prompt was kept as written, with text
+candidates, cannot be swapped).
 """
 
 from __future__ import annotations
@@ -37,31 +43,20 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.convert.deepeyes import image_path, read_records
-from data_pipelines.judgments import judgment_row
+from data_pipelines.judgments import balanced, judgment_row, position_report, record_images
 from vagent.data import Judgment, Row, write_rows
+from vagent.rewards.judgment import read_verdict
 
 __all__ = ["convert", "convert_record"]
 
 MARKER = "<image>"
-_VERDICT = re.compile(r"\b(Answer|Image|Video)\s*([12])\s+is\s+better\b", re.IGNORECASE)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ANSWERS_TAIL = re.compile(r"Question: \[(?P<question>.*?)\]\nAnswer 1: \[(?P<response1>.*?)\]\n"
                            r"Answer 2: \[(?P<response2>.*)\]\s*$", re.DOTALL)  # fmt: skip
 _CAPTION_TAIL = re.compile(r"Text Caption: \[(?P<question>.*)\]\s*$", re.DOTALL)
 
 
-def _verdict(text: str) -> tuple[str, int]:
-    """(noun, position) of a verdict like ``Image 2 is better`` (inside ``<answer>`` when there is one)."""
-    block = _ANSWER.search(text)
-    found = {(m.group(1).lower(), int(m.group(2))) for m in _VERDICT.finditer(block.group(1) if block else text)}
-    if len(found) != 1:
-        raise ValueError(f"no single verdict 'Answer/Image N is better' in {text[-120:]!r}")
-    return found.pop()
-
-
-def _judgment(prompt: str, noun: str, preferred: int) -> Judgment:
+def _judgment(prompt: str, candidates: str, preferred: int) -> Judgment:
     """The judgment of a UnifiedReward prompt: its fields and template where its tail can be read back."""
-    candidates = "images" if noun == "image" else "answers"
     tail = (_CAPTION_TAIL if candidates == "images" else _ANSWERS_TAIL).search(prompt)
     if tail is None:
         return Judgment("pairwise", candidates, None, [], None, preferred)
@@ -80,8 +75,7 @@ def convert_record(record: dict[str, Any], index: int, image_root: Path, out_ima
     """One record -> a judgment row (see the module docstring). Raises ``ValueError``/``KeyError`` with the reason."""
     if record.get("video"):
         raise ValueError("a video record: vagent's judge sees images (extract frames into 'images' first)")
-    images = record.get("images") or ([record["image"]] if record.get("image") else [])
-    paths = [image_path(img, image_root, out_images) for img in images]
+    paths = [image_path(img, image_root, out_images) for img in record_images(record)]
     if "conversations" in record:
         turns = record["conversations"]
         human = next(t["value"] for t in turns if t.get("from") == "human")
@@ -92,13 +86,14 @@ def convert_record(record: dict[str, Any], index: int, image_root: Path, out_ima
         messages = [{"role": "assistant", "content": gold.strip()}]
     else:
         prompt, verdict_from, messages = record["problem"], record["solution"], None
-    noun, preferred = _verdict(verdict_from)
-    if noun == "video":
-        raise ValueError("a video verdict: vagent's judge sees images (extract frames into 'images' first)")
+    verdict = read_verdict(verdict_from)
+    if verdict.choice is None:
+        raise ValueError(f"no verdict 'Answer N is better' or 'Image N is better' (video verdicts are not "
+                         f"converted) in {verdict_from[-120:]!r}")  # fmt: skip
     prompt = re.sub(r"<image>\s*", "", prompt).strip()
     if not prompt:
         raise ValueError("the prompt is empty")
-    judgment = _judgment(prompt, noun, preferred)
+    judgment = _judgment(prompt, verdict.candidates, verdict.choice)
     rid = str(record.get("id", index))
     return judgment_row(rid, judgment, images=paths, source="unifiedreward", messages=messages, question=prompt)
 
@@ -119,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="UnifiedReward-Think records (.json list, .jsonl, .parquet).")
     parser.add_argument("--image-root", help="The dataset's image_folder (default: the data file's folder).")
     parser.add_argument("--out", required=True, help="Output dir: rows.jsonl (and images/ for inline bytes).")
+    parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
+                        "(chosen by a hash of the row id; a swapped row drops its gold judgment, which names positions).")  # fmt: skip
     args = parser.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     rows, skipped = convert(
@@ -128,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped {why}")
     if not rows:
         raise SystemExit(f"no record of {data} could be converted")
+    if args.balance:
+        rows, n = balanced(rows)
+        print(f"--balance: swapped {n} of {len(rows)} rows")
+    for line in position_report(rows):
+        print(line)
     print(f"wrote {len(rows)} rows to {write_rows(rows, out / 'rows.jsonl')}")
     return 0
 

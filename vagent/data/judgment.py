@@ -21,10 +21,14 @@ but cannot be re-rendered or swapped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from vagent.data.rows import Row
 
 __all__ = [
     "CANDIDATES",
@@ -35,6 +39,7 @@ __all__ = [
     "parse_judgment",
     "render",
     "swapped",
+    "swapped_row",
     "verdict_text",
 ]
 
@@ -165,6 +170,25 @@ def swapped(judgment: Judgment) -> Judgment:
         raise ValueError("only a pairwise judgment can be swapped")
     return replace(judgment, responses=list(reversed(judgment.responses)),
                    preferred=None if judgment.preferred is None else 3 - judgment.preferred)  # fmt: skip
+
+
+def swapped_row(row: Row) -> Row | None:
+    """A pairwise judgment row with its candidates in the other order: the images reversed (image candidates) or the
+    prompt re-rendered with the answers reversed, the answer the verdict that follows the labelled candidate, and no
+    gold ``messages`` (a chain of thought names positions). None when it cannot be swapped: a prompt kept as
+    written (no ``question``) with text candidates."""
+    judgment = row.judgment
+    if judgment is None or judgment.kind != "pairwise":
+        raise ValueError(f"row {row.id!r} is not a pairwise judgment row")
+    other = swapped(judgment)
+    if judgment.candidates == "images":
+        question, images = row.question, list(reversed(row.images))
+    elif judgment.question is not None:
+        question, images = render(other), list(row.images)
+    else:
+        return None
+    return dataclasses.replace(row, question=question, images=images, answer=verdict_text(other), judgment=other,
+                               messages=None)  # fmt: skip
 
 
 def parse_judgment(value: Any, *, question: str, answer: Any, answer_type: str, n_images: int) -> Judgment:

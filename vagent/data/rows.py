@@ -47,6 +47,8 @@ _KNOWN_KEYS = (
     "id", "source", "images", "videos", "question", "answer", "answer_type",
     "choices", "evidence", "tools", "messages", "chosen", "rejected", "judgment",
 )  # fmt: skip
+# A judge answers in one turn and a served judge is asked without tools: a judgment row's prompt has no tool schemas.
+_NO_JUDGE_TOOLS = "must be [] (or absent) for a judgment row: a judge is trained and asked without tools"
 # Keys that are almost certainly a misspelt canonical key. Other unknown keys are kept in ``Row.extra``,
 # but these would otherwise be kept silently while the real field stays empty (a row "without" images).
 _TYPOS = {
@@ -103,7 +105,9 @@ class Row:
         source: Which dataset or pipeline wrote the row.
         choices: The options of a ``choice`` question, shown as "A. ...", "B. ...".
         evidence: Boxes and spans that support the answer (for grounding rewards), or None.
-        tools: Names of the tools offered for this row, or None for the run's default.
+        tools: Names of the tools offered for this row, or None for the run's default. A judgment row offers none:
+            its ``tools`` is ``[]`` (None becomes ``[]``; a name is an error), so every stage (SFT, distillation,
+            GRPO, eval, the requests to a served judge) shows it the same system prompt whatever the run's default.
         messages: A gold trajectory for SFT as ``Message`` objects. In JSON (and given to the constructor as
             dicts, which it checks and converts): ``[{"role", "content": str | [{"type", "text"?, "path"?}]}]``;
             an assistant turn with ``"train": false`` (``Message.trained``) is shown as context but not trained
@@ -135,6 +139,10 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.judgment is not None:
+            if self.tools:
+                raise RowError(f"row {self.id!r}: field 'tools' {_NO_JUDGE_TOOLS}, got {self.tools!r}")
+            self.tools = []
         for key in ("messages", "chosen", "rejected"):
             turns = getattr(self, key)
             if turns is not None and any(isinstance(m, dict) for m in turns):
@@ -421,6 +429,8 @@ def _parse(data: Any, base: Path | None, known_tools: Collection[str] | None) ->
                                       answer_type=answer_type, n_images=len(images))  # fmt: skip
         except ValueError as e:
             raise _FieldError(None, str(e)) from None  # the message names the sub-field
+        if tools:
+            raise _FieldError("tools", f"{_NO_JUDGE_TOOLS}, got {tools!r}")
     return Row(
         id=rid,
         question=question,

@@ -31,19 +31,20 @@ from vagent.types import Message, Trajectory
 __all__ = ["evaluate_endpoint", "judgment_request", "row_request"]
 
 
-def judgment_request(judgment: Judgment, images: Sequence[str | Image.Image] = (), agent: str = "vagent"
-                     ) -> list[dict[str, Any]]:  # fmt: skip
+def judgment_request(judgment: Judgment, images: Sequence[str | Image.Image] = (), agent: str = "vagent",
+                     urls: dict[Any, str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The chat messages asking a trained judge for ``judgment`` (its candidates and question; the label is not
-    needed) about ``images``: the conversation a judgment row rendered from it trains on."""
+    needed) about ``images``: the conversation a judgment row rendered from it trains on. ``urls``: the data URLs
+    of a batch of requests, each image encoded once (``vagent.judge.chat_messages``)."""
     task = Task(id="judgment", question=render(judgment), images=list(images), tools=[])
-    return chat_messages(prompt_messages(task, agent=agent))
+    return chat_messages(prompt_messages(task, agent=agent), urls)
 
 
-def row_request(row: Row, agent: str = "vagent") -> list[dict[str, Any]]:
-    """The chat messages of a judgment row: the prompt SFT and the rollout engine show a policy for it (with the
-    row's own tools; a row without a ``tools`` list gets none). Videos cannot be sent: only their names and
-    lengths, which the prompt lists, reach an endpoint."""
-    return chat_messages(prompt_messages(Task.from_row(row, []), agent=agent))
+def row_request(row: Row, agent: str = "vagent", urls: dict[Any, str] | None = None) -> list[dict[str, Any]]:
+    """The chat messages of a judgment row: the prompt SFT and the rollout engine show a policy for it (a judgment
+    row offers no tools). Videos cannot be sent: only their names and lengths, which the prompt lists, reach an
+    endpoint. ``urls``: as in ``judgment_request``."""
+    return chat_messages(prompt_messages(Task.from_row(row, []), agent=agent), urls)
 
 
 def evaluate_endpoint(client: JudgeClient, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *,
@@ -52,12 +53,13 @@ def evaluate_endpoint(client: JudgeClient, benchmark: Benchmark, rows: Sequence[
     """Judge every row through ``client`` and score the replies as ``vagent eval`` scores a checkpoint's (the same
     ``score`` and ``report``); writes ``samples.jsonl``, ``metrics.json`` and ``metrics.md`` to ``out_dir``.
 
-    A request that fails (timeout, HTTP error) is scored as an unparseable verdict and counted in
-    ``judge_failures``; replies are cached in ``out_dir/judge_cache.jsonl`` by the client, so a rerun sends only
-    what failed.
+    A request that fails (timeout, HTTP error, a reply cut at ``max_tokens``) is scored as an unparseable verdict
+    and counted in ``judge_failures``; replies are cached in ``out_dir/judge_cache.jsonl`` by the client, so a rerun
+    sends only the requests that got none (a cut reply is cached: the same request is cut the same way).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    replies = client.complete_many([row_request(row) for row in rows], max_tokens=max_tokens,
+    urls: dict[Any, str] = {}  # a pair and its swap show the same images: one encoding each
+    replies = client.complete_many([row_request(row, urls=urls) for row in rows], max_tokens=max_tokens,
                                    temperature=temperature)  # fmt: skip
     samples = []
     for row, reply in zip(rows, replies, strict=True):

@@ -2,9 +2,12 @@
 
 Built for reward loops that must not stall or crash: requests run ``concurrency`` at a time, each attempt has a
 timeout, connection errors / timeouts / 429 / 5xx are retried with exponential backoff and jitter, and a reply
-that never comes back is returned as a failure (``JudgeReply.error``), never raised. Replies are cached by the
-request (model, messages, sampling settings), in memory and optionally in a JSONL file, so a resumed run or a
-re-scored sample costs nothing. Only successful replies are cached.
+that never comes back is returned as a failure (``JudgeReply.error``), never raised. A reply the server cut at
+``max_tokens`` (``finish_reason: length``) is a failure too: a judge's reasoning cut short has no verdict, and
+reading one from it would score a guess. Replies are cached by the request (model, messages, sampling settings),
+in memory and optionally in a JSONL file, so a resumed run or a re-scored sample costs nothing. Only replies the
+server sent are cached (a cut one with its ``finish_reason``: the same request is cut the same way); transport
+failures are not.
 
 Not covered: streaming, tool calls, and rate limits beyond backing off on 429.
 """
@@ -25,9 +28,10 @@ from typing import Any
 
 import requests
 
-__all__ = ["JudgeClient", "JudgeReply"]
+__all__ = ["TRUNCATED", "JudgeClient", "JudgeReply"]
 
 _RETRIED = {408, 409, 425, 429, 500, 502, 503, 504}
+TRUNCATED = "length: the reply reached max_tokens"
 
 
 @dataclass
@@ -35,16 +39,20 @@ class JudgeReply:
     """The judge's text, or why there is none.
 
     Attributes:
-        text: The first choice's content ("" on failure).
-        error: None on success, else a short reason (``timeout``, ``http 400: ...``, ``connection: ...``).
+        text: The first choice's content ("" when none came back; a cut reply's text is kept).
+        error: None on success, else a short reason (``timeout``, ``http 400: ...``, ``connection: ...``, or
+            ``TRUNCATED`` when ``finish_reason`` is ``length``).
         cached: Served from the cache.
         attempts: HTTP attempts made.
+        finish_reason: The server's ``finish_reason`` (``stop``, ``length``, ...; None when it sent none or no
+            reply came).
     """
 
     text: str
     error: str | None = None
     cached: bool = False
     attempts: int = 0
+    finish_reason: str | None = None
 
 
 class JudgeClient:
@@ -72,7 +80,7 @@ class JudgeClient:
             {"Authorization": f"Bearer {api_key}"} if api_key else {}
         )
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="vagent-judge")
-        self.cache: dict[str, str] = {}
+        self.cache: dict[str, tuple[str, str | None]] = {}  # key -> (text, finish_reason)
         self.cache_path = Path(cache_path) if cache_path else None
         self._lock = threading.Lock()
         self._session = threading.local()  # requests.Session is not thread-safe: one per worker
@@ -80,7 +88,7 @@ class JudgeClient:
             for line in self.cache_path.read_text().splitlines():
                 try:
                     entry = json.loads(line)
-                    self.cache[entry["key"]] = entry["text"]
+                    self.cache[entry["key"]] = (entry["text"], entry.get("finish_reason"))
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a line cut by a killed run
 
@@ -97,17 +105,17 @@ class JudgeClient:
         key = self.key(messages, **params)
         with self._lock:
             if key in self.cache:
-                return JudgeReply(self.cache[key], cached=True)
+                return _reply(*self.cache[key], cached=True)
         body = {"model": self.model, "messages": list(messages), **{k: v for k, v in params.items() if v is not None}}
         error = "no attempt made"
         for attempt in range(self.retries + 1):
             if attempt:
                 delay = min(30.0, self.backoff_s * 2 ** (attempt - 1))
                 time.sleep(delay * (1 + 0.5 * random.random()))
-            retry, text, error = self._attempt(body)
+            retry, text, finish, error = self._attempt(body)
             if error is None:
-                self._store(key, text)
-                return JudgeReply(text, attempts=attempt + 1)
+                self._store(key, text, finish)
+                return _reply(text, finish, attempts=attempt + 1)
             if not retry:
                 return JudgeReply("", error=error, attempts=attempt + 1)
         return JudgeReply("", error=error, attempts=self.retries + 1)
@@ -119,32 +127,38 @@ class JudgeClient:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _attempt(self, body: dict[str, Any]) -> tuple[bool, str, str | None]:
-        """(retryable, text, error) of one HTTP attempt."""
+    def _attempt(self, body: dict[str, Any]) -> tuple[bool, str, str | None, str | None]:
+        """(retryable, text, finish_reason, error) of one HTTP attempt."""
         session = getattr(self._session, "s", None) or requests.Session()
         self._session.s = session
         try:
             response = session.post(self.url, json=body, headers=self.headers, timeout=self.timeout_s)
         except requests.Timeout:
-            return True, "", "timeout"
+            return True, "", None, "timeout"
         except requests.RequestException as e:
-            return True, "", f"connection: {type(e).__name__}"
+            return True, "", None, f"connection: {type(e).__name__}"
         if response.status_code != 200:
             try:
                 detail = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 detail = response.text[:200]
-            return response.status_code in _RETRIED, "", f"http {response.status_code}: {detail}"
+            return response.status_code in _RETRIED, "", None, f"http {response.status_code}: {detail}"
         try:
-            content = response.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return False, "", "malformed response"
-        return False, content if isinstance(content, str) else "", None
+            choice = response.json()["choices"][0]
+            content, finish = choice["message"]["content"], choice.get("finish_reason")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return False, "", None, "malformed response"
+        return False, content if isinstance(content, str) else "", finish if isinstance(finish, str) else None, None
 
-    def _store(self, key: str, text: str) -> None:
+    def _store(self, key: str, text: str, finish: str | None) -> None:
         with self._lock:
-            self.cache[key] = text
+            self.cache[key] = (text, finish)
             if self.cache_path:
                 self.cache_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.cache_path, "a") as f:
-                    f.write(json.dumps({"key": key, "text": text}, ensure_ascii=False) + "\n")
+                    f.write(json.dumps({"key": key, "text": text, "finish_reason": finish}, ensure_ascii=False) + "\n")
+
+
+def _reply(text: str, finish: str | None, **kwargs: Any) -> JudgeReply:
+    """The reply the server sent: a failure (``TRUNCATED``) when it was cut at ``max_tokens``."""
+    return JudgeReply(text, error=TRUNCATED if finish == "length" else None, finish_reason=finish, **kwargs)

@@ -11,13 +11,17 @@ Three modes:
   ``fastvideo/rewards/templates.py``). Turned into per-sample win rates by ``vagent.rewards.pairwise_win_rates``.
 
 Parsers never raise: an answer they cannot read gives ``score=None`` with ``error="unparseable"``, which the
-reward turns into a neutral score and counts.
+reward turns into a neutral score and counts. They read the verdict from the ``<answer>`` block, else from what the
+reply says after its ``</think>`` (all of it without a ``<think>``): a ``<think>`` never closed is reasoning cut
+short, and has no verdict. (Judges trained on judgment rows are read strictly, by
+``vagent.rewards.judgment.read_verdict``.)
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -97,43 +101,52 @@ def parse_verdict(text: str, mode: str) -> Verdict:
         raise ValueError(f"unknown judge mode {mode!r}; known: {MODES}")
     text = text or ""
     think = _THINK.search(text)
+    lower = text.lower()
+    said = (text[lower.rindex("</think>") + len("</think>") :] if "</think>" in lower
+            else "" if "<think>" in lower else text)  # fmt: skip
     if mode == "pairwise":
         block = _ANSWER.search(text)
-        verdicts = {m.group(1) for m in _BETTER.finditer(block.group(1) if block else text)}
+        verdicts = {m.group(1) for m in _BETTER.finditer(block.group(1) if block else said)}
         score = (1.0 if verdicts == {"1"} else 0.0) if len(verdicts) == 1 else None  # both or neither: unreadable
         reasoning = think.group(1).strip() if think else text[: block.start()].strip() if block else text.strip()
     elif mode == "correct":
-        hits = _JUDGEMENT.findall(text)
-        bare = text.strip().strip(".*").lower()
+        hits = _JUDGEMENT.findall(said)
+        bare = said.strip().strip(".*").lower()
         words = {"1": 1.0, "0": 0.0, "correct": 1.0, "incorrect": 0.0, "yes": 1.0, "no": 0.0}
         score = float(hits[-1]) if hits else words.get(bare)
         reasoning = (think.group(1) if think else _JUDGEMENT.split(text)[0]).strip()
     else:
-        hits = [float(h) for h in _SCORE.findall(text)]
+        hits = [float(h) for h in _SCORE.findall(said)]
         score = hits[-1] / 10 if hits and 0 <= hits[-1] <= 10 else None
         reasoning = (think.group(1) if think else _SCORE.split(text)[0]).strip()
     return Verdict(score, reasoning, text, None if score is not None else "unparseable")
 
 
-def judge_messages(template: str, fields: dict[str, str], images: list[Any] | None = None) -> list[dict[str, Any]]:
+def judge_messages(template: str, fields: dict[str, str], images: list[Any] | None = None,
+                   urls: dict[Any, str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The chat messages of one judge call: the template filled with ``fields`` (``{question}``, ``{gold}``,
     ``{answer}`` or ``{answer1}``/``{answer2}``), after the row's images as data URLs (for VLM judges).
-    Images that cannot be read are left out (the text still goes)."""
+    Images that cannot be read are left out (the text still goes). ``urls``: see ``chat_messages``."""
     content: list[dict[str, Any]] = []
     for image in images or []:
         try:
-            content.append({"type": "image_url", "image_url": {"url": _data_url(load_image(image))}})
+            content.append({"type": "image_url", "image_url": {"url": _image_url(image, urls, _MAX_SIDE)}})
         except MediaError:
             continue
     content.append({"type": "text", "text": template.format_map(_Fields(fields))})
     return [{"role": "user", "content": content}]
 
 
-def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[Message], urls: dict[Any, str] | None = None) -> list[dict[str, Any]]:
     """vagent messages as an OpenAI chat request's ``messages``: text parts as text, images (paths or PIL images) as
     PNG data URLs at full resolution, so a judge trained by vagent sees the pixels its training rows showed it
     (the server resizes them as training did). Used for judges trained on judgment rows, whose prompt is built
     by the rollout engine's ``prompt_messages``.
+
+    Full resolution, not the view a vagent judge's pixel budget makes of it: the client does not know the server's
+    budget, and a view made for another budget would be resized twice. Encoding is the cost (a 2000x1500 PNG takes
+    0.7 s and 11.5 MiB as a data URL), so a batch of requests about the same images passes one ``urls`` dict
+    (image path -> data URL): each image is encoded once and every request holds the same string.
 
     Raises:
         MediaError: an image that cannot be read (the request would not be the prompt the judge was trained on).
@@ -145,8 +158,8 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
             if part.type == "text":
                 content.append({"type": "text", "text": part.text or ""})
             elif part.type == "image":
-                image = part.image if part.image is not None else load_image(part.path)
-                content.append({"type": "image_url", "image_url": {"url": _data_url(image, None)}})
+                image = part.image if part.image is not None else part.path
+                content.append({"type": "image_url", "image_url": {"url": _image_url(image, urls, None)}})
             else:
                 raise MediaError(f"a {part.type} part cannot be sent to an OpenAI-compatible judge (images only)")
         if message.role == "system" and all(c["type"] == "text" for c in content):
@@ -161,6 +174,17 @@ class _Fields(dict):
 
     def __missing__(self, key: str) -> str:
         return "{" + key + "}"
+
+
+def _image_url(image: Any, urls: dict[Any, str] | None, max_side: int | None) -> str:
+    """The data URL of ``image`` (a path or a PIL image); a path's is made once per ``urls`` memo. (In-memory
+    images are not memoized: an ``id`` can be reused once its image is freed.)"""
+    if urls is None or not isinstance(image, (str, os.PathLike)):
+        return _data_url(load_image(image), max_side)
+    key = (os.fspath(image), max_side)
+    if key not in urls:
+        urls[key] = _data_url(load_image(image), max_side)
+    return urls[key]
 
 
 def _data_url(image: Image.Image, max_side: int | None = _MAX_SIDE) -> str:
