@@ -1,11 +1,13 @@
 """The one encoder on gold (SFT) conversations: only assistant content is trained."""
 
+import dataclasses
+
 import pytest
 import torch
 from PIL import Image
 
 from vagent.data import encode_messages, template_dicts
-from vagent.data.encode import encode_message, encode_prompt, image_patches
+from vagent.data.encode import attach_patches, encode_message, encode_prompt, image_patches
 from vagent.types import ContentPart, Message
 
 CALL = '<think>too small</think><tool_call>{"name": "crop", "arguments": {"bbox": [1, 2, 60, 70]}}</tool_call>'
@@ -59,9 +61,15 @@ def test_an_assistant_turn_marked_untrained_is_context_only(policy):
     assert trained == "<answer>a square</answer><|im_end|>"
 
 
-def test_patches_made_once_encode_like_the_processor_and_a_mismatch_is_an_error(policy):
-    """``patches`` (what the engine made when it showed each image) give the processor's ids and pixels, by reference;
-    too few patches, or patches of another image size, are refused rather than trained on."""
+def _without_patches(messages):
+    """The same conversation with no part carrying patches: the encoder then runs the processor on every image."""
+    return [dataclasses.replace(m, content=[dataclasses.replace(p, patches=None) for p in m.content]) for m in messages]
+
+
+def test_patches_carried_by_their_parts_encode_like_the_processor_and_a_wrong_grid_is_an_error(policy):
+    """Each image part carries the patches made from it (``attach_patches`` on the segment that showed it): the
+    encoder takes them by reference and gives the processor's ids and pixels; patches of another image size are
+    refused rather than trained on, and a segment whose images do not all carry theirs is run through the processor."""
     image, crop = Image.new("RGB", (300, 200), (10, 200, 30)), Image.new("RGB", (112, 112), (200, 10, 30))
     messages = [
         Message.text("system", "You answer."),
@@ -72,15 +80,55 @@ def test_patches_made_once_encode_like_the_processor_and_a_mismatch_is_an_error(
     ]
     budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True))
     made = image_patches(encode_prompt(policy.processor, messages[:2], [policy.model_view(image)]))
+    attach_patches(messages[:2], made)
     made += image_patches(encode_message(policy.processor, messages[3], [policy.model_view(crop)]))
-    carried = encode_messages(messages, policy.processor, patches=made, **budget)
-    again = encode_messages(messages, policy.processor, **budget)
+    attach_patches(messages[3:4], made[1:])
+    carried = encode_messages(messages, policy.processor, **budget)
+    again = encode_messages(_without_patches(messages), policy.processor, **budget)
     assert carried.input_ids.tolist() == again.input_ids.tolist()
     assert carried.loss_mask.tolist() == again.loss_mask.tolist()
     assert torch.equal(carried.pixel_values, again.pixel_values) and torch.equal(carried.image_grid_thw,
                                                                                  again.image_grid_thw)  # fmt: skip
     assert [a is p.pixel_values for a, p in zip(carried.image_patches, made, strict=True)] == [True, True]
-    with pytest.raises(ValueError, match="1 image patches for a conversation of 2"):
-        encode_messages(messages, policy.processor, patches=made[:1], **budget)
+    assert not any(a is p.pixel_values for a, p in zip(again.image_patches, made, strict=True))
+    assert Message("user", [ContentPart("image", image=image, patches=made[0])]) == Message(
+        "user", [ContentPart("image", image=image)]
+    )  # equality ignores patches
+    with pytest.raises(ValueError, match="1 image patches for messages of 2"):
+        attach_patches(messages, made[:1])
+    with pytest.raises(ValueError, match="only an image ContentPart carries patches"):
+        ContentPart("text", "x", patches=made[0])
+    messages[1].content[0].patches = made[1]  # the crop's 112x112 patches on the 300x200 prompt image
     with pytest.raises(ValueError, match="grid"):
-        encode_messages(messages, policy.processor, patches=made[::-1], **budget)
+        encode_messages(messages, policy.processor, **budget)
+    messages[1].content[0].patches = None  # the prompt's segment runs the processor, the tool turn's stays carried
+    mixed = encode_messages(messages, policy.processor, **budget)
+    assert torch.equal(mixed.pixel_values, again.pixel_values)
+    assert mixed.image_patches[0] is not made[0].pixel_values and mixed.image_patches[1] is made[1].pixel_values
+
+
+def test_images_of_one_size_each_encode_from_their_own_parts_patches(policy):
+    """Images of the same size give the same ids whichever patches stand for them, so only their pixels can tell a
+    mis-pairing: two prompt images and a tool output, all 112x112 and of different colours, each part carrying its
+    own, encode to the processor's pixel_values run on the images again."""
+    colours = [(200, 10, 30), (10, 200, 30), (10, 30, 200)]
+    red, green, blue = (Image.new("RGB", (112, 112), c) for c in colours)
+    question = [ContentPart("image", image=red), ContentPart("image", image=green), ContentPart("text", "Which?")]
+    messages = [
+        Message.text("system", "You answer."),
+        Message("user", question),
+        Message.text("assistant", CALL),
+        Message("tool", [ContentPart("image", image=blue), ContentPart("text", "Image 2: cropped region.")]),
+        Message.text("assistant", "<answer>the first</answer>"),
+    ]
+    budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True))
+    attach_patches(messages[:2], image_patches(encode_prompt(policy.processor, messages[:2], [red, green])))
+    attach_patches(messages[3:4], image_patches(encode_message(policy.processor, messages[3], [blue])))
+    carried = encode_messages(messages, policy.processor, **budget)
+    again = encode_messages(_without_patches(messages), policy.processor, **budget)
+    grids = carried.image_grid_thw.tolist()
+    assert grids[0] == grids[1] == grids[2]  # a grid check alone could not tell these images apart
+    blocks = again.image_patches
+    assert not any(torch.equal(blocks[i], blocks[j]) for i, j in ((0, 1), (0, 2), (1, 2)))  # their pixels can
+    assert carried.input_ids.tolist() == again.input_ids.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(carried.image_patches, again.image_patches, strict=True))

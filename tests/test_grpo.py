@@ -497,6 +497,96 @@ def test_dynamic_sampling_balances_the_global_batch_over_ranks(monkeypatch):
     assert grpo._balance_groups(kept[0], [3, 2], 2, DistEnv(0, 2, 0, torch.device("cpu"))) == kept[0][:2]
 
 
+def _episode(task_id, prompt, pixels=4):
+    """A trajectory whose prompt part (shared by its group, as the engine shares it) and one tool image carry patches."""
+    from vagent.types import ContentPart, ImagePatches, Message, Trajectory
+
+    tool = ContentPart("image", image=prompt.image, patches=ImagePatches(torch.zeros(pixels, 8), torch.ones(1, 3)))
+    return Trajectory(task_id, [Message("user", [prompt]), Message("tool", [tool])])
+
+
+def test_a_rank_whose_groups_all_count_holds_no_more_patches_through_refills_than_the_plan(monkeypatch):
+    """Dynamic sampling over 4 ranks where only this one's groups are informative: the global batch stays short, so
+    every rank rolls out both refill rounds, and this one keeps every group it rolls out. Those beyond its
+    prompts_per_step are trained nowhere here (dropped, or sent without patches to a rank short of groups), so their
+    patches go after each round: at no time does it hold the patches of more episodes than ``vagent memory`` plans
+    (a step's and a round's), and by the time the rollout's memory goes back to the system only the groups it trains
+    hold theirs."""
+    import dataclasses
+    import types
+
+    from PIL import Image
+
+    from vagent.recipes.memory import _episodes
+    from vagent.training.distributed import DistEnv
+    from vagent.types import ContentPart, ImagePatches
+
+    cfg = GRPOConfig()
+    cfg.grpo = dataclasses.replace(cfg.grpo, group_size=2, prompts_per_step=2, dynamic_sampling=True,
+                                   max_refill_rounds=2)  # fmt: skip
+    world = 4
+    rolled, held_at_round, held_at_trim = [], [], []
+
+    def roll_out(ctx, generator, batch_rows, components, timer):
+        held_at_round.append(sum(bool(t.patches) for t in rolled) + len(batch_rows) * 2)  # with this round's own
+        out = []
+        for row in batch_rows:  # a group shares its prompt part, as the engine's samples do
+            prompt = ContentPart("image", image=Image.new("RGB", (28, 28)),
+                                 patches=ImagePatches(torch.zeros(4, 8), torch.ones(1, 3)))  # fmt: skip
+            out += [_episode(row, prompt), _episode(row, prompt)]
+        rolled.extend(out)
+        return out, [0.0, 1.0] * len(batch_rows)  # every group informative
+
+    monkeypatch.setattr(grpo, "_roll_out", roll_out)
+    monkeypatch.setattr(grpo, "all_gather_object", lambda mine: [mine] + [[] if isinstance(mine, list) else 0] * 3)
+    monkeypatch.setattr(grpo, "trim_host_memory", lambda: held_at_trim.append(sum(bool(t.patches) for t in rolled)))
+    backend = types.SimpleNamespace(free_storage=lambda: None)
+    ctx = types.SimpleNamespace(cfg=cfg, env=DistEnv(0, world, 0, torch.device("cpu")),
+                                rows=[f"p{i}" for i in range(64)], generation_policy=lambda: None,
+                                generation_backend=lambda policy: backend)  # fmt: skip
+    groups = grpo._collect_groups(ctx, 0, {})
+    assert groups.rounds == 3 and len(rolled) == 3 * 2 * 2  # both refills ran; every group kept on this rank
+    assert groups.n_groups == 6 // world  # the global batch: 6 groups over 4 ranks
+    assert max(held_at_round) <= _episodes(cfg.grpo) == 8  # before the fix: 12 at the third round
+    assert held_at_trim == [len(groups.trajectories)] and all(t.patches for t in groups.trajectories)
+
+
+def test_micro_batches_mark_the_last_and_hold_one_collated_batch_at_a_time(monkeypatch):
+    """``last`` comes from the chunking itself (gradient accumulation syncs on it), and a batch is emptied before the
+    next is collated: a loop that keeps its loop variable still holds one micro-batch's copy of the images, not two."""
+    import gc
+    import types
+    import weakref
+
+    from vagent.data.encode import Encoded
+
+    def encoded(n):
+        return Encoded(input_ids=torch.ones(n, dtype=torch.long), loss_mask=torch.ones(n, dtype=torch.long),
+                       image_patches=[torch.zeros(16, 8)], image_grid_thw=torch.tensor([[1, 4, 4]]),
+                       mm_token_type_ids=torch.zeros(n, dtype=torch.int32), logprobs=torch.zeros(n))  # fmt: skip
+
+    alive_at_collate, made = [], []
+
+    def counted(samples, pad_id):
+        gc.collect()
+        alive_at_collate.append(sum(ref() is not None for ref in made))
+        batch = collate(samples, pad_id)
+        made.append(weakref.ref(batch["pixel_values"]))
+        return batch
+
+    monkeypatch.setattr(grpo, "collate", counted)
+    cfg = GRPOConfig()
+    cfg.grpo.micro_batch_size = 2
+    ctx = types.SimpleNamespace(cfg=cfg, env=types.SimpleNamespace(device=torch.device("cpu")),
+                                policy=types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad_token_id=0)))  # fmt: skip
+    seen = []
+    for idx, batch, last in grpo._micro_batches(ctx, [encoded(3 + i) for i in range(5)], [4, 0, 3, 1, 2]):
+        seen.append((idx, last, tuple(batch["pixel_values"].shape)))
+    assert seen == [([4, 0], False, (32, 8)), ([3, 1], False, (32, 8)), ([2], True, (16, 8))]
+    assert alive_at_collate == [0, 0, 0]  # before: the previous batch, still named by `batch`, at each collate
+    assert not list(grpo._micro_batches(ctx, [], []))
+
+
 def test_alarms_say_once_when_tool_use_collapses_or_episodes_mostly_hit_a_cap(capsys):
     """The first 3 steps call tools in 80% of episodes; at step 5 only 10% do (below a quarter of 80%): one alarm,
     said once, in the console and in that step's record. Later steps stay quiet; a capped majority has its own."""

@@ -21,6 +21,7 @@ PLANNED = sorted(f"configs/{stage}/{p.name}" for stage in STAGES for p in (ROOT 
 # the 3B/7B configs the memory guide's table lists at 8 GPUs (the DeepSpeed ones are SFT's variants)
 PRODUCTION = [c for c in PLANNED if re.search(r"_[37]b", c) and "zero" not in c]
 GUIDE = ROOT / "docs" / "guide" / "memory.md"
+CONFIG_TINY_GRPO = ROOT / "configs" / "grpo" / "qwen2_5_vl_tiny_cpu.yaml"
 
 
 def _memory(*args, check=True, capsys=None):
@@ -164,9 +165,10 @@ def test_the_plan_moves_the_right_way():
     assert plan(shape, grpo).rollout > 0
 
 
-def test_the_grpo_plan_holds_each_episode_image_once_on_the_host(capsys, monkeypatch):
-    """Host memory of a GRPO step: every episode's tool images once and its group's prompt image once per group,
-    each as fp32 patches plus the RGB view, then one micro-batch's collated copy; apart from the device peak."""
+def test_the_grpo_host_plan_moves_the_right_way_and_prints_its_lines(capsys, monkeypatch):
+    """Host memory of a GRPO step, apart from the device peak: a 1000x750 picture's patches are the processor's
+    3,888 x 1,176 fp32 values; more samples per prompt share each prompt image; a larger original prompt image costs
+    its RGB bytes once per group; SFT plans none."""
     from dataclasses import replace
 
     shape = SHAPES["qwen2.5-vl-7b"]
@@ -175,18 +177,84 @@ def test_the_grpo_plan_holds_each_episode_image_once_on_the_host(capsys, monkeyp
     grpo = Setup(stage="grpo", world_size=8, sharding="fsdp", seq_len=8192, micro_batch=4, images=13,
                  image_tokens=972, rollout_batch=128, rollout_len=8192, group_size=8, episodes=128)  # fmt: skip
     p = plan(shape, grpo)
-    host = {name: value for name, value, _ in p.host_lines}
-    assert host["episode images"] == pytest.approx(128 * (1 / 8 + 12) * (patches + rgb))
-    assert p.host == pytest.approx(host["episode images"] + 4 * 13 * patches)
     shared = plan(shape, replace(grpo, group_size=16))  # more samples share each prompt image
     assert shared.host < p.host and shared.peak == p.peak
+    eight_k = plan(shape, replace(grpo, prompt_pixels=7680 * 4320))  # 16 groups, each keeping its 8K original
+    assert eight_k.host - p.host == pytest.approx(16 * (7680 * 4320 - 1008 * 756) * 3)
     assert not plan(shape, replace(grpo, stage="sft")).host_lines
     monkeypatch.chdir(ROOT)
     done = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
                    "--image-tokens", 972, capsys=capsys)  # fmt: skip
     # 8 prompts x 8 samples, twice while a dynamic-sampling refill round runs; max_images 6: 5 tool images
-    assert "128 episodes x (1 prompt image / 8 samples + 5 tool images) x 17.4 MiB fp32 patches" in done.stdout
+    assert "16 groups x (17.4 MiB fp32 patches + 2.18 MiB RGB original at the model's size" in done.stdout
+    assert "128 episodes x 5 x (17.4 MiB fp32 patches + 2.18 MiB RGB view)" in done.stdout
     assert "host per rank: " in done.stdout and _peak(done.stdout) > 0
+
+
+def test_the_grpo_host_plan_is_what_a_real_step_holds(tmp_path, tiny_qwen25, monkeypatch):
+    """The plan's host lines against the tensors and images a real GRPO step on the tiny checkpoint holds, counted
+    in the step (each storage and each image once, whoever references it): 2 prompts of a 700x700 picture (seen at
+    448x448) x 2 samples, each cropping the whole picture twice (scripted), so every image is seen at 256 tokens as
+    the plan assumes. At the score stage the episodes and their encodings hold exactly the planned prompt and tool
+    images; the update holds one collated micro-batch at a time, of the planned size."""
+    import dataclasses
+    import gc
+    import json
+    import weakref
+
+    import numpy as np
+    from PIL import Image
+
+    from vagent.config import GRPOConfig, load_config
+    from vagent.recipes import grpo
+    from vagent.recipes.memory import build_parser, setup_from_config
+
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 256, (700, 700, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+            f.write(json.dumps({"id": f"p{i}", "source": "t", "images": [f"{i}.png"], "question": "What?",
+                                "answer": "a", "answer_type": "exact"}) + "\n")  # fmt: skip
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 448, 448]}}</tool_call>'
+    from_row = grpo.Task.from_row.__func__
+    monkeypatch.setattr(grpo.Task, "from_row", classmethod(
+        lambda cls, row, tools: dataclasses.replace(from_row(cls, row, tools), scripted_turns=[crop, crop])))  # fmt: skip
+    held, collated = [], []  # bytes at the score stage; per collate, the collated patches alive with it
+
+    def scored(ctx, groups, step, timer):
+        out = score(ctx, groups, step, timer)
+        parts = [p for t in out.trajectories for m in t.messages for p in m.content if p.type == "image"]
+        assert len(parts) == 4 * 3 and all(p.image.size in ((700, 700), (448, 448)) for p in parts)
+        tensors = [p.patches.pixel_values for p in parts] + [b for e in out.encoded for b in e.image_patches]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        images = {id(p.image): p.image.width * p.image.height * len(p.image.getbands()) for p in parts}
+        held.append(sum(storages.values()) + sum(images.values()))
+        return out
+
+    def collate(samples, pad_id):
+        gc.collect()
+        batch = grpo_collate(samples, pad_id)
+        alive = [ref() for ref in refs if ref() is not None]
+        collated.append(sum(t.nbytes for t in alive) + batch["pixel_values"].nbytes)
+        refs.append(weakref.ref(batch["pixel_values"]))
+        return batch
+
+    score, grpo_collate, refs = grpo._score_old_logprobs, grpo.collate, []
+    monkeypatch.setattr(grpo, "_score_old_logprobs", scored)
+    monkeypatch.setattr(grpo, "collate", collate)
+    overrides = [f"out_dir={tmp_path / 'out'}", f"model.path={tiny_qwen25}", f"data.train={tmp_path / 'rows.jsonl'}",
+                 "train.max_steps=1", "train.save_every=0", "train.tensorboard=false", "grpo.group_size=2",
+                 "grpo.prompts_per_step=2", "grpo.rollout_batch_size=4", "grpo.micro_batch_size=2",
+                 "grpo.dynamic_sampling=false", "rollout.max_images=3", "rollout.max_turns=3",
+                 "rollout.max_new_tokens=4", "rewards.weights={accuracy: 1.0}", "rewards.options={}"]  # fmt: skip
+    cfg = load_config(GRPOConfig, CONFIG_TINY_GRPO, overrides)
+    grpo.train(cfg)
+    args = build_parser().parse_args(["--config", "x", "--device", "cpu", "--image-tokens", "256",
+                                      "--prompt-size", "700", "700"])  # fmt: skip
+    planned = plan(shape_from_config_json(tiny_qwen25), setup_from_config(cfg, args, "grpo"))
+    host = {name: value for name, value, _ in planned.host_lines}
+    assert held == [host["prompt images"] + host["tool images"]]
+    assert len(collated) == 2 and max(collated) == host["micro-batch patches"]  # 2 x 3 images, one batch at a time
 
 
 def test_sharding_comes_from_the_flag_the_config_or_deepspeeds_file(tmp_path):

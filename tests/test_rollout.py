@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import pytest
@@ -141,8 +142,8 @@ def test_rollout_with_a_qwen3_vl_policy_uses_its_32_pixel_grid(tmp_path):
     from vagent.data.encode import encode_messages  # its 16-px patches encode as its processor expands them
 
     budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True), factor=policy.image_factor)
-    assert encode_messages(traj.messages, policy.processor, patches=traj.patches, **budget).input_ids.tolist() \
-        == traj.token_ids  # fmt: skip
+    assert len(traj.patches) == 2  # the prompt's and the crop's, each on its own part
+    assert encode_messages(traj.messages, policy.processor, **budget).input_ids.tolist() == traj.token_ids
 
 
 # -- the batched engine: one encoder, cache reuse, concurrency ------------------------------------------
@@ -215,14 +216,52 @@ def test_kept_patches_are_made_once_shared_by_a_group_and_encode_as_the_processo
         )
     kw = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
     for t in out:
-        carried = encode_messages(t.messages, policy.processor, patches=t.patches, **kw)
-        again = encode_messages(t.messages, policy.processor, **kw)  # the processor run on the images again
+        carried = encode_messages(t.messages, policy.processor, **kw)
+        again = encode_messages(_without_patches(t.messages), policy.processor, **kw)  # the processor run again
         assert carried.input_ids.tolist() == again.input_ids.tolist() == t.token_ids
         assert torch.equal(carried.pixel_values, again.pixel_values)
         assert torch.equal(carried.image_grid_thw, again.image_grid_thw)
         assert all(a is p.pixel_values for a, p in zip(carried.image_patches, t.patches, strict=True))
     assert "patches" not in out[0].to_dict()
     assert not run(policy, _tasks()[1:2], limits=_limits())[0].patches  # eval, serve: the rows keep none
+    group = out[3:6]  # task b: one prompt image, shared by the group's samples
+    group[0].release_patches()  # its parts: the prompt's, which its group shares, and its own tool outputs
+    assert not group[0].patches and all(len(t.patches) == len(t.images) - 1 for t in group[1:])
+
+
+def _without_patches(messages):
+    """The same conversation with no part carrying patches: the encoder then runs the processor on every image."""
+    return [dataclasses.replace(m, content=[dataclasses.replace(p, patches=None) for p in m.content]) for m in messages]
+
+
+def test_every_image_part_carries_the_patches_of_its_own_image_among_images_of_one_size(policy):
+    """The engine hands each image's patches to the very part that shows it: with two prompt images and two zooms all
+    seen at 224x224 (one grid, so ids and grids alike cannot tell them apart), each part's patches are the processor's
+    of that part's own image, and the episode encodes to the pixels of the processor run on its images again."""
+    from vagent.data.encode import encode_messages, encode_segment
+
+    first = Image.radial_gradient("L").resize((224, 224)).convert("RGB")  # regions of different pixels
+    second = Image.linear_gradient("L").resize((224, 224)).convert("RGB")
+    zooms = [f'<tool_call>{{"name": "zoom_in", "arguments": {{"bbox": {box}, "factor": 2, "image_index": {i}}}}}'
+             "</tool_call>" for box, i in (([0, 0, 112, 112], 0), ([112, 112, 224, 224], 1))]  # fmt: skip
+    task = Task(id="s", question="Where?", images=[first, second], tools=["zoom_in"], scripted_turns=zooms)
+    torch.manual_seed(0)
+    out = run(policy, [task], n_samples=2, limits=_limits(max_turns=3, max_images=4), keep_patches=True)
+    min_pixels, max_pixels = policy.pixel_budget
+    kw = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)
+    for t in out:
+        parts = [p for m in t.messages for p in m.content if p.type == "image"]
+        assert len(parts) == 4 and all(p.image.size == (224, 224) for p in parts)
+        assert not any(k.startswith("tool_error") for k in t.metrics)
+        own = [encode_segment(policy.processor, policy.processor.image_token, [policy.model_view(p.image)])
+               for p in parts]  # fmt: skip
+        assert all(torch.equal(p.patches.pixel_values, o["pixel_values"]) for p, o in zip(parts, own, strict=True))
+        assert not any(torch.equal(own[i]["pixel_values"], own[j]["pixel_values"])
+                       for i in range(4) for j in range(i + 1, 4))  # fmt: skip
+        carried = encode_messages(t.messages, policy.processor, **kw)
+        again = encode_messages(_without_patches(t.messages), policy.processor, **kw)
+        assert carried.input_ids.tolist() == again.input_ids.tolist() == t.token_ids
+        assert torch.equal(carried.pixel_values, again.pixel_values)
 
 
 @pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)

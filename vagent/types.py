@@ -5,9 +5,10 @@ and what the trainers consume (``token_ids`` with a ``loss_mask`` saying which t
 sampled). Both views are kept side by side so nothing is ever re-tokenized from decoded text.
 
 Images live in memory as ``PIL.Image`` objects while a rollout runs; ``to_dict`` writes them out
-as files through a caller-supplied ``save_image`` function so a JSONL line stays small. A trajectory GRPO trains
-on also carries each image's patches as the policy saw them (``ImagePatches``), made once by the engine, so the
-trainer never runs the processor on them again; they are not serialized.
+as files through a caller-supplied ``save_image`` function so a JSONL line stays small. In a trajectory GRPO trains
+on, each image part also carries its image's patches as the policy saw them (``ContentPart.patches``, an
+``ImagePatches`` the engine made once, when it showed the image), so the trainer never runs the processor on them
+again; they are not serialized.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class ContentPart:
         image: Decoded pixels for an image part (inputs after loading, tool outputs).
         path: Where the image or video lives on disk, if anywhere.
         timestamps: For frames sampled from a video, the time in seconds of each frame.
+        patches: For an image part of an episode the rollout ran with ``keep_patches``: this image's patches, as
+            the engine made them from this very part when it showed it (``vagent.data.encode.attach_patches``); the
+            encoder then uses them instead of running the processor. Held by reference (a group's samples share
+            their prompt's parts), never serialized, ignored by equality; None once released.
     """
 
     type: Literal["text", "image", "video"]
@@ -60,6 +65,7 @@ class ContentPart:
     image: Image.Image | None = None
     path: str | None = None
     timestamps: list[float] | None = None
+    patches: ImagePatches | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.type not in ("text", "image", "video"):
@@ -70,6 +76,8 @@ class ContentPart:
             raise ValueError("an image ContentPart needs an image or a path")
         if self.type == "video" and self.path is None:
             raise ValueError("a video ContentPart needs a path")
+        if self.patches is not None and self.type != "image":
+            raise ValueError(f"only an image ContentPart carries patches, not a {self.type!r} one")
 
 
 @dataclass
@@ -159,7 +167,8 @@ class ImagePatches:
     """One image as the vision tower takes it: its rows of the processor's ``pixel_values`` and its grid.
 
     Made once per image by the rollout engine and held by reference: a prompt image's patches are the same tensor in
-    every sample of its group, and a tool output's are the same tensor in every turn after it.
+    every sample of its group, and a tool output's are the same tensor in every turn after it. An episode hands them
+    to the trainer on the image parts they were made from (``ContentPart.patches``).
 
     Attributes:
         pixel_values: (grid_t * grid_h * grid_w, channels * temporal_patch * patch**2) fp32 patches.
@@ -224,9 +233,6 @@ class Trajectory:
         tool_results: One ``ToolResult`` per tool call, in order.
         frames: Per prompt image, the ``Frame`` the policy saw.
         reward: Filled in by the trainer or eval, never by the rollout.
-        patches: One ``ImagePatches`` per image of ``images``, in order, when the rollout kept them
-            (``run(..., keep_patches=True)``: GRPO); the encoder then reuses them instead of running the processor.
-            Empty otherwise. Not serialized; the trainer empties it once the step that trained on it is done.
     """
 
     task_id: str
@@ -240,7 +246,6 @@ class Trajectory:
     tool_results: list[ToolResult] = field(default_factory=list)
     frames: list[Frame] = field(default_factory=list)
     reward: float | None = None
-    patches: list[ImagePatches] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -260,6 +265,19 @@ class Trajectory:
         answer without ``<answer>``. ``answer`` (or "") for a trajectory without an assistant turn (one built from
         an answer alone)."""
         return next((m.plain_text for m in reversed(self.messages) if m.role == "assistant"), self.answer or "")
+
+    @property
+    def patches(self) -> list[ImagePatches]:
+        """The patches its image parts carry, in conversation order: every image's when the rollout kept them
+        (``run(..., keep_patches=True)``: GRPO), none otherwise or once released."""
+        return [p.patches for m in self.messages for p in m.content if p.patches is not None]
+
+    def release_patches(self) -> None:
+        """Let go of its images' patches (the parts keep their pixels). A group's samples share their prompt's parts,
+        so this releases the prompt image's patches for the whole group."""
+        for message in self.messages:
+            for part in message.content:
+                part.patches = None
 
     def to_dict(self, save_image: Callable[[Image.Image], str] | None = None) -> dict[str, Any]:
         """A JSON-ready dict. In-memory images are written with ``save_image`` (returns a path) or dropped."""

@@ -16,10 +16,13 @@ ids the policy sampled are exactly the ids it is trained on:
 * System, user and tool messages are masked (0). Their images are resized exactly as the policy saw
   them (``resize_to_budget`` with the policy's pixel budget and patch grid) and run through the
   processor, so ``pixel_values`` holds every image's patches in conversation order (prompt images,
-  then each tool output) with one ``image_grid_thw`` row each. A trajectory that carries its images'
-  patches (``Trajectory.patches``, made by the engine's own run of the processor) passes them as
-  ``patches``: they are used as they are, by reference, and only the text is tokenized, each image's
-  placeholder expanded to its grid's tokens as the processor expands it.
+  then each tool output) with one ``image_grid_thw`` row each. An image part that carries its patches
+  (``ContentPart.patches``: the engine attached them to the part it made them from, ``attach_patches``)
+  is not processed again: where every image of a segment carries them they are used as they are, by
+  reference, and only the text is tokenized, each image's placeholder expanded to its grid's tokens as
+  the processor expands it. The patches travel on their own image's part, so no list kept beside the
+  conversation can pair an image with another image's pixels (two images of one size would have the
+  same ids whichever pixels they carried).
 
 Multimodal RoPE positions are not computed here: they need the model's vision config
 (``Policy.rope_positions`` computes them over the whole sequence from these outputs).
@@ -27,7 +30,7 @@ Multimodal RoPE positions are not computed here: they need the model's vision co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +38,11 @@ import torch
 from PIL import Image
 
 from vagent.media import load_image, resize_to_budget, smart_resize
-from vagent.types import ImagePatches, Message
+from vagent.types import ContentPart, ImagePatches, Message
 
 __all__ = [
     "Encoded",
+    "attach_patches",
     "encode_message",
     "encode_messages",
     "encode_prompt",
@@ -140,6 +144,21 @@ def image_patches(encoded: dict[str, torch.Tensor]) -> list[ImagePatches]:
     return [ImagePatches(block, grid) for block, grid in zip(blocks, grids, strict=True)]
 
 
+def attach_patches(messages: Sequence[Message], patches: Sequence[ImagePatches]) -> None:
+    """Hand each image part of ``messages`` its own patches: ``patches`` are what the processor made of exactly these
+    messages' images, in order (``image_patches`` of ``encode_prompt``/``encode_message`` on them), so the pairing is
+    the processor's own. The encoder then uses them (``ContentPart.patches``).
+
+    Raises:
+        ValueError: not one patch block per image part.
+    """
+    parts = [part for m in messages for part in m.content if part.type == "image"]
+    if len(parts) != len(patches):
+        raise ValueError(f"{len(patches)} image patches for messages of {len(parts)} image(s)")
+    for part, patch in zip(parts, patches, strict=True):
+        part.patches = patch
+
+
 def _prompt_text(processor: Any, messages: Sequence[Message]) -> str:
     return processor.apply_chat_template([template_dicts(m) for m in messages], tokenize=False)
 
@@ -163,19 +182,17 @@ def _ids_with_patches(processor: Any, text: str, patches: Sequence[ImagePatches]
     return processor.tokenizer("".join(expanded), return_tensors="pt")["input_ids"][0]
 
 
-def _check_patches(messages: Sequence[Message], patches: Sequence[ImagePatches], processor: Any, min_pixels: int,
-                   max_pixels: int, factor: int) -> None:  # fmt: skip
-    """``patches`` must be one per image of ``messages``, each of the grid the image's model size gives."""
-    parts = [part for m in messages for part in m.content if part.type == "image"]
-    if len(parts) != len(patches):
-        raise ValueError(f"{len(patches)} image patches for a conversation of {len(parts)} image(s)")
+def _check_grids(parts: Sequence[ContentPart], processor: Any, min_pixels: int, max_pixels: int, factor: int) -> None:
+    """Each part's patches must have the grid its image's size gives under the pixel budget: patches made under
+    another budget (or another processor) are refused rather than trained on."""
     patch = processor.image_processor.patch_size
-    for i, (part, given) in enumerate(zip(parts, patches, strict=True)):
+    for part in parts:
         width, height = _image_size(part)
         h, w = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
-        if given.grid_thw.flatten().tolist() != [1, h // patch, w // patch]:
-            raise ValueError(f"image {i}'s patches have grid {given.grid_thw.flatten().tolist()}, but the image is "
-                             f"seen at {w}x{h}: grid [1, {h // patch}, {w // patch}]")  # fmt: skip
+        grid = part.patches.grid_thw.flatten().tolist()
+        if grid != [1, h // patch, w // patch]:
+            raise ValueError(f"an image's patches have grid {grid}, but the image ({width}x{height}) is seen at "
+                             f"{w}x{h}: grid [1, {h // patch}, {w // patch}]")  # fmt: skip
 
 
 def _model_images(message: Message, min_pixels: int, max_pixels: int, factor: int) -> list[Image.Image]:
@@ -197,7 +214,6 @@ def encode_messages(
     factor: int = 28,
     logprobs: Sequence[float] | None = None,
     forced_spans: Callable[[str, int], list[tuple[int, int]]] | None = None,
-    patches: Sequence[ImagePatches] | None = None,
 ) -> Encoded:
     """Encode a conversation (see the module docstring).
 
@@ -209,22 +225,19 @@ def encode_messages(
         logprobs: Optional per-token log-probs of the whole sequence (a Trajectory's), carried through.
         forced_spans: The agent profile's ``forced_spans(text, turn)``: character spans of a gold assistant
             turn's text (``turn`` 1-based) that the agent's loop forces; their tokens get loss mask 0.
-        patches: One ``ImagePatches`` per image of the conversation, in order (``Trajectory.patches``): used by
-            reference instead of running the processor on the images. Each must have the grid the image's size
-            gives under the pixel budget.
 
     Returns:
-        An ``Encoded``; for an engine trajectory ``input_ids`` equals ``Trajectory.token_ids``.
+        An ``Encoded``; for an engine trajectory ``input_ids`` equals ``Trajectory.token_ids``. Images whose parts
+        carry their patches (``ContentPart.patches``) are taken by reference wherever every image of their segment
+        carries them; the other segments' images are run through the processor.
 
     Raises:
-        ValueError: ``patches`` do not match the conversation's images (count or grid).
+        ValueError: carried patches do not have the grid their image's size gives under the pixel budget.
     """
     tokenizer = processor.tokenizer
     header_text = template_suffix(processor, [], add_generation_prompt=True)  # "<|im_start|>assistant\n"
     header = tokenizer.encode(header_text)
-    if patches is not None:
-        _check_patches(messages, patches, processor, min_pixels, max_pixels, factor)
-    carried, budget = iter(patches) if patches is not None else None, (min_pixels, max_pixels, factor)
+    budget = (min_pixels, max_pixels, factor)
     ids: list[torch.Tensor] = []
     mask: list[torch.Tensor] = []
 
@@ -234,13 +247,13 @@ def encode_messages(
 
     # The prompt (everything before the first assistant turn) is rendered as a whole, like a fresh chat.
     first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
-    segment, images = _forced(processor, _prompt_text(processor, messages[:first]), messages[:first], carried, *budget)
+    segment, images = _forced(processor, _prompt_text(processor, messages[:first]), messages[:first], *budget)
     add(segment)
     turn_number = 0
     for message in messages[first:]:
         turn_number += message.role == "assistant"
         if message.role != "assistant":
-            segment, shown = _forced(processor, _message_text(processor, message), [message], carried, *budget)
+            segment, shown = _forced(processor, _message_text(processor, message), [message], *budget)
             add(segment)
             images += shown
             continue
@@ -269,13 +282,14 @@ def encode_messages(
     )
 
 
-def _forced(processor: Any, text: str, source: Sequence[Message], carried: Iterator[ImagePatches] | None,
-            min_pixels: int, max_pixels: int, factor: int) -> tuple[torch.Tensor, list[ImagePatches]]:  # fmt: skip
-    """A masked segment's ids and its images' patches: the next carried ones, else the processor's on the images
-    resized as the policy saw them."""
-    n = sum(part.type == "image" for m in source for part in m.content)
-    if carried is not None and n:
-        shown = [next(carried) for _ in range(n)]
+def _forced(processor: Any, text: str, source: Sequence[Message], min_pixels: int, max_pixels: int,
+            factor: int) -> tuple[torch.Tensor, list[ImagePatches]]:  # fmt: skip
+    """A masked segment's ids and its images' patches: those its image parts carry when every one does, else the
+    processor's on the images resized as the policy saw them."""
+    parts = [part for m in source for part in m.content if part.type == "image"]
+    if parts and all(part.patches is not None for part in parts):
+        _check_grids(parts, processor, min_pixels, max_pixels, factor)
+        shown = [part.patches for part in parts]
         return _ids_with_patches(processor, text, shown), shown
     resized = [img for m in source for img in _model_images(m, min_pixels, max_pixels, factor)]
     segment = encode_segment(processor, text, resized)

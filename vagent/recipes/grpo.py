@@ -326,7 +326,7 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
         dpo = critic.record if critic else {}
         del scored, critic  # their encodings hold the step's patches
     for t in groups.seen:  # trained on: the patches go now (a checkpoint's export reads the messages' images)
-        t.patches = []
+        t.release_patches()
     trim_host_memory()
     if update_stats.get("ratio_check", 0.0) > 1e-3:  # the old log-probs were not scored by these weights
         say(
@@ -400,16 +400,21 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
                 kept.append((trajectories[span], totals[span]))
             else:  # never trained on: its patches go before a refill rolls out more
                 for t in trajectories[span]:
-                    t.patches = []
+                    t.release_patches()
+        # Beyond its prompts_per_step groups this rank trains on none (they are dropped, or sent without patches to
+        # a rank short of groups): their patches go now, not after the last round, so a rank whose groups are all
+        # informative while the others' are not holds at most one step's groups and one round's (vagent memory's 2x).
+        for t in (t for group, _ in kept[algo.prompts_per_step :] for t in group):
+            t.release_patches()
         rounds += 1
         counts = all_gather_object(len(kept))  # the decision is the global batch's (verl filters globally)
         if not algo.dynamic_sampling or sum(counts) >= target or rounds > algo.max_refill_rounds:
             break
     ctx.generation_backend(generator).free_storage()  # KV grown on demand goes back for the update (a budget stays)
-    trim_host_memory()  # the rollout's temporaries (processor, forwards) go back; its episodes' patches stay
     n = min(algo.prompts_per_step, sum(counts) // env.world_size)
     for t in (t for group, _ in kept[n:] for t in group):  # not trained here; sent to every rank when one is short of
-        t.patches = []  # groups, where patches would be 8x the images' bytes (a rank that takes one encodes it anew)
+        t.release_patches()  # groups, where patches would be 8x the images' bytes (a rank that takes one encodes it anew)
+    trim_host_memory()  # the rollout's temporaries (processor, forwards) and the patches just released go back
     kept = _balance_groups(kept, counts, n, env)
     return _Groups(trajectories=[t for group, _ in kept for t in group], rewards=[r for _, rs in kept for r in rs],
                    seen=seen, components=components, n_groups=len(kept), rounds=rounds, consumed=consumed)  # fmt: skip
@@ -469,9 +474,9 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     min_pixels, max_pixels = policy.pixel_budget
     encoded = []
     for t in groups.trajectories:
-        # the engine's patches of each image, by reference: no image is processed again or held twice
+        # each image part's patches as the engine made them, by reference: no image is processed again or held twice
         enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
-                              factor=policy.image_factor, patches=t.patches or None)  # fmt: skip
+                              factor=policy.image_factor)  # fmt: skip
         if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
             raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
         if algo.mask_truncated and t.stop_reason in CAPS:  # over-turn masking: its reward counted, no loss from it
@@ -486,7 +491,7 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     policy.model.train()
     t0 = time.perf_counter()
     with torch.no_grad(), ctx.backend.accumulating(last=True):  # the update's precision: autocast or FSDP's policy
-        for idx, batch in _micro_batches(ctx, encoded, [] if on_policy else list(range(n))):
+        for idx, batch, _ in _micro_batches(ctx, encoded, [] if on_policy else list(range(n))):
             lp, _ = _scored_logprobs(ctx.backend.module, batch, *head)
             ref_lp = None
             if ctx.reference is not None:
@@ -525,13 +530,18 @@ def _head_args(cfg: GRPOConfig) -> tuple[bool, int, tuple[float, float]]:
     return cfg.train.share_prefix, cfg.train.lm_head_chunk, (cfg.rollout.temperature, cfg.rollout.top_p)
 
 
-def _micro_batches(ctx: _Run, encoded: list[Encoded], order: list[int]) -> Iterator[tuple[list[int], dict]]:
-    """``(indices, collated batch on the device)`` of ``grpo.micro_batch_size`` trajectories at a time."""
+def _micro_batches(ctx: _Run, encoded: list[Encoded], order: list[int]) -> Iterator[tuple[list[int], dict, bool]]:
+    """``(indices, collated batch on the device, last)`` of ``grpo.micro_batch_size`` trajectories of ``order`` at a
+    time; ``last`` marks the final one (where gradient accumulation syncs). A batch is emptied before the next is
+    collated, so one micro-batch's copy of its images is held at a time (as ``vagent memory`` plans), whatever the
+    caller's loop variable still names: take what outlives it (log-probs) before asking for the next."""
     pad_id = ctx.policy.tokenizer.pad_token_id or 0
     size = ctx.cfg.grpo.micro_batch_size
     for start in range(0, len(order), size):
         idx = order[start : start + size]
-        yield idx, to_device(collate([encoded[i] for i in idx], pad_id), ctx.env.device)
+        batch = to_device(collate([encoded[i] for i in idx], pad_id), ctx.env.device)
+        yield idx, batch, start + size >= len(order)
+        batch.clear()
 
 
 def _add_sampler_gap(scored: _Scored, i: int, device: torch.device) -> None:
@@ -562,11 +572,10 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
                 sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
             )
             normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
-            # collated one at a time: a list of them would hold every image of the mini-batch again, on the device
-            count = math.ceil(len(members) / algo.micro_batch_size)
             dpo = critic if critic and critic.pairs and inner == algo.inner_updates - 1 and m == parts - 1 else None
-            for k, (idx, batch) in enumerate(_micro_batches(ctx, encoded, members)):
-                with ctx.backend.accumulating(last=k == count - 1 and dpo is None):
+            # collated one at a time: a list of them would hold every image of the mini-batch again, on the device
+            for idx, batch, last in _micro_batches(ctx, encoded, members):
+                with ctx.backend.accumulating(last=last and dpo is None):
                     loss, ratio_dev = _micro_batch_loss(ctx, scored, idx, batch, normalizer, stats)
                     ctx.backend.backward(loss)
                 if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1

@@ -56,6 +56,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--image-tokens", type=int, help="Language-model tokens per image (default: model.max_pixels / 784, "
                    "for GRPO at most rollout.max_total_tokens / images / 2). A 1000x750 picture at Qwen2.5-VL's "
                    "default pixel budget is 972.")  # fmt: skip
+    p.add_argument("--prompt-size", type=int, nargs=2, metavar=("W", "H"),
+                   help="GRPO: a prompt image's size as given (the episodes keep its original for the export and the "
+                   "tools). Default: at the model's size.")  # fmt: skip
     p.add_argument("--trained-fraction", type=float, default=0.5,
                    help="Share of a sequence's tokens the loss reads (gold answers, sampled tokens).")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="key=value or section.key=value overrides of the config.")
@@ -118,12 +121,15 @@ def setup_from_config(cfg: SFTConfig | GRPOConfig | DPOConfig, args: argparse.Na
                  reference=("adapters" if lora else "copy") if cfg.grpo.kl_coef > 0 else None,
                  rollout_batch=cfg.grpo.rollout_batch_size, rollout_len=cfg.rollout.max_total_tokens,
                  kv_cache_gb=cfg.rollout.kv_cache_gb, group_size=cfg.grpo.group_size,
-                 episodes=_episodes(cfg.grpo))  # fmt: skip
+                 episodes=_episodes(cfg.grpo),
+                 prompt_pixels=args.prompt_size[0] * args.prompt_size[1] if args.prompt_size else 0)  # fmt: skip
 
 
 def _episodes(algo: Any) -> int:
     """Episodes one GRPO step holds at most on a rank: its groups, and while a dynamic-sampling refill round runs, the
-    groups kept so far (fewer than a step's) and that round's (at most a step's)."""
+    groups kept so far and that round's (at most a step's each: the recipe releases a rank's groups beyond its
+    step's share after every round, as a rank whose groups are all informative keeps rolling out while the others
+    refill)."""
     step = algo.prompts_per_step * algo.group_size
     return 2 * step if algo.dynamic_sampling and algo.max_refill_rounds else step
 

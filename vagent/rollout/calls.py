@@ -45,7 +45,7 @@ from PIL import Image
 
 from vagent.agents import AgentProfile, get_profile
 from vagent.chat import ParsedTurn
-from vagent.data.encode import encode_message, image_patches, message_ids
+from vagent.data.encode import attach_patches, encode_message, image_patches, message_ids
 from vagent.toolbox import ToolContext
 from vagent.types import ImagePatches, Message, Observation
 
@@ -192,11 +192,13 @@ class ToolCalls:
         model_view: An image as the policy sees it (``Policy.model_view``).
         workers: Threads running calls, shared by all rows.
         timeout_s: A call still running this long after a worker started it is abandoned (a ``timeout`` observation).
+        keep_patches: Attach each output image's patches to its part of the turn that shows it (``ContentPart.patches``).
     """
 
     def __init__(self, profile: AgentProfile, processor: Any, model_view: Callable[[Image.Image], Image.Image],
-                 workers: int, timeout_s: float) -> None:  # fmt: skip
+                 workers: int, timeout_s: float, keep_patches: bool = False) -> None:  # fmt: skip
         self.profile, self.processor, self.model_view, self.timeout_s = profile, processor, model_view, timeout_s
+        self.keep_patches = keep_patches
         self.pool = ToolPool(workers)
 
     def submit(self, parsed: ParsedTurn, context: ToolContext, offered: Sequence[str]) -> TurnCalls:
@@ -286,4 +288,6 @@ class ToolCalls:
             encoded = Segment(message_ids(self.processor, message, patches).tolist(), patches)
         else:
             encoded = segment(encode_message(self.processor, message, shown))
+        if self.keep_patches and encoded.patches:  # made from this message's images: they go on its parts
+            attach_patches([message], encoded.patches)
         return CallOutcome(observation, message, encoded, sizes if sizes is not None else [img.size for img in shown])

@@ -40,7 +40,7 @@ from PIL import Image
 
 from vagent.agents import AgentProfile, get_profile
 from vagent.chat import ParseError
-from vagent.data.encode import encode_prompt, template_suffix
+from vagent.data.encode import attach_patches, encode_prompt, template_suffix
 from vagent.media import load_image
 from vagent.model import Policy
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
@@ -74,6 +74,7 @@ class _Row:
     mask: list[int] = field(default_factory=list)  # 1 = sampled, 0 = forced
     logprobs: list[float] = field(default_factory=list)
     patches: list[ImagePatches] = field(default_factory=list)  # one per image, in order: made once, held by reference
+    # (the backend's: each turn request passes them; a kept episode's parts carry their own, ContentPart.patches)
     metrics: Counter[str] = field(default_factory=Counter)
     state: RowState = RowState.GENERATING
     turns: int = 0
@@ -111,7 +112,8 @@ class _Engine:
         # one call budget: the rollout's and the agent's own (Pixel-Reasoner: 4), whichever is smaller
         budgets = [b for b in (limits.max_tool_calls, self.profile.limits.max_calls) if b is not None]
         self.max_calls = min(budgets) if budgets else None
-        self.tools = ToolCalls(self.profile, policy.processor, policy.model_view, tool_workers, tool_timeout_s)
+        self.tools = ToolCalls(self.profile, policy.processor, policy.model_view, tool_workers, tool_timeout_s,
+                               keep_patches=keep_patches)  # fmt: skip
         tokenizer = policy.tokenizer
         self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
         self.im_end, self.newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.encode("\n")
@@ -167,6 +169,8 @@ class _Engine:
                 )
             shown = [self.policy.model_view(img) for img in originals]
             encoded = segment(encode_prompt(self.policy.processor, messages, shown))
+            if self.keep_patches:  # on the parts they were made from: the group's samples share these messages
+                attach_patches(messages, encoded.patches)
             made = self.last_prompt = (task, originals, shown, messages, encoded)
         return made[1], made[2], list(made[3]), made[4]
 
@@ -367,7 +371,6 @@ class _Engine:
             metrics=dict(row.metrics),
             tool_results=row.tool_results,
             frames=row.frames,
-            patches=row.patches if self.keep_patches else [],
         )
         if self.progress:
             self.progress(trajectory)
@@ -421,8 +424,9 @@ def run(
             ``Observation`` it renders (its ``metadata`` has e.g. a crop's box in original pixels), else None.
         agent: The agent profile (``vagent.agents.PROFILES``) or its name: prompt, call syntax, tool mapping,
             observation rendering and answer extraction of a published agent (default: vagent's own).
-        keep_patches: Hand each trajectory its images' patches (``Trajectory.patches``, the tensors the engine made
-            once and prefilled from) for a trainer to encode without the processor; off, they go with the row.
+        keep_patches: Hand each trajectory its images' patches, each on the image part it was made from
+            (``ContentPart.patches``; ``Trajectory.patches`` lists them): the tensors the engine made once and
+            prefilled from, for a trainer to encode without the processor. Off, they go with the row.
 
     Returns:
         Trajectories grouped by task, in task order (``n_samples`` consecutive ones per task).

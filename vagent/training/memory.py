@@ -17,8 +17,9 @@ kept on the host, 2 floats per pair: neither adds device memory.
 
 For GRPO it also plans the host memory (CPU RAM, apart from the device peak) of the step's episodes: each image is
 held once, as the processor's fp32 patches (``3 x temporal_patch x patch**2 x 4`` bytes per patch, 8x the image's
-RGB bytes at the model's size) plus that RGB view the messages keep for the export; a prompt image once per group,
-each tool output once. ``benchmarks/episode_memory.py`` measures it.
+RGB bytes at the model's size) plus the RGB image the messages keep for the export: a tool output at the model's
+size, once; a prompt image once per group, as given (its original, which the tools cut from).
+``benchmarks/episode_memory.py`` measures it.
 
 What it counts, per parameter (P all, T trainable, N ranks):
 
@@ -170,6 +171,7 @@ class Setup:
     kv_cache_gb: float | None = None  # GRPO: the rollout's KV storage sized once (rollout.kv_cache_gb)
     group_size: int = 1  # GRPO: samples per prompt (they share the prompt image's patches)
     episodes: int = 0  # GRPO: episodes a step holds at most on a rank (their images are on the host until its end)
+    prompt_pixels: int = 0  # GRPO: pixels of a prompt image as given (the messages keep it); 0 = at the model's size
 
 
 @dataclass
@@ -350,16 +352,20 @@ def image_bytes(shape: ModelShape, image_tokens: int) -> tuple[int, int]:
 
 
 def _host(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
-    """GRPO's host memory: every image of the step's episodes once (a prompt image once per group), then one
-    micro-batch's patches as ``collate`` concatenates them."""
+    """GRPO's host memory: every image of the step's episodes once (a prompt image once per group, with its
+    original), then one micro-batch's patches as ``collate`` concatenates them."""
     patches, rgb = image_bytes(shape, s.image_tokens)
-    per_episode = (patches + rgb) * (1 / s.group_size + max(s.images - 1, 0))
-    p.host_lines.append(("episode images", s.episodes * per_episode, f"{s.episodes} episodes x (1 prompt image / "
-                         f"{s.group_size} samples + {max(s.images - 1, 0)} tool images) x {patches / 2**20:.1f} MiB "
-                         f"fp32 patches + {rgb / 2**20:.2f} MiB RGB view"))  # fmt: skip
+    groups, tools = s.episodes / s.group_size, max(s.images - 1, 0)
+    original = 3 * s.prompt_pixels if s.prompt_pixels else rgb
+    given = f"of {s.prompt_pixels:,} px" if s.prompt_pixels else "at the model's size (--prompt-size W H: as given)"
+    p.host_lines.append(("prompt images", groups * (patches + original), f"{groups:g} groups x "
+                         f"({patches / 2**20:.1f} MiB fp32 patches + {original / 2**20:.2f} MiB RGB original "
+                         f"{given})"))  # fmt: skip
+    p.host_lines.append(("tool images", s.episodes * tools * (patches + rgb), f"{s.episodes} episodes x {tools} x "
+                         f"({patches / 2**20:.1f} MiB fp32 patches + {rgb / 2**20:.2f} MiB RGB view)"))  # fmt: skip
     batch = s.micro_batch * s.images * patches
     p.host_lines.append(("micro-batch patches", batch, f"collate's copy: {s.micro_batch} x {s.images} images"))
-    p.host += s.episodes * per_episode + batch
+    p.host += sum(value for _, value, _ in p.host_lines)
 
 
 def plan(shape: ModelShape, setup: Setup) -> MemoryPlan:
