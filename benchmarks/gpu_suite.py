@@ -257,6 +257,9 @@ def part_rollout(args, scale, ckpt: Path, out: Path) -> dict:
     return numbers
 
 
+ZOOM_IMAGE = (672, 504)  # the GRPO step's prompt images, as given (the episodes keep each one's original)
+
+
 def _zoom_rows(ckpt: Path, out: Path, n: int) -> Path:
     """Synthetic zoom rows in the checkpoint's frame (from its processor alone: no model load)."""
     from transformers import AutoProcessor
@@ -268,10 +271,10 @@ def _zoom_rows(ckpt: Path, out: Path, n: int) -> Path:
     frame = {"min_pixels": image.size["shortest_edge"], "max_pixels": image.size["longest_edge"],
              "factor": image.patch_size * image.merge_size}  # fmt: skip
     rows = out / "rows"
-    return write_rows(zoom_rows(rows, n, seed=0, size=(672, 504), **frame), rows / "train.jsonl")
+    return write_rows(zoom_rows(rows, n, seed=0, size=ZOOM_IMAGE, **frame), rows / "train.jsonl")
 
 
-def _plan_gib(config: Path, overrides: list[str], device: str) -> float:
+def _plan_gib(config: Path, overrides: list[str], device: str, prompt_size: tuple[int, int] | None = None) -> float:
     """``vagent memory``'s peak per rank for one process running ``config`` with ``overrides``."""
     import argparse as _argparse
 
@@ -282,7 +285,13 @@ def _plan_gib(config: Path, overrides: list[str], device: str) -> float:
     stage = config.parent.name
     cfg = load_config(CONFIGS[stage], config, overrides)
     args = _argparse.Namespace(
-        world_size=1, sharding=None, device=device, trained_fraction=0.5, images=None, image_tokens=None
+        world_size=1,
+        sharding=None,
+        device=device,
+        trained_fraction=0.5,
+        images=None,
+        image_tokens=None,
+        prompt_size=prompt_size,
     )
     return plan(model_shape(cfg, None), setup_from_config(cfg, args, stage)).peak / GiB
 
@@ -355,7 +364,10 @@ def _parameters(ckpt: Path) -> int:
 def _memory_and_mfu(args, params: int, tokens: float, seconds: float, config: Path, sizes: list[str]) -> dict:
     import torch
 
-    numbers: dict = {"params": params, "plan_peak_gib": _plan_gib(config, [*sizes, "data.train=x"], args.device)}
+    numbers: dict = {
+        "params": params,
+        "plan_peak_gib": _plan_gib(config, [*sizes, "data.train=x"], args.device, ZOOM_IMAGE),
+    }
     if args.device == "cuda":
         numbers["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         numbers["mfu"] = 6 * params * tokens / max(seconds, 1e-9) / (args.peak_tflops * 1e12)
