@@ -181,13 +181,17 @@ def test_the_grpo_host_plan_moves_the_right_way_and_prints_its_lines(capsys, mon
     assert shared.host < p.host and shared.peak == p.peak
     eight_k = plan(shape, replace(grpo, prompt_pixels=7680 * 4320))  # 16 groups, each keeping its 8K original
     assert eight_k.host - p.host == pytest.approx(16 * (7680 * 4320 - 1008 * 756) * 3)
+    # the export keeps every rollout round's RGB images, dropped groups' too (their patches are gone): 3 rounds
+    seen = plan(shape, replace(grpo, seen_episodes=192))
+    assert seen.host - p.host == pytest.approx((192 - 128) * 12 * rgb + (24 - 16) * rgb)  # 12 tool images each
     assert not plan(shape, replace(grpo, stage="sft")).host_lines
     monkeypatch.chdir(ROOT)
     done = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
                    "--image-tokens", 972, capsys=capsys)  # fmt: skip
-    # 8 prompts x 8 samples, twice while a dynamic-sampling refill round runs; max_images 6: 5 tool images
-    assert "16 groups x (17.4 MiB fp32 patches + 2.18 MiB RGB original at the model's size" in done.stdout
-    assert "128 episodes x 5 x (17.4 MiB fp32 patches + 2.18 MiB RGB view)" in done.stdout
+    # 8 prompts x 8 samples, twice while a dynamic-sampling refill round runs, three rounds' images for the export;
+    # max_images 6: 5 tool images
+    assert "16 groups x 17.4 MiB fp32 patches + 24 x 2.18 MiB RGB original at the model's size" in done.stdout
+    assert "5 per episode: 128 x 17.4 MiB fp32 patches + 192 x 2.18 MiB RGB view" in done.stdout
     assert "host per rank: " in done.stdout and _peak(done.stdout) > 0
 
 

@@ -121,7 +121,7 @@ def setup_from_config(cfg: SFTConfig | GRPOConfig | DPOConfig, args: argparse.Na
                  reference=("adapters" if lora else "copy") if cfg.grpo.kl_coef > 0 else None,
                  rollout_batch=cfg.grpo.rollout_batch_size, rollout_len=cfg.rollout.max_total_tokens,
                  kv_cache_gb=cfg.rollout.kv_cache_gb, group_size=cfg.grpo.group_size,
-                 episodes=_episodes(cfg.grpo),
+                 episodes=_episodes(cfg.grpo), seen_episodes=_seen_episodes(cfg.grpo),
                  prompt_pixels=args.prompt_size[0] * args.prompt_size[1] if args.prompt_size else 0)  # fmt: skip
 
 
@@ -132,6 +132,13 @@ def _episodes(algo: Any) -> int:
     refill)."""
     step = algo.prompts_per_step * algo.group_size
     return 2 * step if algo.dynamic_sampling and algo.max_refill_rounds else step
+
+
+def _seen_episodes(algo: Any) -> int:
+    """Episodes one GRPO step rolls out at most on a rank: a step's per round (a refill rolls out no more), the first
+    and ``max_refill_rounds`` more; their messages stay until the step's rollout export, dropped groups' too."""
+    step = algo.prompts_per_step * algo.group_size
+    return (1 + algo.max_refill_rounds) * step if algo.dynamic_sampling else step
 
 
 def run(args: argparse.Namespace) -> int:

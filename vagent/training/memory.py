@@ -172,6 +172,9 @@ class Setup:
     group_size: int = 1  # GRPO: samples per prompt (they share the prompt image's patches)
     episodes: int = 0  # GRPO: episodes a step holds at most on a rank (their images are on the host until its end)
     prompt_pixels: int = 0  # GRPO: pixels of a prompt image as given (the messages keep it); 0 = at the model's size
+    # GRPO: episodes whose messages (with their RGB images) a step keeps for its rollout export: every rollout round's,
+    # dropped groups' too, whose patches are gone; 0 = ``episodes``
+    seen_episodes: int = 0
 
 
 @dataclass
@@ -353,16 +356,19 @@ def image_bytes(shape: ModelShape, image_tokens: int) -> tuple[int, int]:
 
 def _host(shape: ModelShape, s: Setup, p: MemoryPlan) -> None:
     """GRPO's host memory: every image of the step's episodes once (a prompt image once per group, with its
-    original), then one micro-batch's patches as ``collate`` concatenates them."""
+    original), the RGB images of every episode the step rolled out (the export's), then one micro-batch's patches
+    as ``collate`` concatenates them."""
     patches, rgb = image_bytes(shape, s.image_tokens)
-    groups, tools = s.episodes / s.group_size, max(s.images - 1, 0)
+    seen = s.seen_episodes or s.episodes
+    groups, seen_groups, tools = s.episodes / s.group_size, seen / s.group_size, max(s.images - 1, 0)
     original = 3 * s.prompt_pixels if s.prompt_pixels else rgb
     given = f"of {s.prompt_pixels:,} px" if s.prompt_pixels else "at the model's size (--prompt-size W H: as given)"
-    p.host_lines.append(("prompt images", groups * (patches + original), f"{groups:g} groups x "
-                         f"({patches / 2**20:.1f} MiB fp32 patches + {original / 2**20:.2f} MiB RGB original "
-                         f"{given})"))  # fmt: skip
-    p.host_lines.append(("tool images", s.episodes * tools * (patches + rgb), f"{s.episodes} episodes x {tools} x "
-                         f"({patches / 2**20:.1f} MiB fp32 patches + {rgb / 2**20:.2f} MiB RGB view)"))  # fmt: skip
+    p.host_lines.append(("prompt images", groups * patches + seen_groups * original, f"{groups:g} groups x "
+                         f"{patches / 2**20:.1f} MiB fp32 patches + {seen_groups:g} x {original / 2**20:.2f} MiB RGB "
+                         f"original {given}"))  # fmt: skip
+    p.host_lines.append(("tool images", tools * (s.episodes * patches + seen * rgb), f"{tools} per episode: "
+                         f"{s.episodes} x {patches / 2**20:.1f} MiB fp32 patches + {seen} x {rgb / 2**20:.2f} MiB "
+                         f"RGB view"))  # fmt: skip
     batch = s.micro_batch * s.images * patches
     p.host_lines.append(("micro-batch patches", batch, f"collate's copy: {s.micro_batch} x {s.images} images"))
     p.host += sum(value for _, value, _ in p.host_lines)
