@@ -74,17 +74,25 @@ def balanced(rows: Sequence[Row]) -> tuple[list[Row], int]:
 
 
 def position_report(rows: Sequence[Row]) -> list[str]:
-    """Lines to print after a conversion: the share of pairwise rows labelled 1, and a warning when it lies outside
-    ``BALANCED``."""
-    labels = [row.judgment.preferred for row in rows if row.judgment is not None and row.judgment.kind == "pairwise"]
-    if not labels:
-        return []
-    share = sum(p == 1 for p in labels) / len(labels)
-    lines = [f"preferred == 1 in {share:.1%} of {len(labels)} pairwise rows"]
-    if not BALANCED[0] <= share <= BALANCED[1]:
-        lines.append(f"warning: {share:.1%} of the labels name position 1, outside [{BALANCED[0]:.0%}, "
-                     f"{BALANCED[1]:.0%}]: a judge trained on these rows can learn the position instead of the "
-                     "judgment; --balance shows about half of them the other way round")  # fmt: skip
+    """Lines to print after a conversion: the share of pairwise rows labelled 1, and of those with a gold judgment
+    (what SFT trains on: ``balanced`` swaps only rows it can drop the gold of, so its SFT share stays the source's),
+    each with a warning when it lies outside ``BALANCED``."""
+    pairwise = [row for row in rows if row.judgment is not None and row.judgment.kind == "pairwise"]
+    lines = []
+    for label, group, fix in (
+        ("pairwise rows", pairwise, "--balance shows about half of them the other way round"),
+        ("pairwise rows with a gold judgment (the SFT set)", [r for r in pairwise if r.messages is not None],
+         "--balance cannot fix these (a swapped row drops its gold, which names positions): drop or regenerate "
+         "the gold of the majority position, or train on rows without it (distill a teacher's judgments)"),
+    ):  # fmt: skip
+        if not group:
+            continue
+        share = sum(row.judgment.preferred == 1 for row in group) / len(group)
+        lines.append(f"preferred == 1 in {share:.1%} of {len(group)} {label}")
+        if not BALANCED[0] <= share <= BALANCED[1]:
+            lines.append(f"warning: {share:.1%} of the labels name position 1, outside [{BALANCED[0]:.0%}, "
+                         f"{BALANCED[1]:.0%}]: a judge trained on these rows can learn the position instead of "
+                         f"the judgment; {fix}")  # fmt: skip
     return lines
 
 

@@ -4,6 +4,7 @@ malformed and position-swapped verdicts, the converters, the accuracy filter, an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -247,7 +248,10 @@ def test_balance_swaps_about_half_of_a_chosen_rejected_dump_and_warns_when_it_is
     assert "preferred == 1 in 100.0% of 40 pairwise rows\nwarning:" in capsys.readouterr().out
     assert pairs.main(["--data", str(data), "--out", str(tmp_path / "balanced"), "--balance"]) == 0
     out = capsys.readouterr().out
-    assert "warning" not in out
+    # the rows are balanced; the gold CoTs SFT trains on are not (a swapped row drops its own), and it says so
+    warnings = [line for line in out.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and "--balance cannot fix these" in warnings[0]
+    assert "of 40 pairwise rows\npreferred == 1 in 100.0% of" in out
     rows = load_rows(tmp_path / "balanced" / "rows.jsonl")  # valid rows: each prompt its rendered judgment
     flipped = [r for r in rows if r.judgment.preferred == 2]
     assert 0.4 <= 1 - len(flipped) / len(rows) <= 0.6 and f"swapped {len(flipped)} of 40" in out
@@ -265,6 +269,17 @@ def test_a_position_report_warns_outside_its_band():
     assert position_report(rows(5, 10)) == ["preferred == 1 in 50.0% of 10 pairwise rows"]
     assert position_report(rows(3, 10))[1].startswith("warning: 30.0% of the labels name position 1")
     assert position_report([]) == []
+    # rows with a gold judgment are reported apart: balancing swaps rows without theirs, so their share stays skewed
+    gold = [dataclasses.replace(r, messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+            for r in rows(10, 10)]  # fmt: skip
+    shown, swapped_n = balanced(gold)
+    assert 0 < swapped_n < 10 and all((r.messages is None) == (r.judgment.preferred == 2) for r in shown)
+    report = position_report(shown)
+    assert report[0] == f"preferred == 1 in {(10 - swapped_n) * 10:.1f}% of 10 pairwise rows"
+    assert (
+        report[-2] == f"preferred == 1 in 100.0% of {10 - swapped_n} pairwise rows with a gold judgment (the SFT set)"
+    )
+    assert report[-1].startswith("warning: 100.0%") and "--balance cannot fix these" in report[-1]
 
 
 # -- the accuracy filter and the teacher ----------------------------------------------------------------------------

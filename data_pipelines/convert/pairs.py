@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--template", help="Text file: the judge prompt template (default: vagent's).")
     parser.add_argument("--out", required=True, help="Output dir: rows.jsonl.")
     parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
-                        "(chosen by a hash of the row id; a swapped row drops its cot, which names positions).")  # fmt: skip
+                        "(chosen by a hash of the row id; a swapped row drops its cot, which names positions, "
+                        "so the SFT set keeps the source's positions).")  # fmt: skip
     args = parser.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     template = Path(args.template).read_text(encoding="utf-8") if args.template else None

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-root", help="The dataset's image_folder (default: the data file's folder).")
     parser.add_argument("--out", required=True, help="Output dir: rows.jsonl (and images/ for inline bytes).")
     parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
-                        "(chosen by a hash of the row id; a swapped row drops its gold judgment, which names positions).")  # fmt: skip
+                        "(chosen by a hash of the row id; a swapped row drops its gold judgment, which names positions, "
+                        "so the SFT set keeps the source's positions).")  # fmt: skip
     args = parser.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     rows, skipped = convert(

@@ -284,10 +284,15 @@ def encode_messages(
 
 def _forced(processor: Any, text: str, source: Sequence[Message], min_pixels: int, max_pixels: int,
             factor: int) -> tuple[torch.Tensor, list[ImagePatches]]:  # fmt: skip
-    """A masked segment's ids and its images' patches: those its image parts carry when every one does, else the
-    processor's on the images resized as the policy saw them."""
+    """A masked segment's ids and its images' patches: those its image parts carry when every one does, else (none
+    does: a trajectory read back from disk, or sent to this rank without its patches) the processor's on the images
+    resized as the policy saw them. Some but not all is a bug upstream, never re-encoded quietly."""
     parts = [part for m in source for part in m.content if part.type == "image"]
-    if parts and all(part.patches is not None for part in parts):
+    carried = sum(part.patches is not None for part in parts)
+    if 0 < carried < len(parts):
+        raise ValueError(f"{carried} of a segment's {len(parts)} image parts carry patches: either all or none do "
+                         "(the engine attaches them per segment)")  # fmt: skip
+    if parts and carried == len(parts):
         _check_grids(parts, processor, min_pixels, max_pixels, factor)
         shown = [part.patches for part in parts]
         return _ids_with_patches(processor, text, shown), shown
