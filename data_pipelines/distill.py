@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vagent.data import Row, load_rows, write_rows
-from vagent.rewards import combine
+from vagent.rewards import check_rewards, combine
 from vagent.types import Trajectory
 
 __all__ = ["add_rollout_arguments", "distill_rows", "reward_options", "roll_out", "trajectory_messages"]
@@ -114,7 +114,14 @@ def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], lis
     from vagent.toolbox import TOOLS
 
     weights = {k: float(v) for k, v in (item.split("=") for item in args.rewards.split(","))}
-    options = reward_options(args.reward_options)  # before the model loads: a typo fails at once
+    options = reward_options(args.reward_options)  # checked before the model loads: a typo fails at once
+    unweighted = sorted(set(options) - set(weights))
+    if unweighted:  # combine reads the options of weighted rewards only: a misspelt name would be ignored
+        raise SystemExit(f"--reward-options names {unweighted}, not in --rewards {sorted(weights)}")
+    try:
+        check_rewards(weights, options)
+    except (KeyError, TypeError) as e:
+        raise SystemExit(f"--rewards/--reward-options: {e.args[0]}") from None
     rows = load_rows(args.data, known_tools=TOOLS)
     tools = [] if args.tools == "none" else args.tools.split(",")
     policy = load_policy(args.model)

@@ -60,3 +60,17 @@ def test_eval_cli_with_judge(fake, tmp_path, tiny_qwen25):  # noqa: F811
     assert {"f1", "em", "judged_accuracy", "judge_failures"} <= set(metrics) and metrics["judge_model"] == "judge-model"
     assert all("judged" in s and "judge" in s for s in read_samples(out / "samples.jsonl"))
     assert (out / "trajectories.html").is_file()
+
+
+def test_the_judge_sees_a_choice_rows_options_as_the_policy_did(fake, tmp_path):  # noqa: F811
+    from vagent.data import Row
+
+    server, url = fake
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "samples.jsonl").write_text(json.dumps({"id": "c", "sample": 0, "prediction": "B", "gold": ["A"]}) + "\n")
+    (out / "metrics.json").write_text(json.dumps({"n": 1, "samples": 1, "benchmark": "vstar"}))
+    server.script = [(200, "Judgement: 0", 0)]
+    judge_run(out, [Row("c", "What color is the cup?", "A", "choice", choices=["red", "blue"])],
+              JudgeClient(url, "judge", concurrency=1))  # fmt: skip
+    assert "[Question]: What color is the cup?\nA. red\nB. blue" in server.seen[0]["messages"][0]["content"][-1]["text"]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from vagent.config import ConfigError
 from vagent.data import Evidence, Row
-from vagent.rewards import REWARDS, combine
+from vagent.rewards import REWARDS, check_rewards, combine
 from vagent.rewards.answer import answer_score, choice_match, f1_em, number_match, token_f1
 from vagent.types import Frame, ToolResult, Trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The policy saw a 448x336 frame of an 896x672 original: model boxes are half the original's.
 FRAMES = [Frame((896, 672), (448, 336), "absolute")]
@@ -126,3 +131,25 @@ def test_combine_weights_components_and_rejects_unknown_names():
     assert totals == pytest.approx([1.7, 0.2])
     with pytest.raises(KeyError, match="containment"):
         combine(trajs, r, {"containment": 1.0})
+
+
+def test_reward_options_are_checked_before_any_rollout(tmp_path):
+    """A keyword a weighted reward does not take fails at once, naming the ones it does (GRPO's config check and
+    distill's --reward-options, before the model loads); options of an unweighted reward are not read by combine, so
+    GRPO leaves them (a config's defaults) and distill's flag, which has none, refuses them."""
+    from data_pipelines import distill
+    from vagent.config import GRPOConfig, load_config
+    from vagent.recipes import grpo
+
+    check_rewards({"overlong": 1.0}, {"overlong": {"max_tokens": 10, "buffer": 2}, "judgment": {"x": 1}})
+    with pytest.raises(TypeError, match="'max_token'.*it takes \\['max_tokens', 'buffer'\\]"):
+        check_rewards({"overlong": 1.0}, {"overlong": {"max_token": 10}})
+    config = ROOT / "configs" / "grpo" / "qwen2_5_vl_tiny_cpu.yaml"
+    cfg = load_config(GRPOConfig, config, [f"out_dir={tmp_path}", "rewards.options={overlong: {max_token: 10}}"])
+    with pytest.raises(ConfigError, match="options of reward 'overlong'"):
+        grpo.train(cfg)
+    common = ["--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="names \\['judgement'\\], not in --rewards \\['judgment'\\]"):
+        distill.main([*common, "--rewards", "judgment=1.0", "--reward-options", "judgement.format_weight=0"])
+    with pytest.raises(SystemExit, match="options of reward 'judgment'"):
+        distill.main([*common, "--rewards", "judgment=1.0", "--reward-options", "judgment.format_weigth=0"])

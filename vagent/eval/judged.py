@@ -17,6 +17,7 @@ from typing import Any
 from vagent.data import Row
 from vagent.eval.runner import read_samples, write_table
 from vagent.judge import TEMPLATES, JudgeClient, Verdict, judge_messages, parse_verdict
+from vagent.rollout import Task
 from vagent.rollout.export import read_jsonl, write_html
 
 __all__ = ["judge_run"]
@@ -35,7 +36,8 @@ def judge_run(out_dir: Path, rows: Sequence[Row], client: JudgeClient, *, mode: 
     samples = read_samples(out_dir / "samples.jsonl")
     by_id = {row.id: row for row in rows}
     asks = [s for s in samples if s.get("prediction") and s["id"] in by_id]
-    requests = [judge_messages(template or TEMPLATES[mode], {"question": by_id[s["id"]].question,
+    # the question as the policy was asked it (a choice row's options listed): what its prediction answers
+    requests = [judge_messages(template or TEMPLATES[mode], {"question": Task.from_row(by_id[s["id"]], []).question,
                                                              "gold": " / ".join(str(g) for g in s["gold"]),
                                                              "answer": s["prediction"]}) for s in asks]  # fmt: skip
     replies = client.complete_many(requests, max_tokens=max_tokens)

@@ -101,9 +101,8 @@ def parse_verdict(text: str, mode: str) -> Verdict:
         raise ValueError(f"unknown judge mode {mode!r}; known: {MODES}")
     text = text or ""
     think = _THINK.search(text)
-    lower = text.lower()
-    said = (text[lower.rindex("</think>") + len("</think>") :] if "</think>" in lower
-            else "" if "<think>" in lower else text)  # fmt: skip
+    closes = list(re.finditer(r"</think>", text, re.I))  # on text itself: str.lower() can change its length
+    said = text[closes[-1].end() :] if closes else "" if re.search(r"<think>", text, re.I) else text
     if mode == "pairwise":
         block = _ANSWER.search(text)
         verdicts = {m.group(1) for m in _BETTER.finditer(block.group(1) if block else said)}

@@ -85,7 +85,7 @@ from vagent.recipes.common import (
     uses_bf16,
 )
 from vagent.recipes.judged import JudgedRewards
-from vagent.rewards import REWARDS
+from vagent.rewards import REWARDS, check_rewards
 from vagent.rollout import HFBackend, RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
 from vagent.toolbox import TOOLS, ToolServices
@@ -116,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: GRPOConfig, before_step: Callable[[int, int], None] | None = None) -> Path:
     """Run GRPO; returns the final HF model dir (``out_dir/model``). ``before_step(step, total_steps)``, if given, runs
     before each step's rollouts (the quickstart hands CPU threads over with it)."""
-    unknown = sorted(set(cfg.rewards.weights) - set(REWARDS))
-    if unknown:
-        raise ConfigError(f"rewards.weights names unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+    try:  # before any process starts: a misspelt reward or option would fail only after the first rollout
+        check_rewards(cfg.rewards.weights, cfg.rewards.options)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"rewards: {e.args[0]}") from None
     env = init_distributed(cfg.model.device)
     try:
         return _train(cfg, env, Path(cfg.out_dir), before_step)

@@ -26,6 +26,7 @@ while IoU stayed 0.005 and accuracy fell). IoU is high only for a tight crop aro
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from vagent.rewards.judged import judge, pairwise_win_rates, tool_star
 from vagent.rewards.judgment import judgment
 from vagent.types import Trajectory
 
-__all__ = ["REWARDS", "RewardRow", "accuracy", "combine", "pairwise_win_rates", "predicted_box"]
+__all__ = ["REWARDS", "RewardRow", "accuracy", "check_rewards", "combine", "pairwise_win_rates", "predicted_box"]
 
 LOOK_TOOLS = ("crop", "zoom_in")
 VIDEO_TOOLS = ("sample_frames", "crop_clip")
@@ -178,6 +179,28 @@ REWARDS: dict[str, Callable[..., list[float]]] = {
 }
 
 
+def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Fail before any rollout on what ``combine`` would fail on after one: a weight naming no reward, or an option
+    that is not a keyword of its (weighted) reward. Options of rewards without a weight are not read.
+
+    Raises:
+        KeyError: an unknown reward name (with the known names).
+        TypeError: a keyword the reward does not take (with the ones it does).
+    """
+    unknown = sorted(set(weights) - set(REWARDS))
+    if unknown:
+        raise KeyError(f"unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+    for name, kwargs in (options or {}).items():
+        if name not in weights:
+            continue
+        signature = inspect.signature(REWARDS[name])
+        try:
+            signature.bind_partial(None, None, **kwargs)  # (trajectories, rows, **options)
+        except TypeError as e:
+            keywords = [p for p in list(signature.parameters)[2:]]
+            raise TypeError(f"options of reward {name!r}: {e}; it takes {keywords}") from None
+
+
 def combine(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow], weights: Mapping[str, float],
             options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[list[float], dict[str, list[float]]]:  # fmt: skip
     """Weighted sum of the named rewards. Returns (totals, {name: per-trajectory values}) so each component
@@ -186,9 +209,7 @@ def combine(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow], weigh
     Raises:
         KeyError: a weight names no reward in REWARDS (with the known names).
     """
-    unknown = sorted(set(weights) - set(REWARDS))
-    if unknown:
-        raise KeyError(f"unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+    check_rewards(weights, options)
     options = options or {}
     components = {name: REWARDS[name](trajectories, rows, **options.get(name, {})) for name in weights}
     totals = [sum(weights[name] * components[name][i] for name in weights) for i in range(len(trajectories))]
