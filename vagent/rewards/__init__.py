@@ -197,8 +197,7 @@ def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping[st
         try:
             signature.bind_partial(None, None, **kwargs)  # (trajectories, rows, **options)
         except TypeError as e:
-            keywords = [p for p in list(signature.parameters)[2:]]
-            raise TypeError(f"options of reward {name!r}: {e}; it takes {keywords}") from None
+            raise TypeError(f"options of reward {name!r}: {e}; it takes {list(signature.parameters)[2:]}") from None
 
 
 def combine(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow], weights: Mapping[str, float],
