@@ -28,14 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,6 +54,7 @@ from vagent.config import (
     load_config,
     option,
 )
+from vagent.serve.launch import start_server, stop_server
 
 __all__ = ["TOY_TEMPLATE", "JudgeQuickstartConfig", "main", "toy_teacher_reply"]
 
@@ -317,7 +314,15 @@ def _closed_loop(cfg: JudgeQuickstartConfig, out: Path, base: Path, judge: Path,
     write_rows(gold, out / "data" / "questions-sft.jsonl")
     policy = sft.train(_sft_config(cfg, out / "policy-sft", base, out / "data" / "questions-sft.jsonl",
                                    cfg.policy_sft_steps))  # fmt: skip
-    process, url = _serve(judge, out / "serve.log", cfg.threads)
+    process, url = start_server(
+        judge,
+        "--served-model-name",
+        "judge",
+        "--threads",
+        str(cfg.threads or 1),
+        log=out / "serve.log",
+        timeout_s=300.0,
+    )
     try:
         run_dir = out / "policy-grpo"
         policy_cfg = check_config(GRPOConfig(
@@ -335,42 +340,10 @@ def _closed_loop(cfg: JudgeQuickstartConfig, out: Path, base: Path, judge: Path,
         ))  # fmt: skip
         grpo.train(policy_cfg)
     finally:
-        _stop(process)
+        stop_server(process)
     records = read_metrics(run_dir / "metrics.jsonl")
     return {"steps": [{"step": r["step"], "reward/judge": r["reward/judge"],
                        "reward/judge_failures": r["reward/judge_failures"]} for r in records]}  # fmt: skip
-
-
-def _serve(model: Path, log: Path, threads: int | None, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """``vagent serve --model model`` on a free local port; (the process, its ``/v1`` URL) once ``/health`` answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "vagent.cli", "serve", "--model", str(model), "--port", str(port),
-               "--served-model-name", "judge", "--threads", str(threads or 1)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vagent serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return process, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(0.5)
-    _stop(process)
-    raise RuntimeError(f"vagent serve did not answer within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _report(cfg: JudgeQuickstartConfig, out: Path, evals: dict[str, dict[str, Any]], stages: dict[str, Any],
