@@ -28,7 +28,16 @@ from typing import Any
 from vagent.data import Judgment, Row, load_rows, write_rows
 from vagent.data.judgment import render, swapped_row, verdict_text
 
-__all__ = ["BALANCED", "balanced", "judgment_row", "position_report", "record_images", "teach"]
+__all__ = [
+    "BALANCED",
+    "add_balance_argument",
+    "balanced",
+    "judgment_row",
+    "position_report",
+    "record_images",
+    "teach",
+    "write_converted",
+]
 
 BALANCED = (0.4, 0.6)  # shares of rows labelled 1 that position_report accepts without a warning
 
@@ -94,6 +103,29 @@ def position_report(rows: Sequence[Row]) -> list[str]:
                          f"{BALANCED[1]:.0%}]: a judge trained on these rows can learn the position instead of "
                          f"the judgment; {fix}")  # fmt: skip
     return lines
+
+
+def add_balance_argument(parser: argparse.ArgumentParser, gold: str) -> None:
+    """``--balance`` of a judgment converter whose rows carry their gold judgment as ``gold``."""
+    parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
+                        f"(chosen by a hash of the row id; a swapped row drops its {gold}, which names positions, "
+                        "so the SFT set keeps the source's positions).")  # fmt: skip
+
+
+def write_converted(rows: list[Row], skipped: Sequence[str], data: Path, out: Path, balance: bool) -> int:
+    """A judgment converter's ending: say what was skipped, balance (``--balance``), print the position report,
+    write ``out/rows.jsonl``. Raises SystemExit when no record converted."""
+    for why in skipped:
+        print(f"skipped {why}")
+    if not rows:
+        raise SystemExit(f"no record of {data} could be converted")
+    if balance:
+        rows, n = balanced(rows)
+        print(f"--balance: swapped {n} of {len(rows)} rows")
+    for line in position_report(rows):
+        print(line)
+    print(f"wrote {len(rows)} rows to {write_rows(rows, out / 'rows.jsonl')}")
+    return 0
 
 
 def teach(rows: Sequence[Row], client, *, samples: int = 1, temperature: float = 0.0, max_tokens: int = 1024

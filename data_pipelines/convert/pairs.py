@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.convert.deepeyes import image_path, read_records
-from data_pipelines.judgments import balanced, judgment_row, position_report, record_images
-from vagent.data import Judgment, Row, write_rows
+from data_pipelines.judgments import add_balance_argument, judgment_row, record_images, write_converted
+from vagent.data import Judgment, Row
 
 __all__ = ["convert", "convert_record"]
 
@@ -95,25 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-root", help="Folder image paths are relative to (default: the data file's).")
     parser.add_argument("--template", help="Text file: the judge prompt template (default: vagent's).")
     parser.add_argument("--out", required=True, help="Output dir: rows.jsonl.")
-    parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
-                        "(chosen by a hash of the row id; a swapped row drops its cot, which names positions, "
-                        "so the SFT set keeps the source's positions).")  # fmt: skip
+    add_balance_argument(parser, "cot")
     args = parser.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     template = Path(args.template).read_text(encoding="utf-8") if args.template else None
     rows, skipped = convert(read_records(data), Path(args.image_root) if args.image_root else data.parent,
                             out / "images", template)  # fmt: skip
-    for why in skipped:
-        print(f"skipped {why}")
-    if not rows:
-        raise SystemExit(f"no record of {data} could be converted")
-    if args.balance:
-        rows, n = balanced(rows)
-        print(f"--balance: swapped {n} of {len(rows)} rows")
-    for line in position_report(rows):
-        print(line)
-    print(f"wrote {len(rows)} rows to {write_rows(rows, out / 'rows.jsonl')}")
-    return 0
+    return write_converted(rows, skipped, data, out, args.balance)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.convert.deepeyes import image_path, read_records
-from data_pipelines.judgments import balanced, judgment_row, position_report, record_images
-from vagent.data import Judgment, Row, write_rows
+from data_pipelines.judgments import add_balance_argument, judgment_row, record_images, write_converted
+from vagent.data import Judgment, Row
 from vagent.rewards.judgment import read_verdict
 
 __all__ = ["convert", "convert_record"]
@@ -114,25 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="UnifiedReward-Think records (.json list, .jsonl, .parquet).")
     parser.add_argument("--image-root", help="The dataset's image_folder (default: the data file's folder).")
     parser.add_argument("--out", required=True, help="Output dir: rows.jsonl (and images/ for inline bytes).")
-    parser.add_argument("--balance", action="store_true", help="Show about half of the pairs the other way round "
-                        "(chosen by a hash of the row id; a swapped row drops its gold judgment, which names positions, "
-                        "so the SFT set keeps the source's positions).")  # fmt: skip
+    add_balance_argument(parser, "gold judgment")
     args = parser.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     rows, skipped = convert(
         read_records(data), Path(args.image_root) if args.image_root else data.parent, out / "images"
     )
-    for why in skipped:
-        print(f"skipped {why}")
-    if not rows:
-        raise SystemExit(f"no record of {data} could be converted")
-    if args.balance:
-        rows, n = balanced(rows)
-        print(f"--balance: swapped {n} of {len(rows)} rows")
-    for line in position_report(rows):
-        print(line)
-    print(f"wrote {len(rows)} rows to {write_rows(rows, out / 'rows.jsonl')}")
-    return 0
+    return write_converted(rows, skipped, data, out, args.balance)
 
 
 if __name__ == "__main__":
