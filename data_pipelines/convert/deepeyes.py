@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,15 +105,22 @@ def convert_record(record: dict[str, Any], index: int, image_root: Path, out_ima
                messages=messages, extra={"env_name": record.get("env_name")})  # fmt: skip
 
 
-def convert(records: list[dict[str, Any]], image_root: Path, out_images: Path) -> tuple[list[Row], list[str]]:
-    """Rows and the reasons records were skipped."""
+def convert_each(records: list[dict[str, Any]], convert_record: Callable[..., Row], *args: Any
+                 ) -> tuple[list[Row], list[str]]:  # fmt: skip
+    """``convert_record(record, index, *args)`` of every record: the rows, and why the others were skipped (a
+    record's KeyError, ValueError, TypeError or StopIteration skips it, naming it)."""
     rows, skipped = [], []
     for i, record in enumerate(records):
         try:
-            rows.append(convert_record(record, i, image_root, out_images))
+            rows.append(convert_record(record, i, *args))
         except (KeyError, ValueError, TypeError, StopIteration) as e:
             skipped.append(f"record {i}: {type(e).__name__}: {e}")
     return rows, skipped
+
+
+def convert(records: list[dict[str, Any]], image_root: Path, out_images: Path) -> tuple[list[Row], list[str]]:
+    """Rows and the reasons records were skipped."""
+    return convert_each(records, convert_record, image_root, out_images)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from data_pipelines.convert.deepeyes import image_path, read_records
+from data_pipelines.convert.deepeyes import convert_each, image_path, read_records
 from data_pipelines.judgments import add_balance_argument, judgment_row, record_images, write_converted
 from vagent.data import Judgment, Row
 from vagent.rewards.judgment import read_verdict
@@ -100,13 +100,7 @@ def convert_record(record: dict[str, Any], index: int, image_root: Path, out_ima
 
 def convert(records: list[dict[str, Any]], image_root: Path, out_images: Path) -> tuple[list[Row], list[str]]:
     """Rows and the reasons records were skipped."""
-    rows, skipped = [], []
-    for i, record in enumerate(records):
-        try:
-            rows.append(convert_record(record, i, image_root, out_images))
-        except (KeyError, ValueError, TypeError, StopIteration) as e:
-            skipped.append(f"record {i}: {type(e).__name__}: {e}")
-    return rows, skipped
+    return convert_each(records, convert_record, image_root, out_images)
 
 
 def main(argv: list[str] | None = None) -> int:
