@@ -1,4 +1,5 @@
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -428,6 +429,21 @@ def _timed_tool(monkeypatch):
     monkeypatch.setitem(toolbox.TOOLS, "wait", tool)
 
 
+def _hanging_tool(monkeypatch) -> threading.Event:
+    """A test tool ``hang``: its calls hang until the returned event is set (at most 60 s)."""
+    import types
+
+    from vagent import toolbox
+    from vagent.types import Observation
+
+    release = threading.Event()
+    hang = types.ModuleType("hang")
+    hang.NAME, hang.call = "hang", lambda arguments, context: release.wait(60) and Observation(text="late")
+    hang.SCHEMA = {"name": "hang", "description": "hangs", "parameters": {"type": "object", "properties": {}}}
+    monkeypatch.setitem(toolbox.TOOLS, "hang", hang)
+    return release
+
+
 def _wait(seconds: float, shade: int) -> str:
     return f'<tool_call>{{"name": "wait", "arguments": {{"seconds": {seconds}, "shade": {shade}}}}}</tool_call>'
 
@@ -465,18 +481,8 @@ def test_the_calls_of_one_turn_run_concurrently_and_come_back_in_call_order(poli
 def test_a_hanging_call_times_out_alone_its_turns_other_calls_keep_their_results(policy, monkeypatch, workers):
     """A turn with a hung call and a quick one: the hung one times out and the quick one keeps its result, also with
     one worker, where the quick call waits behind the hung one and runs on the thread that takes its place."""
-    import threading
-    import types
-
-    from vagent import toolbox
-    from vagent.types import Observation
-
     _timed_tool(monkeypatch)
-    release = threading.Event()
-    hang = types.ModuleType("hang")
-    hang.NAME, hang.call = "hang", lambda arguments, context: release.wait(60) and Observation(text="late")
-    hang.SCHEMA = {"name": "hang", "description": "hangs", "parameters": {"type": "object", "properties": {}}}
-    monkeypatch.setitem(toolbox.TOOLS, "hang", hang)
+    release = _hanging_tool(monkeypatch)
     turn = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>' + _wait(0, 40)
     task = Task(
         id="t", question="Q?", images=[IMAGE], tools=["hang", "wait"], scripted_turns=[turn, "<answer>a</answer>"]
@@ -598,18 +604,8 @@ def test_a_hung_call_gives_up_its_worker_so_queued_calls_still_run(policy, monke
     """One worker: a row's call hangs and another row's call waits behind it. The hung call is abandoned at its
     timeout and a new thread takes its place, so the queued call runs (and is no timeout) while the hung thread
     still hangs."""
-    import threading
-    import types
-
-    from vagent import toolbox
-    from vagent.types import Observation
-
     _timed_tool(monkeypatch)
-    release = threading.Event()
-    hang = types.ModuleType("hang")
-    hang.NAME, hang.call = "hang", lambda arguments, context: release.wait(60) and Observation(text="late")
-    hang.SCHEMA = {"name": "hang", "description": "hangs", "parameters": {"type": "object", "properties": {}}}
-    monkeypatch.setitem(toolbox.TOOLS, "hang", hang)
+    release = _hanging_tool(monkeypatch)
     stuck = Task(id="stuck", question="Q?", images=[IMAGE], tools=["hang"],
                  scripted_turns=['<tool_call>{"name": "hang", "arguments": {}}</tool_call>', "<answer>a</answer>"])  # fmt: skip
     behind = Task(id="behind", question="Q?", images=[IMAGE], tools=["wait"],
