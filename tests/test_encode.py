@@ -16,13 +16,7 @@ CALL = '<think>too small</think><tool_call>{"name": "crop", "arguments": {"bbox"
 def test_gold_conversation_trains_assistant_content_only(policy):
     image = Image.new("RGB", (300, 200), (10, 200, 30))
     crop = Image.new("RGB", (112, 112), (200, 10, 30))
-    messages = [
-        Message.text("system", "You answer."),
-        Message("user", [ContentPart("image", image=image), ContentPart("text", "What is it?")]),
-        Message.text("assistant", CALL),
-        Message("tool", [ContentPart("image", image=crop), ContentPart("text", "Image 1: cropped region.")]),
-        Message.text("assistant", "<answer>a square</answer>"),
-    ]
+    messages = _crop_conversation([ContentPart("image", image=image), ContentPart("text", "What is it?")], crop)
     min_pixels, max_pixels = policy.pixel_budget
     enc = encode_messages(messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
     tokenizer = policy.tokenizer
@@ -61,6 +55,18 @@ def test_an_assistant_turn_marked_untrained_is_context_only(policy):
     assert trained == "<answer>a square</answer><|im_end|>"
 
 
+def _crop_conversation(question: list[ContentPart], crop: Image.Image, label: int = 1,
+                       answer: str = "a square") -> list[Message]:  # fmt: skip
+    """System, the user's ``question``, a crop call, its ``crop`` output (labelled "Image ``label``"), the answer."""
+    return [
+        Message.text("system", "You answer."),
+        Message("user", question),
+        Message.text("assistant", CALL),
+        Message("tool", [ContentPart("image", image=crop), ContentPart("text", f"Image {label}: cropped region.")]),
+        Message.text("assistant", f"<answer>{answer}</answer>"),
+    ]
+
+
 def _without_patches(messages):
     """The same conversation with no part carrying patches: the encoder then runs the processor on every image."""
     return [dataclasses.replace(m, content=[dataclasses.replace(p, patches=None) for p in m.content]) for m in messages]
@@ -69,15 +75,9 @@ def _without_patches(messages):
 def test_patches_carried_by_their_parts_encode_like_the_processor_and_a_wrong_grid_is_an_error(policy):
     """Each image part carries the patches made from it (``attach_patches`` on the segment that showed it): the
     encoder takes them by reference and gives the processor's ids and pixels; patches of another image size are
-    refused rather than trained on, and a segment whose images do not all carry theirs is run through the processor."""
+    refused rather than trained on, and a segment whose images carry none is run through the processor."""
     image, crop = Image.new("RGB", (300, 200), (10, 200, 30)), Image.new("RGB", (112, 112), (200, 10, 30))
-    messages = [
-        Message.text("system", "You answer."),
-        Message("user", [ContentPart("image", image=image), ContentPart("text", "What is it?")]),
-        Message.text("assistant", CALL),
-        Message("tool", [ContentPart("image", image=crop), ContentPart("text", "Image 1: cropped region.")]),
-        Message.text("assistant", "<answer>a square</answer>"),
-    ]
+    messages = _crop_conversation([ContentPart("image", image=image), ContentPart("text", "What is it?")], crop)
     budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True))
     made = image_patches(encode_prompt(policy.processor, messages[:2], [policy.model_view(image)]))
     attach_patches(messages[:2], made)
@@ -114,13 +114,7 @@ def test_images_of_one_size_each_encode_from_their_own_parts_patches(policy):
     colours = [(200, 10, 30), (10, 200, 30), (10, 30, 200)]
     red, green, blue = (Image.new("RGB", (112, 112), c) for c in colours)
     question = [ContentPart("image", image=red), ContentPart("image", image=green), ContentPart("text", "Which?")]
-    messages = [
-        Message.text("system", "You answer."),
-        Message("user", question),
-        Message.text("assistant", CALL),
-        Message("tool", [ContentPart("image", image=blue), ContentPart("text", "Image 2: cropped region.")]),
-        Message.text("assistant", "<answer>the first</answer>"),
-    ]
+    messages = _crop_conversation(question, blue, label=2, answer="the first")
     budget = dict(zip(("min_pixels", "max_pixels"), policy.pixel_budget, strict=True))
     attach_patches(messages[:2], image_patches(encode_prompt(policy.processor, messages[:2], [red, green])))
     attach_patches(messages[3:4], image_patches(encode_message(policy.processor, messages[3], [blue])))
@@ -132,3 +126,6 @@ def test_images_of_one_size_each_encode_from_their_own_parts_patches(policy):
     assert not any(torch.equal(blocks[i], blocks[j]) for i, j in ((0, 1), (0, 2), (1, 2)))  # their pixels can
     assert carried.input_ids.tolist() == again.input_ids.tolist()
     assert all(torch.equal(a, b) for a, b in zip(carried.image_patches, again.image_patches, strict=True))
+    messages[1].content[1].patches = None  # one of the prompt segment's two images without its patches: a bug upstream
+    with pytest.raises(ValueError, match="1 of a segment's 2 image parts carry patches"):
+        encode_messages(messages, policy.processor, **budget)
