@@ -86,13 +86,16 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reward_options(text: str) -> dict[str, dict[str, Any]]:
     """``--reward-options`` as ``combine``'s options: ``"judgment.format_weight=0,x.k=v"`` -> ``{"judgment":
-    {"format_weight": 0}, "x": {"k": "v"}}`` (a value is read as JSON when it is JSON, else kept as a string).
+    {"format_weight": 0}, "x": {"k": "v"}}`` (a value is read as JSON when it is JSON, else kept as a string). Items
+    are split at the commas outside brackets and quotes, so a JSON list or object keeps its own.
 
     >>> reward_options("judgment.format_weight=0,judgment.tolerance=0.5")
     {'judgment': {'format_weight': 0, 'tolerance': 0.5}}
+    >>> reward_options('x.labels=["A", "B"],x.k=v')
+    {'x': {'labels': ['A', 'B'], 'k': 'v'}}
     """
     options: dict[str, dict[str, Any]] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in _top_level_items(text))):
         name, dot, rest = item.partition(".")
         key, eq, value = rest.partition("=")
         if not (name and dot and key and eq):
@@ -102,6 +105,22 @@ def reward_options(text: str) -> dict[str, dict[str, Any]]:
         except json.JSONDecodeError:
             options.setdefault(name, {})[key] = value
     return options
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``text`` split at its commas outside ``[]``, ``{}`` and double quotes."""
+    items, depth, quoted, start = [], 0, False, 0
+    for i, char in enumerate(text):
+        if char == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and char in "[{":
+            depth += 1
+        elif not quoted and char in "]}":
+            depth -= 1
+        elif not quoted and depth == 0 and char == ",":
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
 
 
 def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], list[float]]:

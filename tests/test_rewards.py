@@ -153,3 +153,17 @@ def test_reward_options_are_checked_before_any_rollout(tmp_path):
         distill.main([*common, "--rewards", "judgment=1.0", "--reward-options", "judgement.format_weight=0"])
     with pytest.raises(SystemExit, match="options of reward 'judgment'"):
         distill.main([*common, "--rewards", "judgment=1.0", "--reward-options", "judgment.format_weigth=0"])
+
+
+def test_reward_options_keep_the_commas_of_a_json_value():
+    """``--reward-options`` items end at a comma that starts the next ``name.key=``: a JSON list keeps its commas,
+    and a malformed item is named."""
+    from data_pipelines.distill import reward_options
+
+    assert reward_options('accuracy.choices=["A", "B", "C"], overlong.max_tokens=10,overlong.buffer=2') == {
+        "accuracy": {"choices": ["A", "B", "C"]},
+        "overlong": {"max_tokens": 10, "buffer": 2},
+    }
+    assert reward_options("judgment.format_weight=0") == {"judgment": {"format_weight": 0}}
+    with pytest.raises(SystemExit, match="'format_weight=0' is not name.key=value"):
+        reward_options("judgment.x=1,format_weight=0")
