@@ -5,14 +5,15 @@
 # and leaves results.json, the page and the logs in OUT.
 #
 #   bash benchmarks/gpu_wheels.sh .whl --deepspeed                    # here, once
-#   OUT=/tmp/gpu BUDGET_S=540 BENCH_COMMIT=<commit> bash benchmarks/gpu_suite.sh [PART ...]   # there
+#   OUT=/tmp/gpu BUDGET_S=520 BENCH_COMMIT=<commit> bash benchmarks/gpu_suite.sh [PART ...]   # there
 #
 # BENCH_COMMIT names the commit in the page's provenance where the tree was copied without its git history.
-# Environment: OUT (default /tmp/vagent-gpu), WHEELS (.whl), BUDGET_S (540), SUITE_DIR (/tmp/vagent-suite: results
-# of an earlier call there are kept and added to), CKPT (/tmp/vagent-ckpt: the 3B-shaped checkpoint, built once),
-# SUITE_ARGS (more flags for gpu_suite.py: "--device cpu --size tiny" tries this script on a CPU), PYTHON (python3).
+# Environment: OUT (default /tmp/vagent-gpu), WHEELS (.whl), BUDGET_S (520: with the install and the copy, it ends
+# inside a 600 s call), SUITE_DIR (/tmp/vagent-suite: results of an earlier call there are kept and added to),
+# CKPT (/tmp/vagent-ckpt: the 3B-shaped checkpoint, built once), SUITE_ARGS (more flags for gpu_suite.py:
+# "--device cpu --size tiny" tries this script on a CPU), PYTHON (python3).
 set -uo pipefail
-OUT=${OUT:-/tmp/vagent-gpu} WHEELS=${WHEELS:-.whl} BUDGET_S=${BUDGET_S:-540}
+OUT=${OUT:-/tmp/vagent-gpu} WHEELS=${WHEELS:-.whl} BUDGET_S=${BUDGET_S:-520}
 SUITE_DIR=${SUITE_DIR:-/tmp/vagent-suite} CKPT=${CKPT:-/tmp/vagent-ckpt}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$SUITE_DIR"
