@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from PIL import Image
 
@@ -111,3 +113,35 @@ def test_agent_mode_serves_a_larger_turn_budget_with_an_image_a_turn(policy):
     assert parser.parse_args(["--model", "m", "--tool-workers", "3"]).tool_workers == 3  # reaches the engine's pool:
     with TestClient(create_app(policy, ServerOptions(model_name="m", agent=True, tool_workers=3))) as http:
         assert http.app.state.scheduler.tool_workers == 3
+
+
+def test_a_request_picks_its_own_turn_budget_up_to_the_servers(policy):
+    """``max_turns`` in the body (vagent's extension, ``extra_body`` in the OpenAI client) sets an agent request's
+    budget, forced turns still adding to it; over the server's ``--max-turns``, or in plain mode, it is a 400."""
+    from fastapi.testclient import TestClient
+
+    from vagent.serve.app import ServerOptions, _agent_job, create_app
+    from vagent.serve.request import APIError, parse_chat_request
+
+    options = ServerOptions(model_name="m", agent=True, max_turns=4)
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 56, 56]}}</tool_call>'
+    image = Image.new("RGB", (112, 84), (200, 100, 50))
+
+    def limits(max_turns, forced=0):
+        body = {"model": "m", "messages": [_question(image)] + [{"role": "assistant", "content": crop}] * forced}
+        if max_turns is not None:
+            body["max_turns"] = max_turns
+        raw = json.dumps(body).encode()
+        request = parse_chat_request(raw, model_name="m", allowed_roots=[], max_image_pixels=10**7,
+                                     tools_in_prompt=False)  # fmt: skip
+        return _agent_job(request, options, sink=None).limits.max_turns
+
+    assert limits(None) == 4 and limits(2) == 2 and limits(1, forced=2) == 3  # forced turns add to a small budget
+    with pytest.raises(APIError, match="max_turns 5 is over this server's 4"):
+        limits(5)
+    with pytest.raises(APIError, match="must be an integer >= 1"):
+        limits(0)
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "max_turns": 2}
+    with TestClient(create_app(policy, ServerOptions(model_name="m"))) as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_turns"

@@ -180,6 +180,9 @@ def _encode(policy: Policy, header: list[int], request: ChatRequest) -> dict[str
 
 
 def _chat_job(policy: Policy, header: list[int], request: ChatRequest, options: ServerOptions, sink) -> Job:
+    if request.max_turns is not None:
+        raise APIError("max_turns is a turn budget of agent mode (vagent serve --agent): a plain completion is one "
+                       "turn", param="max_turns")  # fmt: skip
     encoded = _encode(policy, header, request)
     prompt = len(encoded["input_ids"])
     room = options.max_model_len - prompt
@@ -211,8 +214,12 @@ def _agent_job(request: ChatRequest, options: ServerOptions, sink) -> Job:
     user = messages[0]
     task = Task(id=request.id, question=user.plain_text, images=list(request.images), tools=tools,
                 scripted_turns=[m.plain_text for m in messages[1:]])  # fmt: skip
+    if request.max_turns is not None and request.max_turns > options.max_turns:
+        raise APIError(f"max_turns {request.max_turns} is over this server's {options.max_turns} (vagent serve "
+                       "--max-turns)", param="max_turns")  # fmt: skip
+    turns = request.max_turns or options.max_turns
     budget = request.max_tokens or options.default_max_tokens
-    limits = RolloutLimits(max_turns=max(options.max_turns, len(task.scripted_turns) + 1), max_new_tokens=budget,
+    limits = RolloutLimits(max_turns=max(turns, len(task.scripted_turns) + 1), max_new_tokens=budget,
                            max_total_tokens=options.max_model_len, max_images=options.max_images,
                            temperature=request.temperature, top_p=request.top_p)  # fmt: skip
     seed = (request.seed, request.id) if request.seed is not None else None

@@ -56,6 +56,8 @@ class ChatRequest:
         continue_final_message: The last message is an unfinished assistant turn to continue (vLLM's extension);
             in agent mode trailing assistant messages are forced turns (the tool loop runs their calls).
         logprobs: Return each sampled token's log-prob (the model's own, at temperature 1, as training uses).
+        max_turns: Agent mode's turn budget for this request (vagent's extension; at most the server's), or None
+            (the server's).
     """
 
     id: str
@@ -72,6 +74,7 @@ class ChatRequest:
     include_usage: bool = False
     continue_final_message: bool = False
     logprobs: bool = False
+    max_turns: int | None = None
 
     @property
     def images(self) -> list[Image.Image]:
@@ -133,6 +136,7 @@ def parse_chat_request(
     if request.logprobs and (body.get("top_logprobs") or request.stream):
         raise APIError("logprobs are returned for the sampled tokens of non-streamed requests only "
                        "(no top_logprobs, no stream)", param="top_logprobs" if body.get("top_logprobs") else "stream")  # fmt: skip
+    request.max_turns = _integer(body, "max_turns", None, 1)
     request.stop = _stops(body.get("stop"))
     request.tools = _tools(body.get("tools"), body.get("tool_choice"))
     in_prompt = request.tools if tools_in_prompt else []
