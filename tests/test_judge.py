@@ -205,6 +205,13 @@ def test_a_reply_cut_at_max_tokens_is_a_failure_cached_as_one(fake, tmp_path):
     again = JudgeClient(url, "m", cache_path=tmp_path / "cache.jsonl").complete(messages)
     assert again.cached and again.error == TRUNCATED and len(server.seen) == 1
     assert parse_verdict(cut, "pairwise").score is None  # nor would the lenient parser read a verdict from it
+    # a cache line from before finish_reason was kept may hold such a cut reply: it is asked again, not trusted
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({"key": JudgeClient(url, "m").key(messages, temperature=0.0, max_tokens=512, seed=0),
+                               "text": cut}) + "\n")  # fmt: skip
+    server.script = [(200, "Judgement: 1", 0)]
+    fresh = JudgeClient(url, "m", cache_path=old).complete(messages)
+    assert (fresh.text, fresh.cached, len(server.seen)) == ("Judgement: 1", False, 2)
 
 
 def test_a_judge_cut_mid_reasoning_fails_its_comparison_in_the_loop(fake):

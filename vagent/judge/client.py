@@ -66,7 +66,8 @@ class JudgeClient:
         timeout_s: Per attempt (connect + read).
         retries: Extra attempts after a retryable failure.
         backoff_s: First backoff; doubles each retry (with up to 50% jitter), capped at 30 s.
-        cache_path: JSONL file of ``{"key", "text"}`` lines read at start and appended to; None = memory only.
+        cache_path: JSONL file of ``{"key", "text", "finish_reason"}`` lines read at start and appended to (a line
+            without ``finish_reason``, from before it was kept, is asked again); None = memory only.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, concurrency: int = 8,
@@ -88,7 +89,8 @@ class JudgeClient:
             for line in self.cache_path.read_text().splitlines():
                 try:
                     entry = json.loads(line)
-                    self.cache[entry["key"]] = (entry["text"], entry.get("finish_reason"))
+                    # a line without finish_reason predates it: it may hold a reply cut at max_tokens, so ask again
+                    self.cache[entry["key"]] = (entry["text"], entry["finish_reason"])
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a line cut by a killed run
 
