@@ -92,6 +92,7 @@ MATRIX: dict[str, tuple[Variant, ...]] = {
     # preference pairs: a gold trajectory and the same turns ending in a wrong answer (data_pipelines.synthetic.pairs)
     "dpo/qwen2_5_vl_3b_fsdp.yaml": (SHIPPED_AS_IS,),
     "dpo/qwen2_5_vl_3b_lora.yaml": (SHIPPED_AS_IS,),
+    "dpo/qwen2_5_vl_7b_fsdp.yaml": (SHIPPED_AS_IS,),
     "dpo/qwen2_5_vl_tiny_cpu.yaml": (SHIPPED_AS_IS, Variant("text-only, 2 ranks", rows="text", ranks=2, steps=2)),
 }
 
