@@ -403,6 +403,20 @@ def test_a_kv_budget_sizes_the_storage_once_and_rows_that_do_not_fit_wait(policy
     assert not tight._rows  # the rows were released
 
 
+def test_under_a_kv_budget_decode_buckets_stop_at_the_rows_it_holds(policy):
+    """Three rows fit the budget (and the graphs' scratch slot): three decode rows run as a batch of three, not
+    padded to the next power of two, with the unbucketed tokens."""
+    limits = RolloutLimits(max_turns=4, max_new_tokens=10, max_total_tokens=1024, temperature=0.0)
+    plain = run(policy, _tasks(), limits=limits, batch_size=4)
+    per_row = HFBackend(policy).cache.token_bytes(policy.dtype) * (limits.max_total_tokens + 1)
+    backend = HFBackend(policy, kv_cache_bytes=4 * per_row + per_row // 2, row_tokens=limits.max_total_tokens)
+    backend.graphs = DecodeGraphs(policy.model, backend.cache, backend._cache_argument, capture=False, max_batch=64)
+    assert backend.max_rows == 3
+    out = run(policy, _tasks(), limits=limits, batch_size=4, backend=backend)
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    assert 3 in {batch for batch, _, _ in backend.graphs.graphs} <= {1, 2, 3}
+
+
 def test_storage_grown_on_demand_is_freed_between_rollouts_and_grows_again(policy):
     """GRPO frees the KV storage a rollout grew before its update; the next rollout grows it again, same tokens."""
     limits = RolloutLimits(max_turns=4, max_new_tokens=10, temperature=0.0)

@@ -141,6 +141,14 @@ def test_changed_config_or_data_is_reported_on_resume(tmp_path, tiny_qwen25, row
     assert len(_losses(tmp_path)) == 3
 
 
+def test_without_the_final_save_a_run_leaves_its_metrics_and_no_checkpoint(tmp_path, tiny_qwen25, rows_file):
+    """``train.save_final=false`` (a benchmark's run): the steps and their metrics, no checkpoint, no ``model/``."""
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.max_steps=2", "train.save_final=false", "data.val=null")
+    assert sft.train(load_config(SFTConfig, None, args)) is None
+    assert len(_losses(tmp_path)) == 2
+    assert not (tmp_path / "model").exists() and not list((tmp_path / "checkpoints").glob("step-*"))
+
+
 def test_lora_trains_only_adapters_and_saves_a_merged_model(tmp_path, tiny_qwen25, rows_file):
     args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.max_steps=2", "train.lora.enabled=true",
                       "train.lora.r=4", "train.freeze_vision=true", "train.gradient_checkpointing=true")  # fmt: skip

@@ -493,6 +493,11 @@ class TrainConfig:
     eval_every: int = option(0, "Optimizer steps between eval losses on data.val; 0 = only at the end.")
     save_every: int = option(0, "Optimizer steps between checkpoints; 0 = only at the end.")
     keep_last: int = option(2, "Complete checkpoints to keep (older ones are deleted).")
+    save_final: bool = option(
+        True,
+        "Save the last step's checkpoint and publish it as out_dir/model. false: a benchmark or a dry run that "
+        "keeps its metrics and rollouts only (a 3B's final save writes ~55 GB: weights, AdamW state, the model).",
+    )
     resume: str = option("auto", "auto = newest complete checkpoint under out_dir if any; none; or a checkpoint dir.")
     allow_changes: bool = option(
         False, "Resume even if the config or the training data changed since the checkpoint (warns)."

@@ -309,8 +309,13 @@ def build_tiny_checkpoint(
     config.tie_word_embeddings = tie_embeddings
     config.get_text_config().tie_word_embeddings = tie_embeddings
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = model_cls(config).to(getattr(torch, dtype)).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # made in the file's dtype: a 3B in bf16 never exists in fp32
+    try:
+        with torch.device(device):
+            model = model_cls(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.do_sample = False
@@ -327,7 +332,11 @@ def build_tiny_checkpoint(
     recipe = {"family": family, "size": size, "vocab": vocab, "vocab_size": vocab_size, "seed": seed,
               "rope_theta": rope_theta, "min_pixels": min_pixels, "max_pixels": max_pixels,
               "preset": dataclasses.asdict(p) if preset else None, "tie_embeddings": tie_embeddings}  # fmt: skip
-    return _write_atomically(Path(out_dir), model, processor, recipe)
+    path = _write_atomically(Path(out_dir), model, processor, recipe)
+    if torch.device(device).type == "cuda":  # the caller's process keeps running: its device memory goes back
+        del model
+        torch.cuda.empty_cache()
+    return path
 
 
 def _family_classes(family: str, p: TinyPreset, rows: int, ids: dict[str, int], rope_theta: float):

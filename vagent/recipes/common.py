@@ -39,6 +39,7 @@ __all__ = [
     "resume_point",
     "resume_training",
     "save_checkpoint",
+    "saved",
     "say",
     "to_device",
     "tool_services",
@@ -263,6 +264,11 @@ def config_from_argv(cls: type, argv: Sequence[str]) -> Any:
     if argv[:1] == ["--config"] and len(argv) > 1:
         config_path, argv = argv[1], argv[2:]
     return load_config(cls, config_path, argv)
+
+
+def saved(model_dir: Path | None) -> str:
+    """The run's last words on what it left: the published model, or nothing (``train.save_final=false``)."""
+    return f"model at {model_dir}" if model_dir else "no checkpoint saved (train.save_final=false)"
 
 
 def publish_model(checkpoint: Path, out: Path, env: DistEnv) -> Path:

@@ -50,6 +50,7 @@ from vagent.recipes.common import (
     resume_point,
     resume_training,
     save_checkpoint,
+    saved,
     say,
     to_device,
     uses_bf16,
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: DPOConfig) -> Path:
-    """Run DPO; returns the final HF model dir (``out_dir/model``)."""
+def train(cfg: DPOConfig) -> Path | None:
+    """Run DPO; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``)."""
     env = init_distributed(cfg.model.device)
     try:
         return _train(cfg, env, Path(cfg.out_dir))
@@ -104,7 +105,7 @@ class _Run:
                              share_prefix=train.share_prefix)  # fmt: skip
 
 
-def _train(cfg: DPOConfig, env: DistEnv, out: Path) -> Path:
+def _train(cfg: DPOConfig, env: DistEnv, out: Path) -> Path | None:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
@@ -158,10 +159,12 @@ def _train(cfg: DPOConfig, env: DistEnv, out: Path) -> Path:
         scores = _evaluate(ctx, val_set)
         logger.log(total_steps, scores)
         say(env, f"eval loss {scores['eval/loss']:.4f}, reward accuracy {scores['eval/rewards/accuracy']:.3f}")
-    final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
+    final = None
+    if cfg.train.save_final:
+        final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
     logger.close()
-    model_dir = publish_model(final, out, env)  # the final model at a stable path
-    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
+    model_dir = publish_model(final, out, env) if final else None  # the final model at a stable path
+    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
     return model_dir
 
 

@@ -78,6 +78,7 @@ from vagent.recipes.common import (
     resume_point,
     resume_training,
     save_checkpoint,
+    saved,
     say,
     to_device,
     tool_services,
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: GRPOConfig, before_step: Callable[[int, int], None] | None = None) -> Path:
-    """Run GRPO; returns the final HF model dir (``out_dir/model``). ``before_step(step, total_steps)``, if given, runs
+def train(cfg: GRPOConfig, before_step: Callable[[int, int], None] | None = None) -> Path | None:
+    """Run GRPO; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``). ``before_step(step, total_steps)``, if given, runs
     before each step's rollouts (the quickstart hands CPU threads over with it)."""
     try:  # before any process starts: a misspelt reward or option would fail only after the first rollout
         check_rewards(cfg.rewards.weights, cfg.rewards.options)
@@ -216,7 +217,7 @@ class _Scored:
     sampled: int = 0
 
 
-def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path:
+def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path | None:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
@@ -256,14 +257,14 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
             _save(ctx, root, done, consumed, fingerprint, last, val)
     bar.close()
 
-    final = _save(ctx, root, ctx.total_steps, consumed, fingerprint, last, val)
+    final = _save(ctx, root, ctx.total_steps, consumed, fingerprint, last, val, checkpoint=cfg.train.save_final)
     logger.close()
-    if cfg.val.keep_best and val.best is not None:
+    if final and cfg.val.keep_best and val.best is not None:
         final = val.directory(val.best["step"])
         say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
                  f"{val.last_accuracy:.3f})")  # fmt: skip
-    model_dir = publish_model(final, out, env)  # the final (or the best) model at a stable path
-    say(env, f"done: {ctx.total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
+    model_dir = publish_model(final, out, env) if final else None  # the final (or the best) model at a stable path
+    say(env, f"done: {ctx.total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
     return model_dir
 
 
@@ -828,11 +829,14 @@ def _scored_logprobs(
 
 
 def _save(ctx: _Run, root: Path, step: int, consumed: int, fingerprint: dict[str, Any], last: list[Trajectory],
-          val: _Validation) -> Path:  # fmt: skip
-    final = save_checkpoint(ctx.backend, ctx.policy.processor, root, step,
-                            {**fingerprint, "prompts_consumed": consumed, "best_val": val.best}, ctx.env,
-                            ctx.cfg.train.keep_last)  # fmt: skip
-    val.prune()  # the checkpoint names the best from now on: older best directories can go
+          val: _Validation, checkpoint: bool = True) -> Path | None:  # fmt: skip
+    """The step's checkpoint (None when ``checkpoint`` is off: ``train.save_final``) and its rollouts."""
+    final = None
+    if checkpoint:
+        final = save_checkpoint(ctx.backend, ctx.policy.processor, root, step,
+                                {**fingerprint, "prompts_consumed": consumed, "best_val": val.best}, ctx.env,
+                                ctx.cfg.train.keep_last)  # fmt: skip
+        val.prune()  # the checkpoint names the best from now on: older best directories can go
     if ctx.env.is_main and last:  # what the policy did at this step, to look at
         write_jsonl(last, ctx.out / "rollouts" / f"step-{step:08d}.jsonl")
         write_html(last, ctx.out / "rollouts" / f"step-{step:08d}.html", title=f"GRPO step {step} (rank 0)")

@@ -38,6 +38,7 @@ from vagent.recipes.common import (
     resume_point,
     resume_training,
     save_checkpoint,
+    saved,
     say,
     to_device,
     uses_bf16,
@@ -55,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: SFTConfig, before_step: Callable[[int, int], None] | None = None) -> Path:
-    """Run SFT; returns the final HF model dir (``out_dir/model``). ``before_step(step, total_steps)``, if given, runs
+def train(cfg: SFTConfig, before_step: Callable[[int, int], None] | None = None) -> Path | None:
+    """Run SFT; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``). ``before_step(step, total_steps)``, if given, runs
     before each optimizer step (the quickstart hands CPU threads over with it)."""
     env = init_distributed(cfg.model.device)
     out = Path(cfg.out_dir)
@@ -66,7 +67,7 @@ def train(cfg: SFTConfig, before_step: Callable[[int, int], None] | None = None)
         shutdown()
 
 
-def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path:
+def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, int], None] | None) -> Path | None:
     t_start = time.perf_counter()
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
@@ -119,10 +120,12 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
         eval_loss = _eval_loss(backend, val_set, env, cfg.train)
         logger.log(total_steps, {"eval_loss": eval_loss})
         say(env, f"eval loss {eval_loss:.4f}")
-    final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
+    final = None
+    if cfg.train.save_final:
+        final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
     logger.close()
-    model_dir = publish_model(final, out, env)  # the final model at a stable path
-    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; model at {model_dir}")
+    model_dir = publish_model(final, out, env) if final else None  # the final model at a stable path
+    say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
     return model_dir
 
 

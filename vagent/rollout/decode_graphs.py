@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 
 import torch
@@ -204,8 +204,11 @@ class DecodeGraphs:
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # tools run in other threads
             try:
                 logits = self._forward(entry, autocast)
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with suppress(Exception):  # ending an invalidated capture raises too: the forward's
+                    graph.capture_end()  # error is the cause worth logging
+                raise
+            graph.capture_end()
         current.wait_stream(self.stream)
         entry.graph, entry.logits = graph, logits
         self.captures += 1

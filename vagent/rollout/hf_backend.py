@@ -353,6 +353,8 @@ class HFBackend:
         """The decode forward replayed from a CUDA graph (None when graphs are off or failed to capture)."""
         start = time.perf_counter()
         capturing = self.graphs.capture_s
+        if self._budget is not None:  # no batch past the rows the storage holds: 75 rows pad to 75, not to 128
+            self.graphs.max_batch = self.max_rows
         logits = self.graphs.decode([r.last for r in rows], [r.next_pos for r in rows], [r.slot for r in rows],
                                     lengths, room=self._slot_room())  # fmt: skip
         if logits is not None:
