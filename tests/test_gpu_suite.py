@@ -26,6 +26,11 @@ def test_the_gpu_suite_runs_every_part_on_cpu(tmp_path):
     assert "| rollout | decode, 4 rows, flex, eager |" in done.stdout and "x sdpa's step" in done.stdout
     assert all(d["step_ms"] > 0 and d["step_over_bound"] > 0 for d in parts["rollout"]["decode"])
     assert parts["rollout"]["tool_overlap"]["async_s"] > 0 and parts["rollout"]["tool_overlap"]["sync_s"] > 0
+    assert (
+        parts["rollout"]["image_prefill"]["forward_tokens_per_s"] >= parts["rollout"]["image_prefill"]["tokens_per_s"]
+    )
+    # no training run writes a checkpoint or resumes (train.save_final=false, train.resume=none): metrics only
+    assert not list(tmp_path.glob("*/checkpoints/step-*")) and not list(tmp_path.glob("*/model"))
     grpo = parts["grpo_step"]
     assert grpo["tool_calls_per_episode"] >= 2  # the scripted crops ran
     assert grpo["sampled_tokens"] > 0 and grpo["stages_s"]["update"] > 0 and grpo["sampler_logprob_gap"] < 1e-3
