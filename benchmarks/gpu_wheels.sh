@@ -8,7 +8,8 @@
 #
 # --deepspeed adds DeepSpeed (for the ZeRO-2 SFT run), built here as a pure-Python wheel with no ops compiled (the
 # suite's ZeRO-2 config steps a torch optimizer), and its needs an image commonly lacks (hjson, pydantic).
-# TRANSFORMERS (default: the version this checkout's .venv runs, else the newest 5.x) pins transformers.
+# TRANSFORMERS (default: the version this checkout's .venv runs, else the newest 5.x) pins transformers; PYTHON_VERSION
+# must be the GPU machine's Python (gpu_suite.sh says which it found when the wheels do not install there).
 # Each package comes without its dependencies (--no-deps): the list below is the whole set, checked against the
 # image's own packages; a second copy of a package there is shadowed by the one installed from DIR.
 set -euo pipefail
@@ -20,8 +21,9 @@ for arg in "$@"; do
         *) DIR=$arg ;;
     esac
 done
-PY=${PYTHON:-python3}
-[[ -x .venv/bin/python ]] && PY=.venv/bin/python
+PY=${PYTHON:-}
+[[ -z $PY && -x .venv/bin/python ]] && PY=.venv/bin/python  # this checkout's: its transformers is the tested one
+PY=${PY:-python3}
 if [[ -z ${TRANSFORMERS:-} ]]; then
     TRANSFORMERS=$($PY -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)
 fi

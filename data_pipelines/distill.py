@@ -120,6 +120,10 @@ def _top_level_items(text: str) -> list[str]:
         elif not quoted and depth == 0 and char == ",":
             items.append(text[start:i])
             start = i + 1
+        if depth < 0:
+            raise SystemExit(f"--reward-options: a closing bracket with no opening one at {text[: i + 1]!r}")
+    if depth or quoted:
+        raise SystemExit(f"--reward-options: {'a quote' if quoted else 'a bracket'} is never closed in {text!r}")
     return [*items, text[start:]]
 
 

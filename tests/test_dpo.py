@@ -306,8 +306,10 @@ def test_precomputed_and_lora_references_are_the_start_policy(tmp_path, tiny_qwe
     """dpo.precompute_ref scores each pair once with the start policy, which is what the frozen copy scores at every
     step: the same losses. With LoRA the reference is the policy with its adapters off: the first step's log-ratios
     are 0, as they are against a copy."""
-    copy = tmp_path / "copy"
-    dpo.train(load_config(DPOConfig, CONFIG, _args(copy, tiny_qwen25, text_pairs, "train.max_steps=3")))
+    copy = tmp_path / "copy"  # only its curves are read: it saves nothing (train.save_final=false)
+    args = _args(copy, tiny_qwen25, text_pairs, "train.max_steps=3", "train.save_final=false")
+    assert dpo.train(load_config(DPOConfig, CONFIG, args)) is None
+    assert not (copy / "model").exists() and not list((copy / "checkpoints").glob("step-*"))
     pre = tmp_path / "precomputed"
     dpo.train(load_config(DPOConfig, CONFIG,
                           _args(pre, tiny_qwen25, text_pairs, "train.max_steps=3", "dpo.precompute_ref=true")))  # fmt: skip

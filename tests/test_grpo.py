@@ -343,6 +343,8 @@ def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(
 def test_val_settings_are_checked_at_load():
     with pytest.raises(ConfigError, match="val.keep_best needs val.rows"):
         load_config(GRPOConfig, CONFIG, ["val.keep_best=true"])
+    with pytest.raises(ConfigError, match="train.save_final=false publishes nothing"):  # best models never pruned
+        load_config(GRPOConfig, CONFIG, ["val.keep_best=true", "val.rows=v.jsonl", "train.save_final=false"])
     with pytest.raises(ConfigError, match="val.every"):
         load_config(GRPOConfig, CONFIG, ["val.every=-1"])
     with pytest.raises(ConfigError, match="greedy rollouts of a row are all the same"):

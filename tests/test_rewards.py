@@ -156,8 +156,8 @@ def test_reward_options_are_checked_before_any_rollout(tmp_path):
 
 
 def test_reward_options_keep_the_commas_of_a_json_value():
-    """``--reward-options`` items end at a comma that starts the next ``name.key=``: a JSON list keeps its commas,
-    and a malformed item is named."""
+    """``--reward-options`` items are split at the commas outside brackets and quotes: a JSON list keeps its commas,
+    a malformed item is named, and unbalanced brackets or quotes are refused rather than merging two options."""
     from data_pipelines.distill import reward_options
 
     assert reward_options('accuracy.choices=["A", "B", "C"], overlong.max_tokens=10,overlong.buffer=2') == {
@@ -167,3 +167,6 @@ def test_reward_options_keep_the_commas_of_a_json_value():
     assert reward_options("judgment.format_weight=0") == {"judgment": {"format_weight": 0}}
     with pytest.raises(SystemExit, match="'format_weight=0' is not name.key=value"):
         reward_options("judgment.x=1,format_weight=0")
+    for unbalanced in ("x.k=a],y.k=1", 'x.k=["a",y.k=1', 'x.k="a,y.k=1'):  # never an option merged into another
+        with pytest.raises(SystemExit, match="never closed|no opening one"):
+            reward_options(unbalanced)

@@ -117,7 +117,8 @@ def test_agent_mode_serves_a_larger_turn_budget_with_an_image_a_turn(policy):
 
 def test_a_request_picks_its_own_turn_budget_up_to_the_servers(policy):
     """``max_turns`` in the body (vagent's extension, ``extra_body`` in the OpenAI client) sets an agent request's
-    budget, forced turns still adding to it; over the server's ``--max-turns``, or in plain mode, it is a 400."""
+    budget, raised to leave one sampled turn after its forced ones; over the server's ``--max-turns``, or in plain
+    mode, it is a 400."""
     from fastapi.testclient import TestClient
 
     from vagent.serve.app import ServerOptions, _agent_job, create_app
@@ -136,7 +137,7 @@ def test_a_request_picks_its_own_turn_budget_up_to_the_servers(policy):
                                      tools_in_prompt=False)  # fmt: skip
         return _agent_job(request, options, sink=None).limits.max_turns
 
-    assert limits(None) == 4 and limits(2) == 2 and limits(1, forced=2) == 3  # forced turns add to a small budget
+    assert limits(None) == 4 and limits(2) == 2 and limits(1, forced=2) == 3  # 2 forced + 1 sampled
     with pytest.raises(APIError, match="max_turns 5 is over this server's 4"):
         limits(5)
     with pytest.raises(APIError, match="must be an integer >= 1"):

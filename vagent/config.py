@@ -801,6 +801,11 @@ class GRPOConfig:
                 "rollout.temperature must be > 0 for GRPO: greedy rollouts give every sample of a group the same "
                 "answer, and the ratio needs the distribution they were drawn from (val.temperature may be 0)"
             )
+        if self.val.keep_best and not self.train.save_final:
+            raise ValueError(
+                "val.keep_best saves the best step's model to publish at the end; train.save_final=false publishes "
+                "nothing: turn one of them off"
+            )
         if self.train.deepspeed:
             raise ValueError(
                 "GRPO does not train under DeepSpeed (train.deepspeed must be null): rollouts need whole weights "

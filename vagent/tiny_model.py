@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import random
 from dataclasses import dataclass
@@ -308,17 +309,7 @@ def build_tiny_checkpoint(
     config, model_cls, processor_cls, video_processor_cls, patch = _family_classes(family, p, rows, ids, rope_theta)
     config.tie_word_embeddings = tie_embeddings
     config.get_text_config().tie_word_embeddings = tie_embeddings
-    torch.manual_seed(seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))  # made in the file's dtype: a 3B in bf16 never exists in fp32
-    try:
-        with torch.device(device):
-            model = model_cls(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.do_sample = False
+    model = _random_model(model_cls, config, ids, seed, device, dtype)
     from transformers import Qwen2VLImageProcessor
 
     processor = processor_cls(
@@ -333,10 +324,24 @@ def build_tiny_checkpoint(
               "rope_theta": rope_theta, "min_pixels": min_pixels, "max_pixels": max_pixels,
               "preset": dataclasses.asdict(p) if preset else None, "tie_embeddings": tie_embeddings}  # fmt: skip
     path = _write_atomically(Path(out_dir), model, processor, recipe)
+    del model
     if torch.device(device).type == "cuda":  # the caller's process keeps running: its device memory goes back
-        del model
+        gc.collect()
         torch.cuda.empty_cache()
     return path
+
+
+def _random_model(model_cls, config, ids: dict[str, int], seed: int, device: str, dtype: str):
+    """Random weights, made on ``device`` in ``dtype`` (a 3B in bf16 never exists in fp32), greedy by default."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.do_sample = False
+    return model
 
 
 def _family_classes(family: str, p: TinyPreset, rows: int, ids: dict[str, int], rope_theta: float):

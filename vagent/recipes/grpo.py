@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: GRPOConfig, before_step: Callable[[int, int], None] | None = None) -> Path | None:
-    """Run GRPO; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``). ``before_step(step, total_steps)``, if given, runs
-    before each step's rollouts (the quickstart hands CPU threads over with it)."""
+    """Run GRPO; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``).
+    ``before_step(step, total_steps)``, if given, runs before each step's rollouts (the quickstart hands CPU threads
+    over with it)."""
     try:  # before any process starts: a misspelt reward or option would fail only after the first rollout
         check_rewards(cfg.rewards.weights, cfg.rewards.options)
     except (KeyError, TypeError) as e:

@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: SFTConfig, before_step: Callable[[int, int], None] | None = None) -> Path | None:
-    """Run SFT; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``). ``before_step(step, total_steps)``, if given, runs
-    before each optimizer step (the quickstart hands CPU threads over with it)."""
+    """Run SFT; returns the final HF model dir (``out_dir/model``; None under ``train.save_final=false``).
+    ``before_step(step, total_steps)``, if given, runs before each optimizer step (the quickstart hands CPU threads
+    over with it)."""
     env = init_distributed(cfg.model.device)
     out = Path(cfg.out_dir)
     try:
