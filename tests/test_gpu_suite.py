@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -89,3 +91,29 @@ def test_a_part_past_its_time_is_killed_with_its_subprocesses_and_keeps_its_save
     for pattern in (f"--out {tmp_path}", "-m gpu --continue-on-collection-errors"):  # the part, and its pytest
         found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True)
         assert found.returncode == 1, (pattern, found.stdout, found.stderr)  # 1: no process matches
+
+
+def test_stopping_a_part_ends_the_workers_torchrun_started_in_sessions_of_their_own(tmp_path):
+    """The ZeRO-2 run is launched by torchrun, whose workers leave the part's process group: a SIGKILL of the group
+    would leave them holding the device. SIGTERM first lets torchrun end them."""
+    sys.path.insert(0, str(ROOT))
+    import os
+
+    from benchmarks.gpu_suite import _stop_group
+
+    worker_pid = tmp_path / "worker.pid"
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(sleeper),
+              str(worker_pid)]  # fmt: skip
+    part = subprocess.Popen(launch, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        if worker_pid.is_file() and worker_pid.read_text():
+            break
+        time.sleep(0.1)
+    worker = int(worker_pid.read_text())
+    assert os.getpgid(worker) != os.getpgid(part.pid)  # out of the part's group
+    _stop_group(part)
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
