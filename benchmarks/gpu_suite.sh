@@ -28,8 +28,8 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-{ nvidia-smi 2>&1; $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
-    > "$SUITE_DIR/machine.txt" 2>&1
+{ nvidia-smi 2>&1; $PY -V; $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
+transformers.__version__)"; } > "$SUITE_DIR/machine.txt" 2>&1
 cat "$SUITE_DIR/machine.txt"
 PARTS=("$@")
 # the suite's own budget leaves the copy below its seconds; `timeout` is the backstop if a part will not die
