@@ -103,9 +103,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = {"device": args.device, "size": args.size, "parts": {}}
     previous = out / "results.json"
-    if previous.is_file():  # a second call adds its parts to the first call's
-        with contextlib.suppress(json.JSONDecodeError):
-            results["parts"] = json.loads(previous.read_text()).get("parts", {})
+    results["parts"] = (_read_json(previous) or {}).get("parts", {})  # a second call adds its parts to the first's
     # built in a process of its own: this one never holds device memory while the parts run (its errors show here)
     build = [sys.executable, __file__, "--build-checkpoint", "--out", str(out), "--device", args.device, "--size",
              args.size, *(["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else [])]  # fmt: skip
@@ -192,10 +190,8 @@ def _stop_group(child: subprocess.Popen) -> None:
     which it starts in sessions of their own; SIGKILL after 15 s. The next part then finds the device empty."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         child.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGKILL)
     child.wait()
@@ -516,6 +512,11 @@ def _text_parameters(ckpt: Path) -> int:
     return shape_from_config_json(ckpt).text_params()
 
 
+def _mfu(args: argparse.Namespace, params: int, tokens_per_s: float) -> float:
+    """6 x N x tokens/s over the device's dense bf16 peak (see the module docstring)."""
+    return 6 * params * tokens_per_s / (peak_tflops(args) * 1e12)
+
+
 def _memory_and_mfu(args, params: int, tokens: float, seconds: float, config: Path, sizes: list[str]) -> dict:
     import torch
 
@@ -526,7 +527,7 @@ def _memory_and_mfu(args, params: int, tokens: float, seconds: float, config: Pa
     if args.device == "cuda":
         numbers["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         numbers["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30  # what fragmentation adds
-        numbers["mfu"] = 6 * params * tokens / max(seconds, 1e-9) / (peak_tflops(args) * 1e12)
+        numbers["mfu"] = _mfu(args, params, tokens / max(seconds, 1e-9))
         if numbers["plan_peak_gib"]:
             numbers["peak_over_plan"] = numbers["peak_gib"] / numbers["plan_peak_gib"]
     else:
@@ -591,7 +592,7 @@ def part_sft(args, scale, ckpt: Path, out: Path) -> dict:
                  "plan_peak_gib": _plan_gib(SFT_CONFIGS[config], [*sizes, f"data.max_length={length}", "data.train=x"],
                                             args.device)}  # fmt: skip
         if args.device == "cuda":
-            entry["mfu"] = 6 * _text_parameters(ckpt) * tokens_per_s / (peak_tflops(args) * 1e12)
+            entry["mfu"] = _mfu(args, _text_parameters(ckpt), tokens_per_s)
             if entry["plan_peak_gib"]:
                 entry["peak_over_plan"] = entry["peak_gib"] / entry["plan_peak_gib"]
         numbers["runs"][name] = entry
@@ -611,11 +612,11 @@ def part_gpu_tests(args, scale, ckpt: Path, out: Path) -> dict:
     log = out / "gpu_tests.pytest.log"
     with open(log, "w") as sink:  # straight to the file: kept if the part runs out of time
         done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
-    summary = (log.read_text().strip().splitlines() or [""])[-1]
-    print(log.read_text()[-5000:])
+    text = log.read_text()
+    summary = _last_line(text)
+    print(text[-5000:])
     if args.device != "cuda":
         return {"status": "skipped", "summary": summary}
-    text = log.read_text()
     # errors are allowed only where a test module could not be imported here (a package the GPU machine lacks)
     uncollected = text.count("ERROR collecting")
     errors = int(next(iter(re.findall(r"(\d+) errors?\b", summary)), 0))
@@ -640,8 +641,7 @@ def table(results: dict) -> str:
         if part is None:
             continue
         if part["status"] != "ok":
-            why = (part.get("error") or part.get("summary") or "").strip().splitlines() or [""]
-            add(name, "status", f"{part['status']} ({why[-1][:100]})")
+            add(name, "status", f"{part['status']} ({_last_line(part.get('error') or part.get('summary'))[:100]})")
         if name == "env" and part["status"] == "ok":
             add(name, "device", part.get("device_name", "cpu"))
             add(name, "copy bandwidth", f"{part['copy_gb_s']:.0f} GB/s")
@@ -655,8 +655,7 @@ def table(results: dict) -> str:
             for d in part["decode"]:
                 what = f"decode, {d['rows']} rows, {d['attention']}, {d['kind']}"
                 if "error" in d:
-                    why = (d["error"] or "").strip().splitlines() or [""]
-                    add(name, what, f"failed ({why[-1][:80]})")
+                    add(name, what, f"failed ({_last_line(d['error'])[:80]})")
                     continue
                 if "skipped" in d:
                     add(name, what, f"skipped ({d['skipped']})")
@@ -697,14 +696,18 @@ def table(results: dict) -> str:
         if name == "sft":
             for run_name, run in part.get("runs", {}).items():
                 if run.get("status") in ("failed", "skipped"):
-                    why = (run.get("error") or "").strip().splitlines() or [""]
-                    add(name, run_name, f"{run['status']} ({why[-1][:80]})")
+                    add(name, run_name, f"{run['status']} ({_last_line(run.get('error'))[:80]})")
                 if "tokens_per_s" in run:
                     mfu = f", MFU {100 * run['mfu']:.1f}%" if "mfu" in run else ""
                     add(name, run_name, f"{run['tokens_per_s']:,.0f} tokens/s{mfu}, peak {run['peak_gib']:.1f} GiB")
         if name == "gpu_tests":
             add(name, "pytest -m gpu", part.get("summary", ""))
     return "\n".join(lines)
+
+
+def _last_line(text: str | None) -> str:
+    """A traceback's or a log's last line (what went wrong), "" for none."""
+    return ((text or "").strip().splitlines() or [""])[-1]
 
 
 if __name__ == "__main__":
