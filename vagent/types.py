@@ -173,10 +173,13 @@ class ImagePatches:
     Attributes:
         pixel_values: (grid_t * grid_h * grid_w, channels * temporal_patch * patch**2) fp32 patches.
         grid_thw: (1, 3) the image's ``image_grid_thw`` row.
+        image: The model-sized image the patches were made from, where the engine made them: a backend that runs
+            its own processor (vLLM) is sent this image, which its processor turns into these same patches.
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    image: Image.Image | None = None
 
 
 @dataclass

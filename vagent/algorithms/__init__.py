@@ -15,6 +15,7 @@ from vagent.algorithms.grpo import (
     informative_groups,
     kl_k3,
     policy_loss,
+    rollout_correction,
     sampled_logprobs,
 )
 from vagent.algorithms.lm_head import chunked_token_logprobs
@@ -31,6 +32,7 @@ __all__ = [
     "length_normalized",
     "pair_stats",
     "policy_loss",
+    "rollout_correction",
     "sampled_logprobs",
     "self_critic_pairs",
     "sequence_logprobs",

@@ -16,7 +16,15 @@ from typing import Literal
 
 import torch
 
-__all__ = ["aggregate", "group_advantages", "informative_groups", "kl_k3", "policy_loss", "sampled_logprobs"]
+__all__ = [
+    "aggregate",
+    "group_advantages",
+    "informative_groups",
+    "kl_k3",
+    "policy_loss",
+    "rollout_correction",
+    "sampled_logprobs",
+]
 
 Aggregation = Literal["token", "sequence"]
 
@@ -166,6 +174,53 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
     # the KL term dominate, or NaN, the whole loss
     diff = torch.clamp(ref_logprobs - logprobs, -max_log_ratio, max_log_ratio) * mask
     return torch.clamp(torch.exp(diff) - diff - 1, -max_value, max_value) * mask
+
+
+def rollout_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                       cap: float = 2.0, max_log_ratio: float = 20.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """Token-level truncated importance sampling (TIS) between the engine that sampled and the trainer that scores.
+
+    The rollout engine (vLLM's kernels, bf16, another batching) draws from a distribution a hair off the trainer's
+    at the same weights; PPO's ratio is taken against the trainer's old log-probs, so the batch is slightly
+    off-policy. Each sampled token's loss is weighted by ``min(pi_old / pi_sampler, cap)`` (Yao et al., "Your
+    efficient RL framework secretly brings you off-policy RL training"; verl's ``rollout_is`` at token level, TRL's
+    ``vllm_importance_sampling_cap``). The weight carries no gradient.
+
+    Args:
+        old_logprobs: (B, T) the trainer's log-probs of the tokens under the weights that sampled them.
+        sampler_logprobs: (B, T) the engine's recorded log-probs of the same tokens.
+        mask: (B, T) 1 = sampled token.
+        cap: the weight's upper bound (verl recommends 2).
+        max_log_ratio: the bound on |log ratio| before ``exp``.
+
+    Returns:
+        weights: (B, T) detached, ``min(exp(old - sampler), cap)`` on sampled tokens, 1 elsewhere.
+        stats: sums over sampled tokens (divide by their count): ``is_ratio`` (the ratio before the cap),
+            ``is_clipped`` (tokens whose ratio passed the cap), ``sampler_kl`` (k3 estimate of KL(sampler ||
+            trainer) from the sampler's draws), and ``is_ratio_max`` (a maximum).
+
+    >>> old = torch.tensor([[0.0, -1.0, -1.0, -3.0]]); sampler = torch.tensor([[0.0, -1.0, -2.5, -1.0]])
+    >>> w, st = rollout_correction(old, sampler, torch.tensor([[0, 1, 1, 1]]), cap=2.0)
+    >>> [round(v, 4) for v in w[0].tolist()], int(st["is_clipped"])  # e^1.5 = 4.48 capped at 2; e^-2 kept
+    ([1.0, 1.0, 2.0, 0.1353], 1)
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    with torch.no_grad():
+        sampled = mask.bool()
+        log_ratio = torch.clamp(old_logprobs.float() - sampler_logprobs.float(), -max_log_ratio, max_log_ratio)
+        log_ratio = log_ratio.masked_fill(~sampled, 0.0)  # 1 where nothing was sampled
+        ratio = torch.exp(log_ratio)
+        weights = ratio.clamp(max=cap)
+        as_mask = sampled.float()
+        stats = {
+            "is_ratio": (ratio * as_mask).sum(),
+            "is_ratio_max": ratio[sampled].max() if bool(sampled.any()) else torch.ones(()),
+            "is_clipped": ((ratio > cap).float() * as_mask).sum(),
+            # k3 of KL(sampler || trainer) with r = pi_old / pi_sampler, x ~ sampler: (r - 1) - log r >= 0
+            "sampler_kl": ((ratio - 1 - log_ratio) * as_mask).sum(),
+        }
+    return weights, stats
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normalizer: float) -> torch.Tensor:

@@ -135,13 +135,15 @@ def message_ids(processor: Any, message: Message, patches: Sequence[ImagePatches
     return _ids_with_patches(processor, _message_text(processor, message), patches)
 
 
-def image_patches(encoded: dict[str, torch.Tensor]) -> list[ImagePatches]:
-    """The per-image ``ImagePatches`` of an ``encode_segment`` result: views into its ``pixel_values``, no copy."""
+def image_patches(encoded: dict[str, torch.Tensor], images: Sequence[Image.Image] = ()) -> list[ImagePatches]:
+    """The per-image ``ImagePatches`` of an ``encode_segment`` result: views into its ``pixel_values``, no copy; each
+    with its model-sized image when ``images`` (those the segment was encoded with, in order) are given."""
     if "pixel_values" not in encoded:
         return []
     grids = list(encoded["image_grid_thw"].split(1))
     blocks = encoded["pixel_values"].split([int(g.prod()) for g in grids])
-    return [ImagePatches(block, grid) for block, grid in zip(blocks, grids, strict=True)]
+    shown = list(images) or [None] * len(grids)
+    return [ImagePatches(block, grid, image) for block, grid, image in zip(blocks, grids, shown, strict=True)]
 
 
 def attach_patches(messages: Sequence[Message], patches: Sequence[ImagePatches]) -> None:

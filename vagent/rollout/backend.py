@@ -12,10 +12,11 @@ implementation today), so a second backend needs no engine change.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+from PIL import Image
 
 __all__ = ["BackendStats", "GenerationBackend", "Sampling", "TurnBarrier", "TurnRequest", "TurnResult"]
 
@@ -47,6 +48,8 @@ class TurnRequest:
         pixel_values: Patches of every image of the row, in order (prompt images, then tool outputs).
         image_grid_thw: One (1, 3) grid row per image.
         sampling: How to sample the turn.
+        images: The model-sized images those patches were made from, in the same order (None where unknown): what a
+            backend with its own processor (vLLM) sends, which must give back exactly these patches.
     """
 
     key: Hashable
@@ -54,6 +57,7 @@ class TurnRequest:
     pixel_values: list[torch.Tensor]
     image_grid_thw: list[torch.Tensor]
     sampling: Sampling
+    images: list[Image.Image | None] = field(default_factory=list)
 
 
 @dataclass

@@ -71,9 +71,10 @@ class Segment:
     patches: list[ImagePatches] = field(default_factory=list)
 
 
-def segment(encoded: dict[str, torch.Tensor]) -> Segment:
-    """The ``Segment`` of an ``encode_segment`` result."""
-    return Segment(encoded["input_ids"].tolist(), image_patches(encoded))
+def segment(encoded: dict[str, torch.Tensor], images: Sequence[Image.Image] = ()) -> Segment:
+    """The ``Segment`` of an ``encode_segment`` result, its patches carrying the model-sized ``images`` it was
+    encoded with (what a backend with its own processor is sent)."""
+    return Segment(encoded["input_ids"].tolist(), image_patches(encoded, images))
 
 
 @dataclass
@@ -287,7 +288,7 @@ class ToolCalls:
         elif patches is not None:
             encoded = Segment(message_ids(self.processor, message, patches).tolist(), patches)
         else:
-            encoded = segment(encode_message(self.processor, message, shown))
+            encoded = segment(encode_message(self.processor, message, shown), shown)
         if self.keep_patches and encoded.patches:  # made from this message's images: they go on its parts
             attach_patches([message], encoded.patches)
         return CallOutcome(observation, message, encoded, sizes if sizes is not None else [img.size for img in shown])

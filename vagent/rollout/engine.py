@@ -168,7 +168,7 @@ class _Engine:
                     " before any tool image: raise max_images, or give this row fewer images or videos"
                 )
             shown = [self.policy.model_view(img) for img in originals]
-            encoded = segment(encode_prompt(self.policy.processor, messages, shown))
+            encoded = segment(encode_prompt(self.policy.processor, messages, shown), shown)
             if self.keep_patches:  # on the parts they were made from: the group's samples share these messages
                 attach_patches(messages, encoded.patches)
             made = self.last_prompt = (task, originals, shown, messages, encoded)
@@ -238,7 +238,9 @@ class _Engine:
         row.state = RowState.GENERATING
         sampling = Sampling(max_new_tokens=budget, **self.sampling)
         pixels, grids = [p.pixel_values for p in row.patches], [p.grid_thw for p in row.patches]
-        self.backend.submit(TurnRequest(row.key, list(row.ids), pixels, grids, sampling))
+        self.backend.submit(
+            TurnRequest(row.key, list(row.ids), pixels, grids, sampling, [p.image for p in row.patches])
+        )
 
     def _on_turn_end(self, row: _Row, result: TurnResult, sampled: bool = True) -> None:
         ids = list(result.token_ids)

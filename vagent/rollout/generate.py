@@ -77,7 +77,7 @@ def generate(
     sampling = Sampling(max_new_tokens, temperature, top_p, tuple(stop_strings))
     backend = backend if backend is not None else HFBackend(policy)
     for key in range(n):
-        backend.submit(TurnRequest(("generate", key), ids, pixels, grids, sampling))
+        backend.submit(TurnRequest(("generate", key), ids, pixels, grids, sampling, list(shown)))
     results = {}
     try:
         while backend.busy:
