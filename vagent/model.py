@@ -499,6 +499,7 @@ def masked_token_logprobs(
     temperature: float = 1.0,
     top_p: float = 1.0,
     share_prefix: bool = True,
+    suppress: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the masked tokens (with gradient) and the entropy of the distributions they came from, with the
     language-model head run in chunks of positions (``vagent.algorithms.chunked_token_logprobs``): neither forward
@@ -513,6 +514,7 @@ def masked_token_logprobs(
             distribution its rollouts were drawn from).
         top_p: The sampler's nucleus mass: the distribution is cut to it and renormalized (1 = off).
         share_prefix: As for ``policy_logits``.
+        suppress: Token ids out of the distribution (the sampler's banned vision placeholders).
 
     Returns:
         logprobs: (B, T) float32; log p(x_t | x_<t) where ``mask`` is 1 (from t = 1), exactly 0 elsewhere.
@@ -522,7 +524,8 @@ def masked_token_logprobs(
     states = final_hidden_states(model, batch, share_prefix=share_prefix)  # (B, T, H)
     head = _head_module(model)
     picked, entropy = chunked_token_logprobs(states[:, :-1][selected], head, batch["input_ids"][:, 1:][selected],
-                                             chunk_size=chunk_size, temperature=temperature, top_p=top_p)  # fmt: skip
+                                             chunk_size=chunk_size, temperature=temperature, top_p=top_p,
+                                             suppress=tuple(suppress))  # fmt: skip
     shifted = torch.zeros(selected.shape, dtype=torch.float32, device=states.device).masked_scatter(selected, picked)
     return torch.nn.functional.pad(shifted, (1, 0)), entropy
 

@@ -51,9 +51,12 @@ def _chunk_logprobs(
     targets: torch.Tensor,
     temperature: float,
     top_p: float = 1.0,
+    suppress: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, H) hidden, (C,) targets -> (C,) fp32 log p(target), () fp32 summed entropy (no gradient)."""
     logits = head(hidden).float()  # (C, V): the only place logits exist, one chunk at a time
+    if suppress:  # tokens the sampler never draws: out of the distribution before anything else, as it does
+        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
     if temperature != 1.0:
         logits = logits / temperature
     if top_p < 1.0:  # the nucleus is a choice of tokens, not a function to differentiate: cut under no_grad
@@ -66,7 +69,8 @@ def _chunk_logprobs(
     del logits
     picked = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():  # a row-wise dot product (bmm): no (C, V) product buffer
-        finite = log_p if top_p >= 1.0 else log_p.clamp(min=torch.finfo(log_p.dtype).min)  # 0 * -inf is NaN
+        cut = top_p < 1.0 or suppress
+        finite = log_p.clamp(min=torch.finfo(log_p.dtype).min) if cut else log_p  # 0 * -inf is NaN
         entropy = -torch.einsum("cv,cv->c", log_p.exp(), finite).sum()
     return picked, entropy
 
@@ -79,6 +83,7 @@ def chunked_token_logprobs(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    suppress: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden) / temperature)[target] for each row, the head run on ``chunk_size`` rows at a time;
     with ``top_p`` < 1, of that distribution cut to its nucleus and renormalized (what the sampler drew from).
@@ -94,6 +99,8 @@ def chunked_token_logprobs(
             sorts each chunk's (C, V) probabilities, about 3 more (C, V) buffers at the peak (values, int64 order,
             cumulative sum), again in backward's recompute; tokens outside the nucleus get no gradient. verl and
             TRL train with the temperature alone; vagent's configs keep top_p at 1.
+        suppress: token ids taken out of every distribution first (logit -inf), as the samplers take out the vision
+            placeholders (``Policy.vision_placeholder_ids``): the distribution scored is the one drawn from.
 
     Returns:
         logprobs: (N,) float32, with gradient to ``hidden`` and the head's parameters when they require it.
@@ -117,10 +124,10 @@ def chunked_token_logprobs(
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if needs_grad:  # keep only the chunk's inputs; backward recomputes its logits
-            lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, top_p, use_reentrant=False,
+            lp, ent = checkpoint(_chunk_logprobs, head, h, t, temperature, top_p, suppress, use_reentrant=False,
                                  preserve_rng_state=False)  # fmt: skip
         else:
-            lp, ent = _chunk_logprobs(head, h, t, temperature, top_p)
+            lp, ent = _chunk_logprobs(head, h, t, temperature, top_p, suppress)
         pieces.append(lp)
         entropy = entropy + ent.detach()
     return torch.cat(pieces), entropy

@@ -6,8 +6,10 @@
 Each step reads top to bottom in timed stages (verl's driver loop), one function each, handing the next stage
 a small dataclass (``_Groups``, ``_Scored``):
 
-    sync     (``train.sharding=fsdp``) gather the trained shards into the whole-weights copy that generates
-             (``vagent.training.fsdp.InferenceCopy``); under DDP the trained model generates itself
+    sync     ``rollout.backend=vllm``: stream the trained weights into the rank's vLLM engine (whole tensors, LoRA
+             merged; ``vagent.training.weight_sync``) and reset its caches; hf under ``train.sharding=fsdp``: gather
+             the trained shards into the whole-weights copy that generates (``vagent.training.fsdp.InferenceCopy``);
+             hf under DDP: the trained model generates itself
     gen      the rollout engine runs ``prompts_per_step`` prompts x ``group_size`` samples on each rank
              (tools run inside it, concurrently with generation; ``tools`` reports the time rows spent
              waiting on them)
@@ -61,7 +63,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
+from vagent.algorithms import (
+    aggregate,
+    group_advantages,
+    informative_groups,
+    kl_k3,
+    policy_loss,
+    rollout_correction,
+    sampled_logprobs,
+)
 from vagent.config import ConfigError, GRPOConfig, config_to_dict
 from vagent.data import Row, encode_messages, load_rows
 from vagent.data.batching import collate
@@ -89,6 +99,7 @@ from vagent.recipes.judged import JudgedRewards
 from vagent.rewards import REWARDS, check_rewards
 from vagent.rollout import HFBackend, RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
+from vagent.rollout.vllm_backend import VLLMBackend, vllm_unsupported
 from vagent.toolbox import TOOLS, ToolServices
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import TrainBackend, autocast
@@ -104,6 +115,7 @@ from vagent.training.distributed import (
 from vagent.training.fsdp import InferenceCopy, load_sharded
 from vagent.training.metrics import MetricsLogger
 from vagent.training.self_critic import SelfCritic
+from vagent.training.weight_sync import generation_weights
 from vagent.types import StopReason, Trajectory
 
 STOP_REASONS = typing.get_args(StopReason)  # the same keys on every rank: all are logged, 0 when none stopped so
@@ -149,25 +161,61 @@ class _Run:
     total_steps: int
     inference: InferenceCopy | None
 
-    sampler: HFBackend | None = None  # made at the first rollout, kept for the run (KV storage, decode graphs)
+    # made at the first rollout, kept for the run (KV storage, decode graphs; vLLM: the engine)
+    sampler: HFBackend | VLLMBackend | None = None
+    stale: bool = True  # vLLM: the engine holds other weights than the trained ones (set after each update)
 
     def generation_policy(self) -> Policy:
         """The policy the rollout engine samples from: the trained model itself, or under FSDP the inference copy
-        refreshed from the shards in place (a collective: every rank calls it at the same point)."""
+        refreshed from the shards in place; with vLLM, the engine is given the trained weights first if it holds
+        older ones. A collective under FSDP: every rank calls it at the same point."""
+        if self.cfg.rollout.backend == "vllm":
+            if self.stale:
+                engine = self.generation_backend(self.policy)
+                assert isinstance(engine, VLLMBackend)
+                self.sync_s = engine.load_weights(generation_weights(self.backend.module))
+                self.stale = False
+            return self.policy
         if self.inference is None:
             return self.policy
         return dataclasses.replace(self.policy, model=self.inference.refresh(self.backend.model))
 
-    def generation_backend(self, policy: Policy) -> HFBackend:
+    def generation_backend(self, policy: Policy) -> HFBackend | VLLMBackend:
         """One generation backend for the whole run, over ``policy`` (the same model object at every step, its
         weights updated in place): its KV storage and decode graphs are made once, not every refill round, and
-        with ``rollout.kv_cache_gb`` the storage is sized once from that budget."""
+        with ``rollout.kv_cache_gb`` the storage is sized once from that budget. With vLLM, one engine per rank."""
         if self.sampler is None:
-            gb = self.cfg.rollout.kv_cache_gb
-            budget = {"kv_cache_bytes": int(gb * 2**30), "row_tokens": self.cfg.rollout.max_total_tokens,
-                      "row_limit": self.cfg.grpo.rollout_batch_size} if gb else {}  # fmt: skip
-            self.sampler = HFBackend(policy, attention=self.cfg.rollout.attention, **budget)
+            rollout, gb = self.cfg.rollout, self.cfg.rollout.kv_cache_gb
+            if rollout.backend == "vllm":
+                self.sampler = _vllm_engine(self.cfg, policy, self.env, self.bf16)
+            else:
+                budget = {"kv_cache_bytes": int(gb * 2**30), "row_tokens": rollout.max_total_tokens,
+                          "row_limit": self.cfg.grpo.rollout_batch_size} if gb else {}  # fmt: skip
+                self.sampler = HFBackend(policy, attention=rollout.attention, **budget)
         return self.sampler
+
+    sync_s: float = 0.0
+
+    def close(self) -> None:
+        """End the vLLM engine (its memory, and any process of its own): at the end of the run, also after an error."""
+        if isinstance(self.sampler, VLLMBackend):
+            self.sampler.close()
+        self.sampler = None
+
+
+def _vllm_engine(cfg: GRPOConfig, policy: Policy, env: DistEnv, bf16: bool) -> VLLMBackend:
+    """The rank's colocated vLLM engine over ``model.path`` (``rollout.backend=vllm``), in the update's compute
+    dtype."""
+    why = vllm_unsupported(policy.model.config, env.device.type)
+    if why:
+        raise ConfigError(f"rollout.backend=vllm: {why}")
+    rollout = cfg.rollout
+    return VLLMBackend.for_policy(
+        policy, dtype=torch.bfloat16 if bf16 else policy.dtype, max_model_len=rollout.max_total_tokens,
+        max_num_seqs=rollout.max_num_seqs or cfg.grpo.rollout_batch_size, max_images=rollout.max_images,
+        seed=cfg.seed + 1_000_003 * env.rank, gpu_memory_utilization=rollout.gpu_memory_utilization,
+        kv_cache_gb=rollout.kv_cache_gb, sleep=rollout.sleep, watchdog_s=rollout.watchdog_s,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -223,50 +271,53 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
     root = out / "checkpoints"
     resume_from = resume_point(cfg.train.resume, env, root)
     ctx, fingerprint = _setup(cfg, env, out, resume_from)
-    val = _Validation(cfg, env, out, load_rows(cfg.val.rows, known_tools=TOOLS) if cfg.val.rows else [], ctx.limits,
-                      ctx.services, ctx.bf16)  # fmt: skip
-    if val.rows:
-        fingerprint["val_data"] = ckpt.file_digest(cfg.val.rows)
-    state = resume_training(resume_from, ctx.backend, fingerprint, cfg.train.allow_changes, env)
-    start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
-    logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
-                           wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
-    val.resume(state.get("best_val"))
-    if val.rows and start_step == 0:
-        generator = ctx.generation_policy()
-        val(0, generator, ctx.backend, logger, ctx.generation_backend(generator))
-
-    alarms = Alarms(cfg.grpo, env)
-    bar = tqdm(total=ctx.total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
-    last: list[Trajectory] = []
-    for step in range(start_step, ctx.total_steps):
-        if before_step is not None:
-            before_step(step, ctx.total_steps)
-        last = []  # the previous step's episodes (exported if it saved) are not held through this one
-        record, last, consumed = _step(ctx, step, consumed)
-        alarms.check(step, record)
-        done = step + 1
-        bar.update(1)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
-        if done % cfg.train.log_every == 0 or done == ctx.total_steps:
-            logger.log(done, {**record, "peak_mem_gb": peak_memory_gb(env)})
-        if val.rows and (done == ctx.total_steps or (cfg.val.every and done % cfg.val.every == 0)):
-            bar.clear()
+    try:
+        val = _Validation(cfg, env, out, load_rows(cfg.val.rows, known_tools=TOOLS) if cfg.val.rows else [], ctx.limits,
+                          ctx.services, ctx.bf16)  # fmt: skip
+        if val.rows:
+            fingerprint["val_data"] = ckpt.file_digest(cfg.val.rows)
+        state = resume_training(resume_from, ctx.backend, fingerprint, cfg.train.allow_changes, env)
+        start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
+        logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
+                               wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
+        val.resume(state.get("best_val"))
+        if val.rows and start_step == 0:
             generator = ctx.generation_policy()
-            val(done, generator, ctx.backend, logger, ctx.generation_backend(generator))
-        if cfg.train.save_every and done % cfg.train.save_every == 0 and done != ctx.total_steps:
-            _save(ctx, root, done, consumed, fingerprint, last, val)
-    bar.close()
+            val(0, generator, ctx.backend, logger, ctx.generation_backend(generator))
 
-    final = _save(ctx, root, ctx.total_steps, consumed, fingerprint, last, val, checkpoint=cfg.train.save_final)
-    logger.close()
-    if final and cfg.val.keep_best and val.best is not None:
-        final = val.directory(val.best["step"])
-        say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
-                 f"{val.last_accuracy:.3f})")  # fmt: skip
-    model_dir = publish_model(final, out, env) if final else None  # the final (or the best) model at a stable path
-    say(env, f"done: {ctx.total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
-    return model_dir
+        alarms = Alarms(cfg.grpo, env)
+        bar = tqdm(total=ctx.total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
+        last: list[Trajectory] = []
+        for step in range(start_step, ctx.total_steps):
+            if before_step is not None:
+                before_step(step, ctx.total_steps)
+            last = []  # the previous step's episodes (exported if it saved) are not held through this one
+            record, last, consumed = _step(ctx, step, consumed)
+            alarms.check(step, record)
+            done = step + 1
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.2f}")
+            if done % cfg.train.log_every == 0 or done == ctx.total_steps:
+                logger.log(done, {**record, "peak_mem_gb": peak_memory_gb(env)})
+            if val.rows and (done == ctx.total_steps or (cfg.val.every and done % cfg.val.every == 0)):
+                bar.clear()
+                generator = ctx.generation_policy()
+                val(done, generator, ctx.backend, logger, ctx.generation_backend(generator))
+            if cfg.train.save_every and done % cfg.train.save_every == 0 and done != ctx.total_steps:
+                _save(ctx, root, done, consumed, fingerprint, last, val)
+        bar.close()
+
+        final = _save(ctx, root, ctx.total_steps, consumed, fingerprint, last, val, checkpoint=cfg.train.save_final)
+        logger.close()
+        if final and cfg.val.keep_best and val.best is not None:
+            final = val.directory(val.best["step"])
+            say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
+                     f"{val.last_accuracy:.3f})")  # fmt: skip
+        model_dir = publish_model(final, out, env) if final else None  # the final (or the best) model at a stable path
+        say(env, f"done: {ctx.total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
+        return model_dir
+    finally:
+        ctx.close()  # the vLLM engine ends with the run, also after an error
 
 
 def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -> tuple[_Run, dict[str, Any]]:
@@ -285,7 +336,9 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
         else:
             reference = load_policy(model_path, device=env.device, dtype="float32").model.requires_grad_(False)
     # the whole-weights copy of the sharded model, allocated empty (refresh fills it)
-    inference = InferenceCopy(model, torch.bfloat16 if bf16 else torch.float32) if fsdp else None
+    # (vLLM keeps its own copy: the shards are streamed into it instead)
+    copy = fsdp and cfg.rollout.backend == "hf"
+    inference = InferenceCopy(model, torch.bfloat16 if bf16 else torch.float32) if copy else None
 
     train_path = cfg.data.train
     rows = load_rows(train_path, known_tools=TOOLS)
@@ -298,7 +351,7 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
         **{
             k: v
             for k, v in config_to_dict(cfg.rollout).items()
-            if k not in ("agent", "kv_cache_gb", "attention", "tool_workers")
+            if k in RolloutLimits.fields()  # the episode's limits and sampling; the rest picks the engine
         },
         seed=cfg.seed,
     )
@@ -326,6 +379,7 @@ def _step(ctx: _Run, step: int, consumed: int) -> tuple[dict[str, Any], list[Tra
         scored = _score_old_logprobs(ctx, groups, step, timer)
         critic = _self_critic(ctx, scored, step)  # None but on every `every`-th step
         update_stats = _update_policy(ctx, scored, step, timer, critic)
+        ctx.stale = True  # the engine (vLLM) is given these weights before it samples again
         dpo = critic.record if critic else {}
         del scored, critic  # their encodings hold the step's patches
     for t in groups.seen:  # trained on: the patches go now (a checkpoint's export reads the messages' images)
@@ -413,7 +467,8 @@ def _collect_groups(ctx: _Run, consumed: int, timer: dict[str, float]) -> _Group
         counts = all_gather_object(len(kept))  # the decision is the global batch's (verl filters globally)
         if not algo.dynamic_sampling or sum(counts) >= target or rounds > algo.max_refill_rounds:
             break
-    ctx.generation_backend(generator).free_storage()  # KV grown on demand goes back for the update (a budget stays)
+    # KV grown on demand goes back for the update (a budget stays); vLLM on a GPU sleeps until the next sync
+    ctx.generation_backend(generator).free_storage()
     n = min(algo.prompts_per_step, sum(counts) // env.world_size)
     for t in (t for group, _ in kept[n:] for t in group):  # not trained here; sent to every rank when one is short of
         t.release_patches()  # groups, where patches would be 8x the images' bytes (a rank that takes one encodes it anew)
@@ -470,7 +525,7 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     log-probs for the KL term). On-policy (one pass, one optimizer step, no KL) the update's own detached
     log-probs are the old ones: the same weights, the same forward, so the ratio is 1 by construction and this
     pass is skipped (as TRL does); otherwise the update's ratio check is a real test of that equality."""
-    cfg, env, policy, algo = ctx.cfg, ctx.env, ctx.policy, ctx.cfg.grpo
+    env, policy, algo = ctx.env, ctx.policy, ctx.cfg.grpo
     t0 = time.perf_counter()
     advantages = group_advantages(torch.tensor(groups.rewards), algo.group_size, scale_by_std=algo.scale_by_std,
                                   negative_scale=algo.negative_scale)  # (N,)  # fmt: skip
@@ -488,7 +543,7 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     timer["adv"] = time.perf_counter() - t0
     on_policy = algo.inner_updates == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
     n = len(encoded)
-    head = _head_args(cfg)  # how _scored_logprobs runs the LM head, at the sampler's temperature and top_p
+    head = _head_args(ctx)  # how _scored_logprobs runs the LM head, at the sampler's temperature and top_p
     scored = _Scored(trajectories=groups.trajectories, encoded=encoded, advantages=advantages,
                      old=[torch.empty(0)] * n, ref=[torch.empty(0)] * n, on_policy=on_policy)  # fmt: skip
     policy.model.train()
@@ -523,14 +578,17 @@ def _self_critic(ctx: _Run, scored: _Scored, step: int) -> SelfCritic | None:
         group_size=algo.group_size, margin=critic.margin, max_pairs=critic.max_pairs,
         capped_chosen=critic.capped_chosen, coef=critic.coef, beta=critic.beta, loss_type=critic.loss_type,
         pairs_per_micro=max(1, algo.micro_batch_size // 2), pad_id=ctx.policy.tokenizer.pad_token_id or 0,
-        device=ctx.env.device, score=lambda batch: _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx.cfg))[0],
+        device=ctx.env.device, score=lambda batch: _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx))[0],
     )  # fmt: skip
 
 
-def _head_args(cfg: GRPOConfig) -> tuple[bool, int, tuple[float, float]]:
-    """``_scored_logprobs``'s share_prefix, chunk_size and sampling (the rollout's temperature and top_p): the old
-    log-probs, the update and the reference all score the distribution the rollouts were drawn from."""
-    return cfg.train.share_prefix, cfg.train.lm_head_chunk, (cfg.rollout.temperature, cfg.rollout.top_p)
+def _head_args(ctx: _Run) -> tuple[bool, int, tuple[float, float], tuple[int, ...]]:
+    """``_scored_logprobs``'s share_prefix, chunk_size, sampling (the rollout's temperature and top_p) and the tokens
+    the samplers never draw (the vision placeholders): the old log-probs, the update and the reference all score the
+    distribution the rollouts were drawn from."""
+    cfg = ctx.cfg
+    return (cfg.train.share_prefix, cfg.train.lm_head_chunk, (cfg.rollout.temperature, cfg.rollout.top_p),
+            tuple(ctx.policy.vision_placeholder_ids))  # fmt: skip
 
 
 def _micro_batches(ctx: _Run, encoded: list[Encoded], order: list[int]) -> Iterator[tuple[list[int], dict, bool]]:
@@ -606,7 +664,7 @@ def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[st
     algo = ctx.cfg.grpo
     mask = batch["loss_mask"]  # (B, T) 1 = sampled
     width = mask.shape[1]
-    lp, entropy = _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx.cfg))  # (B, T)
+    lp, entropy = _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx))  # (B, T)
     if scored.on_policy:
         for row, i in enumerate(idx):
             scored.old[i] = lp[row, : len(scored.encoded[i].input_ids)].detach()
@@ -614,6 +672,14 @@ def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[st
     adv = scored.advantages[idx].to(ctx.env.device)  # (B,)
     per_token, st = policy_loss(lp, old_lp, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
                                 dual_clip=algo.dual_clip)  # fmt: skip
+    sampler_lp = torch.stack([F.pad(torch.tensor(scored.trajectories[i].logprobs, dtype=torch.float32),
+                                    (0, width - len(scored.trajectories[i].logprobs))) for i in idx]).to(lp.device)  # fmt: skip
+    weights, corr = rollout_correction(old_lp, sampler_lp, mask, cap=algo.rollout_correction_cap)  # (B, T)
+    if algo.rollout_correction == "token_tis":  # the engine's draws re-weighted toward the trainer's distribution
+        per_token = per_token * weights
+    for key in ("is_ratio", "is_clipped", "sampler_kl"):
+        stats[key] += float(corr[key])
+    stats["is_ratio_max"] = max(stats["is_ratio_max"], float(corr["is_ratio_max"]))
     if algo.kl_coef > 0:
         ref_lp = torch.stack([F.pad(scored.ref[i], (0, width - len(scored.ref[i]))) for i in idx])  # (B, T)
         kl = kl_k3(lp, ref_lp, mask)
@@ -640,6 +706,9 @@ _SUMMED = (
     "tokens",
     "sampler_gap",
     "sampled",
+    "is_ratio",
+    "is_clipped",
+    "sampler_kl",
     "trajectories",
     "masked",
 )
@@ -650,8 +719,10 @@ def _reduce_stats(stats: Counter[str], env: DistEnv) -> dict[str, float]:
     keys = [k for k in _SUMMED if k in stats]  # the same keys on every rank (kl iff kl_coef > 0)
     totals = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=env.device))
     out = {**stats, **dict(zip(keys, totals.tolist(), strict=True))}
-    worst = all_reduce_min(torch.tensor([-stats["ratio_check"]], dtype=torch.float64, device=env.device))
-    out["ratio_check"] = max(0.0, -float(worst))
+    worst = all_reduce_min(torch.tensor([-stats["ratio_check"], -stats["is_ratio_max"]], dtype=torch.float64,
+                                        device=env.device))  # fmt: skip
+    out["ratio_check"] = max(0.0, -float(worst[0]))
+    out["is_ratio_max"] = -float(worst[1])
     return out
 
 
@@ -687,6 +758,12 @@ def _metrics(groups: _Groups, update: dict[str, float], timer: dict[str, float],
         record["ratio_check"] = update["ratio_check"]
         record["sampler_logprob_gap"] = update["sampler_gap"] / max(update["sampled"], 1.0)
         record["masked_share"] = update["masked"] / max(update["trajectories"], 1.0)  # capped, trained on nothing
+        # the engine/trainer gap over every update pass (verl's rollout_corr): KL(sampler || trainer) by k3, the
+        # importance ratio pi_old / pi_sampler, and the share of tokens whose ratio passed the cap
+        record["rollout_corr/kl"] = update["sampler_kl"] / tokens
+        record["rollout_corr/is_ratio_mean"] = update["is_ratio"] / tokens
+        record["rollout_corr/is_ratio_max"] = update["is_ratio_max"]
+        record["rollout_corr/clipped_share"] = update["is_clipped"] / tokens
     for stage in ("sync", "gen", "tools", "reward", "adv", "logprob", "update", "step"):
         record[f"time/{stage}"] = timer.get(stage, 0.0)
     return record
@@ -809,17 +886,19 @@ def _scored_logprobs(
     share_prefix: bool = True,
     chunk_size: int = 0,
     sampling: tuple[float, float] = (1.0, 1.0),
+    suppress: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log-probs of the sampled tokens under the distribution the sampler drew from (``sampling``: its
     temperature and top_p, as verl and TRL divide the logits by the temperature in both the old-log-prob pass and
-    the update) and that distribution's summed entropy. With ``chunk_size`` (or any warping) the head runs on the
+    the update, ``suppress`` out of it) and that distribution's summed entropy. With ``chunk_size`` (or any warping)
+    the head runs on the
     sampled positions, ``chunk_size`` (1,024 when 0) at a time (``masked_token_logprobs``); with 0 and no warping,
     ``sampled_logprobs`` over whole logits from the position that predicts the batch's first sampled token on."""
     mask = batch["loss_mask"]
     temperature, top_p = sampling
-    if chunk_size or sampling != (1.0, 1.0):
+    if chunk_size or sampling != (1.0, 1.0) or suppress:
         return masked_token_logprobs(model, batch, mask, chunk_size=chunk_size or 1024, temperature=temperature,
-                                     top_p=top_p, share_prefix=share_prefix)  # fmt: skip
+                                     top_p=top_p, share_prefix=share_prefix, suppress=suppress)  # fmt: skip
     width = mask.shape[1]
     first = int(mask.float().argmax(dim=1).min()) if mask.any() else width - 1  # earliest sampled token
     start = max(first - 1, 0)  # position start predicts token start + 1

