@@ -206,9 +206,6 @@ class _Run:
 def _vllm_engine(cfg: GRPOConfig, policy: Policy, env: DistEnv, bf16: bool) -> VLLMBackend:
     """The rank's colocated vLLM engine over ``model.path`` (``rollout.backend=vllm``), in the update's compute
     dtype."""
-    why = vllm_unsupported(policy.model.config, env.device.type)
-    if why:
-        raise ConfigError(f"rollout.backend=vllm: {why}")
     rollout = cfg.rollout
     return VLLMBackend.for_policy(
         policy, dtype=torch.bfloat16 if bf16 else policy.dtype, max_model_len=rollout.max_total_tokens,
@@ -329,6 +326,10 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     if env.rank:  # every rank seeded alike for LoRA's init; sampling noise must differ between ranks
         torch.manual_seed(cfg.seed + 1_000_003 * env.rank)
     fsdp = cfg.train.sharding == "fsdp"
+    if cfg.rollout.backend == "vllm":  # refused now, not at the first rollout
+        why = vllm_unsupported(policy.model.config, env.device.type)
+        if why:
+            raise ConfigError(f"rollout.backend=vllm: {why}")
     reference = None
     if algo.kl_coef > 0 and not cfg.train.lora.enabled:  # with LoRA the reference is the model, adapters off
         if fsdp:  # sharded like the policy (it runs the same micro-batches in lockstep), loaded straight into shards
