@@ -120,9 +120,18 @@ def test_the_7b_grpo_and_sft_plans_at_8_ranks(capsys, monkeypatch):
         "--config", "configs/sft/qwen2_5_vl_7b_fsdp.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b", capsys=capsys
     )  # the GRPO one through the `vagent` command itself, this one in process
     assert _peak(grpo.stdout) <= 80 and _peak(sft.stdout) <= 80
-    assert "rollout KV cache (kept across steps)" in grpo.stdout and "rollout.kv_cache_gb=12" in grpo.stdout
-    assert "rollout whole-weights copy (resident)" in grpo.stdout
-    assert "rollout" not in sft.stdout
+    # vLLM: the engine's own weights and its KV cache, freed while the update runs
+    assert "vLLM KV cache" in grpo.stdout and "rollout.kv_cache_gb=12" in grpo.stdout
+    assert "vLLM engine weights (bf16)" in grpo.stdout and "freed during the update" in grpo.stdout
+    assert "rollout" not in sft.stdout and "vLLM" not in sft.stdout
+    # the HF backend keeps its KV storage and the gathered whole-weights copy resident through the update
+    hf = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
+                 "rollout.backend=hf", capsys=capsys)  # fmt: skip
+    assert "rollout KV cache (kept across steps)" in hf.stdout and "rollout whole-weights copy (resident)" in hf.stdout
+    assert _peak(hf.stdout) > _peak(grpo.stdout)
+    awake = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
+                    "rollout.sleep=false", capsys=capsys)  # fmt: skip
+    assert "resident" in awake.stdout and _peak(awake.stdout) > _peak(grpo.stdout)
 
 
 def test_a_plan_that_does_not_fit_exits_2_with_one_line(capsys, monkeypatch):

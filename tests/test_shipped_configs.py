@@ -217,6 +217,8 @@ def _overrides(stage: str, shipped, out: Path, model: Path, shape_name: str | No
     # 4 samples of 8 tokens: a group's even-id shares almost never all agree; max_turns 1: a random model calls no tool
     sizes += ["rollout.max_turns=1", "rollout.max_new_tokens=8", "grpo.group_size=4", "grpo.prompts_per_step=1",
               "grpo.rollout_batch_size=4", f"rewards.weights={json.dumps(weights)}"]  # fmt: skip
+    if shipped.rollout.backend == "vllm":  # this environment has no vLLM, and vLLM's CPU attention no head_dim 8: these
+        sizes.append("rollout.backend=hf")  # configs roll out on vLLM in test_vllm_grpo.py, on head_dim-32 miniatures
     if shipped.grpo.mask_truncated:  # 8-token turns of a random policy are all cut by max_tokens: over-turn masking
         sizes.append("grpo.mask_truncated=false")  # would train on none of them (its own test is in test_grpo.py)
     if shipped.rollout.kv_cache_gb is not None:

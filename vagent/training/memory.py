@@ -169,6 +169,8 @@ class Setup:
     rollout_batch: int = 0  # GRPO: sequences generated at once
     rollout_len: int = 0  # GRPO: tokens per generated sequence (prompt + all turns)
     kv_cache_gb: float | None = None  # GRPO: the rollout's KV storage sized once (rollout.kv_cache_gb)
+    engine: Literal["hf", "vllm"] = "hf"  # GRPO: what generates (rollout.backend)
+    engine_sleeps: bool = True  # GRPO on vLLM: the engine frees its weights and KV cache for the update (rollout.sleep)
     group_size: int = 1  # GRPO: samples per prompt (they share the prompt image's patches)
     episodes: int = 0  # GRPO: episodes a step holds at most on a rank (their images are on the host until its end)
     prompt_pixels: int = 0  # GRPO: pixels of a prompt image as given (the messages keep it); 0 = at the model's size
@@ -327,6 +329,22 @@ def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
     # resident, like the weights; grown on demand, it reaches the rollout batch at full length and is freed before
     # the update
     row = 2 * shape.layers * shape.kv_dim * a * s.rollout_len
+    logits = s.rollout_batch * shape.vocab * 4 * 2  # last position's logits and the sampler's softmax
+    if s.engine == "vllm":
+        # the engine holds its own weights (bf16), whatever the sharding (under DDP too: it does not read the trained
+        # model) and its KV cache, sized once; sleeping, it frees both while the update runs
+        engine = 2 * total
+        kv = s.kv_cache_gb * GiB if s.kv_cache_gb else row * s.rollout_batch
+        when = "freed during the update (rollout.sleep)" if s.engine_sleeps else "resident"
+        p.lines.append(("vLLM engine weights (bf16)", engine, when))
+        sized = f"rollout.kv_cache_gb={s.kv_cache_gb:g}" if s.kv_cache_gb else f"{s.rollout_batch} sequences"
+        p.lines.append(("vLLM KV cache", kv, f"{sized} x {s.rollout_len} tokens; {when}"))
+        if s.engine_sleeps:
+            p.rollout = engine + kv + logits
+        else:
+            p.state += engine + kv
+            p.rollout = logits
+        return
     if s.kv_cache_gb:
         kv = s.kv_cache_gb * GiB
         p.lines.append(("rollout KV cache (kept across steps)", kv, f"rollout.kv_cache_gb={s.kv_cache_gb:g}: "
@@ -340,7 +358,6 @@ def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
         gathered = 2 * total  # generation reads whole weights: a bf16 copy, refreshed in place and kept resident
         p.lines.append(("rollout whole-weights copy (resident)", gathered, "bf16 copy for generation"))
         p.state += gathered
-    logits = s.rollout_batch * shape.vocab * 4 * 2  # last position's logits and the sampler's softmax
     p.rollout = logits + (0 if s.kv_cache_gb else kv)
 
 
