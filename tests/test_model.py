@@ -129,7 +129,8 @@ def test_token_logprobs_match_generation_and_use_multimodal_rope(policy):
         "image_grid_thw": inputs["image_grid_thw"],
     }
     with torch.no_grad():
-        scores = token_logprobs(policy.model, batch)  # mm_token_type_ids derived inside
+        # mm_token_type_ids derived inside; the sampler never draws a vision placeholder: out of its distribution
+        scores = token_logprobs(policy.model, batch, suppress=policy.vision_placeholder_ids)
     n = len(gen.token_ids)
     assert scores.shape == full.shape and scores[0, 0] == 0
     assert scores[0, -n:].tolist() == pytest.approx(gen.logprobs, abs=1e-4)

@@ -153,3 +153,26 @@ def test_a_checkpoint_whose_heads_vllm_cannot_run_is_refused_with_the_remedy(tmp
     assert why is not None and "16" in why and "--size small" in why and "\n" not in why
     with pytest.raises(ValueError, match="head sizes"):
         _engine(tiny)
+
+
+def test_vagent_rollout_with_backend_vllm_writes_the_hf_backends_greedy_trajectories(small, tmp_path):
+    """`vagent rollout --backend vllm` (the command a user runs): the same greedy trajectories as `--backend hf`."""
+    import subprocess
+    import sys
+
+    from data_pipelines.synthetic.zoom import zoom_rows
+    from vagent.data import write_rows
+    from vagent.rollout.export import read_jsonl
+
+    frame = load_policy(small, device="cpu").frame
+    rows = write_rows(zoom_rows(tmp_path, 3, seed=0, size=(224, 168), clutter=10, **frame), tmp_path / "rows.jsonl")
+    out = {}
+    for backend in ("hf", "vllm"):
+        cmd = [sys.executable, "-m", "vagent.cli", "rollout", "--model", str(small), "--data", str(rows), "--out",
+               str(tmp_path / f"{backend}.jsonl"), "--temperature", "0", "--max-new-tokens", "16", "--max-turns", "2",
+               "--backend", backend, "--dtype", "float32"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[backend] = [[m.token_ids for m in t.messages] for t in read_jsonl(tmp_path / f"{backend}.jsonl")]
+    assert len(out["hf"]) == 3 and any(ids for t in out["hf"] for ids in t if ids)
+    assert out["vllm"] == out["hf"]

@@ -303,7 +303,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
     from vagent.data import load_rows
     from vagent.model import load_policy
-    from vagent.recipes.evaluate import episode_limits
+    from vagent.recipes.evaluate import episode_backend, episode_limits
     from vagent.rollout import Task, run
     from vagent.rollout.export import write_html, write_jsonl
     from vagent.toolbox import TOOLS
@@ -316,6 +316,7 @@ def _rollout(args: argparse.Namespace) -> int:
     limits = episode_limits(args)
     policy = load_policy(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
     torch.manual_seed(args.seed)
+    backend = episode_backend(args, policy, limits)
 
     total = len(tasks) * args.samples
     answered = 0
@@ -327,17 +328,22 @@ def _rollout(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(answered=f"{answered / bar.n:.0%}")
 
-        trajectories = run(
-            policy,
-            tasks,
-            n_samples=args.samples,
-            limits=limits,
-            services=services,
-            batch_size=args.batch_size,
-            progress=progress,
-            agent=args.agent,
-            tool_workers=args.tool_workers,
-        )
+        try:
+            trajectories = run(
+                policy,
+                tasks,
+                n_samples=args.samples,
+                limits=limits,
+                services=services,
+                batch_size=args.batch_size,
+                progress=progress,
+                agent=args.agent,
+                tool_workers=args.tool_workers,
+                backend=backend,
+            )
+        finally:
+            if backend is not None:
+                backend.close()
 
     # The gold answer and sample number ride along in each JSONL record, so scoring needs only this file.
     rows_by_id = {row.id: row for row in rows}
@@ -433,6 +439,11 @@ def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature
     p.add_argument("--tool-workers", type=_positive, default=8, help="Threads running tool calls, shared by the "
                    "episodes in flight; a call's timeout counts from when one starts it (%(default)s).")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="Sampling seed.")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="What generates: hf (vagent's own engine) "
+                   "or vllm (a vLLM engine over the checkpoint: the vllm extra on GPUs, `make vllm-venv` on CPUs; "
+                   "docs/guide/rollout.md). Default: %(default)s.")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                   help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
 
 
 def _add_make_tiny_model(sub) -> None:

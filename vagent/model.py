@@ -474,20 +474,24 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return hf.model, hf.get_output_embeddings()
 
 
-def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int = 1024) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, batch: dict[str, Any], *, chunk_size: int = 1024,
+                   suppress: Sequence[int] = ()) -> torch.Tensor:  # fmt: skip
     """Log-prob of every token given the tokens before it, for a multimodal batch (see ``policy_logits``).
 
     Args:
         model: A Qwen-VL ``...ForConditionalGeneration`` (possibly wrapped by DDP/peft).
         batch: As for ``policy_logits``.
         chunk_size: Positions per chunk of the language-model head: (B, T, V) logits are never whole.
+        suppress: Token ids out of the distribution (the samplers' vision placeholders: what a sampler recorded).
 
     Returns:
         (B, T) float32; position t holds log p(x_t | x_<t); position 0 holds 0.
     """
     every = torch.ones_like(batch["input_ids"])
     every[:, 0] = 0
-    return masked_token_logprobs(model, batch, every, chunk_size=chunk_size, share_prefix=False)[0]
+    return masked_token_logprobs(
+        model, batch, every, chunk_size=chunk_size, share_prefix=False, suppress=tuple(suppress)
+    )[0]
 
 
 def masked_token_logprobs(

@@ -32,7 +32,7 @@ from vagent.eval.metrics import summarize
 from vagent.eval.turns import turn_record
 from vagent.model import Policy
 from vagent.rewards.answer import gold_answers
-from vagent.rollout import RolloutLimits, Task, run
+from vagent.rollout import GenerationBackend, RolloutLimits, Task, run
 from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
 from vagent.toolbox import ToolServices
 from vagent.training.distributed import DistEnv, barrier
@@ -49,7 +49,8 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
 def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,
              limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: ToolServices | None = None,
              env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
-             progress: bool = True, agent: str = "vagent", tool_workers: int = 8) -> dict[str, Any]:  # fmt: skip
+             progress: bool = True, agent: str = "vagent", tool_workers: int = 8,
+             backend: GenerationBackend | None = None) -> dict[str, Any]:  # fmt: skip
     """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
 
     Args:
@@ -60,6 +61,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         skipped: Records the loader could not read, reported in the metrics.
         agent: The agent profile the policy speaks (``vagent.agents.PROFILES``): its prompt, tools and answers.
         tool_workers: Threads running tool calls (``vagent.rollout.run``).
+        backend: What generates (``vagent.rollout.run``'s; default: a new HF backend per chunk).
 
     Raises:
         BenchmarkError: ``out_dir`` holds samples made under other limits (a resume must ask for the same).
@@ -111,7 +113,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         chunk = max(1, batch_size)
         for start in range(0, len(todo), chunk):
             run(policy, [task(r) for r in todo[start : start + chunk]], n_samples, limits, batch_size=batch_size,
-                progress=finished, agent=agent, services=services, tool_workers=tool_workers)  # fmt: skip
+                progress=finished, agent=agent, services=services, tool_workers=tool_workers, backend=backend)  # fmt: skip
     bar.close()
     barrier()
     if rank != 0:

@@ -50,10 +50,15 @@ def run_eval(args: argparse.Namespace) -> int:
 
         services = tool_services(ToolboxConfig(search_corpus=args.search_corpus, search_url=args.search_url,
                                                allow_unsandboxed_code=args.unsandboxed))  # fmt: skip
-        metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
-                           n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
-                           skipped=errors, progress=env.is_main, agent=args.agent,
-                           tool_workers=args.tool_workers)  # fmt: skip
+        backend = episode_backend(args, policy, limits)
+        try:
+            metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
+                               n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
+                               skipped=errors, progress=env.is_main, agent=args.agent,
+                               tool_workers=args.tool_workers, backend=backend)  # fmt: skip
+        finally:
+            if backend is not None:
+                backend.close()
     finally:
         shutdown()
     if metrics and args.judge:
@@ -62,6 +67,25 @@ def run_eval(args: argparse.Namespace) -> int:
         print((Path(args.out) / "metrics.md").read_text())
         print(f"wrote {args.out}/samples.jsonl, metrics.json, trajectories.html")
     return 0
+
+
+def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits) -> Any:
+    """The generation backend of ``vagent eval`` and ``vagent rollout`` (``--backend``): None for vagent's own HF
+    engine (``run`` makes one), or a vLLM engine over the checkpoint, which the caller closes.
+
+    Raises:
+        BenchmarkError: vLLM cannot run this checkpoint here (one line, with the remedy).
+    """
+    if args.backend != "vllm":
+        return None
+    from vagent.rollout.vllm_backend import VLLMBackend
+
+    try:
+        return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=args.batch_size,
+                                      max_images=limits.max_images, seed=args.seed,
+                                      gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    except ValueError as e:
+        raise BenchmarkError(f"--backend vllm: {e}") from None
 
 
 def episode_limits(args: argparse.Namespace) -> RolloutLimits:

@@ -140,7 +140,10 @@ class VLLMBackend:
             kwargs["enable_sleep_mode"] = sleep
             if kv_cache_gb:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        threads = torch.get_num_threads()  # vLLM's CPU worker sets its own: the trainer's are put back
+        # What vLLM's CPU worker changes for the whole process is put back after it starts: it replaces
+        # torch.set_num_threads by a no-op and sets its own thread count, and it writes environment variables
+        # (LD_PRELOAD, LOCAL_WORLD_SIZE, ...) that torchrun's view and the tools' subprocesses would inherit
+        threads, set_threads, environ = torch.get_num_threads(), torch.set_num_threads, dict(os.environ)
         self.llm = LLM(
             model=str(model_path),
             dtype=dtype,
@@ -153,7 +156,14 @@ class VLLMBackend:
             enforce_eager=device == "cpu",
             **kwargs,
         )
+        torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+        for key in set(os.environ) | set(environ):  # its own VLLM_* settings stay: the engine reads them later
+            if not key.startswith("VLLM_") and os.environ.get(key) != environ.get(key):
+                if key in environ:
+                    os.environ[key] = environ[key]
+                else:
+                    del os.environ[key]
         self._engine = self.llm.llm_engine
         self.device = device
         self.sleeping = False

@@ -1,0 +1,185 @@
+"""vLLM against vagent's HF engine, side by side in one run (in the vLLM environment: ``make vllm-venv``).
+
+    .venv-vllm/bin/python benchmarks/vllm_rollout.py [--rows 64] [--new-tokens 32] [--vocab trained,qwen] [--doc]
+
+Three ways to generate the same work, on the ``small`` tiny checkpoint (head_dim 32, fp32) with its own BPE vocabulary
+and with Qwen's 151,936-token one:
+
+* **single turn**: ``--rows`` prompts with one image each, one sampled turn of ``--new-tokens`` tokens at T = 1 with
+  EOS off (every row samples the same count), no tools. ``bare vLLM`` is ``LLM.generate`` on the same collapsed
+  prompts and images (the engine alone); ``vagent + vLLM`` is ``vagent.rollout.run`` over ``VLLMBackend`` (prompt
+  building, the turn protocol, the id checks); ``vagent + HF`` the same over ``HFBackend``. Target: vagent + vLLM at
+  least 0.9 of bare vLLM's sampled tokens/s.
+* **multi-turn crop**: the checkpoint first memorizes a crop episode (two crop calls, then an answer: the test suite's
+  ``taught`` policy), then ``--rows`` rows roll out greedily on each backend: three sampled turns and two tool images
+  per row, rows rejoining the batch as their tools return.
+
+Each measurement runs once untimed first (the engine's warm-up, the HF backend's first allocations), then timed.
+``--doc`` writes the table into docs/benchmarks.md (section ``vllm-rollout-cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from PIL import Image
+
+from vagent.model import load_policy
+from vagent.rollout import HFBackend, RolloutLimits, Task, run
+from vagent.rollout.vllm_backend import VLLMBackend, collapse_image_pads
+from vagent.tiny_model import build_tiny_checkpoint
+from vagent.training.weight_sync import generation_weights
+
+
+def _image(i: int) -> Image.Image:
+    return Image.new("RGB", (112, 112), ((37 * i) % 256, (91 * i) % 256, 160))
+
+
+def _tasks(n: int) -> list[Task]:
+    return [Task(id=f"r{i}", images=[_image(i)], question=f"What color is picture {i}?", tools=["crop"])
+            for i in range(n)]  # fmt: skip
+
+
+def _timed(fn, repeat: int = 1) -> tuple[float, object]:
+    out = fn()  # untimed: warm-up
+    start = time.perf_counter()
+    for _ in range(repeat):
+        out = fn()
+    return (time.perf_counter() - start) / repeat, out
+
+
+def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int) -> list[tuple[str, float, int]]:
+    """(name, seconds, sampled tokens) for bare vLLM, vagent + vLLM and vagent + HF on one sampled turn per row."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tasks = _tasks(rows)
+    limits = RolloutLimits(max_turns=1, max_new_tokens=new_tokens, temperature=1.0)
+    # the first turn's requests as the engine builds them: capture them once from a vagent run
+    captured = []
+    submit = engine.submit
+
+    def capture(request):
+        captured.append(request)
+        submit(request)
+
+    engine.submit = capture
+    run(policy, tasks, limits=limits, batch_size=rows, backend=engine)
+    engine.submit = submit
+    pad = policy.model.config.image_token_id
+    prompts = [TokensPrompt(prompt_token_ids=collapse_image_pads(r.ids, pad), multi_modal_data={"image": r.images})
+               for r in captured]  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0,
+                            skip_special_tokens=False)  # fmt: skip
+
+    def bare():
+        outs = engine.llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    # EOS off for the vagent runs too: every row samples new_tokens (the stop strings may still end a turn early)
+    eos = engine._eos
+    engine._eos = []
+    t_bare, n_bare = _timed(bare)
+    t_vllm, out_vllm = _timed(lambda: run(policy, tasks, limits=limits, batch_size=rows, backend=engine))
+    engine._eos = eos
+    hf = HFBackend(policy)
+    hf._eos = set()
+    t_hf, out_hf = _timed(lambda: run(policy, tasks, limits=limits, batch_size=rows, backend=hf))
+    sampled = lambda out: sum(sum(t.loss_mask) for t in out)  # noqa: E731
+    return [("bare vLLM (LLM.generate)", t_bare, n_bare), ("vagent + vLLM", t_vllm, sampled(out_vllm)),
+            ("vagent + HF", t_hf, sampled(out_hf))]  # fmt: skip
+
+
+def taught(policy, steps: int = 200):
+    """The policy after memorizing a crop episode (tests/test_vllm_backend.py's ``taught``), in place."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_vllm_backend import SCRIPT, _task
+
+    from vagent.data import encode_messages
+    from vagent.data.batching import collate
+    from vagent.model import masked_token_logprobs
+
+    [gold] = run(policy, [_task(SCRIPT)], limits=RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0))
+    for message in gold.messages:
+        if message.role == "assistant":
+            message.token_ids, message.sampled = None, None
+    min_pixels, max_pixels = policy.pixel_budget
+    enc = encode_messages(gold.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                          factor=policy.image_factor)  # fmt: skip
+    batch = collate([enc], policy.tokenizer.pad_token_id or 0)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=3e-3, weight_decay=0.0)
+    policy.model.train()
+    for _ in range(steps):
+        lp, _ = masked_token_logprobs(policy.model, batch, batch["loss_mask"])
+        loss = -lp.sum() / batch["loss_mask"].sum()
+        if float(loss.detach()) < 0.01:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    policy.model.eval()
+    return _task
+
+
+def multi_turn(policy, engine: VLLMBackend, rows: int) -> list[tuple[str, float, int, float]]:
+    """(name, seconds, sampled tokens, tool calls per row) of greedy crop episodes on both backends."""
+    make_task = taught(policy)
+    engine.load_weights(generation_weights(policy.model))
+    tasks = [make_task(i=i) for i in range(rows)]
+    limits = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
+    out = []
+    for name, backend in (("vagent + vLLM", engine), ("vagent + HF", HFBackend(policy))):
+        seconds, trajectories = _timed(lambda b=backend: run(policy, tasks, limits=limits, batch_size=rows, backend=b))
+        calls = sum(len(t.tool_results) for t in trajectories) / rows
+        out.append((name, seconds, sum(sum(t.loss_mask) for t in trajectories), calls))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--vocab", default="trained,qwen", help="Checkpoint vocabularies, comma-separated.")
+    parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
+    args = parser.parse_args(argv)
+    lines = ["| checkpoint | workload | generator | wall s | sampled tokens | tokens/s | vs bare vLLM | tool calls/row |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for vocab in args.vocab.split(","):
+            path = build_tiny_checkpoint(Path(tmp) / vocab, size="small", vocab=vocab)
+            policy = load_policy(path, device="cpu", dtype="float32")
+            engine = VLLMBackend.for_policy(policy, max_model_len=4096, max_num_seqs=args.rows, max_images=4)
+            name = f"small, {'Qwen vocabulary' if vocab == 'qwen' else 'trained BPE'}"
+            single = single_turn(policy, engine, args.rows, args.new_tokens)
+            bare_rate = single[0][2] / single[0][1]
+            for gen, seconds, tokens in single:
+                rate = tokens / seconds
+                lines.append(f"| {name} | single turn, {args.rows} rows x {args.new_tokens} tokens | {gen} | "
+                             f"{seconds:.2f} | {tokens} | {rate:.0f} | {rate / bare_rate:.2f} | |")  # fmt: skip
+            if vocab == "trained":  # the memorized crop episode: once, on the faster checkpoint
+                for gen, seconds, tokens, calls in multi_turn(policy, engine, args.rows):
+                    lines.append(f"| {name} | multi-turn crop, {args.rows} rows, greedy | {gen} | {seconds:.2f} | "
+                                 f"{tokens} | {tokens / seconds:.0f} | | {calls:.1f} |")  # fmt: skip
+            engine.close()
+            print("\n".join(lines), flush=True)
+    table = "\n".join(lines)
+    if args.doc:
+        from doc_table import write_section
+
+        write_section("vllm-rollout-cpu", table, command=f".venv-vllm/bin/{' '.join(['python', *sys.argv])}".replace(
+            " --doc", ""))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
