@@ -31,7 +31,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 from PIL import Image
 
 from vagent.model import load_policy
@@ -100,42 +99,14 @@ def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int) -> list
             ("vagent + HF", t_hf, sampled(out_hf))]  # fmt: skip
 
 
-def taught(policy, steps: int = 200):
-    """The policy after memorizing a crop episode (tests/test_vllm_backend.py's ``taught``), in place."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_vllm_backend import SCRIPT, _task
-
-    from vagent.data import encode_messages
-    from vagent.data.batching import collate
-    from vagent.model import masked_token_logprobs
-
-    [gold] = run(policy, [_task(SCRIPT)], limits=RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0))
-    for message in gold.messages:
-        if message.role == "assistant":
-            message.token_ids, message.sampled = None, None
-    min_pixels, max_pixels = policy.pixel_budget
-    enc = encode_messages(gold.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
-                          factor=policy.image_factor)  # fmt: skip
-    batch = collate([enc], policy.tokenizer.pad_token_id or 0)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=3e-3, weight_decay=0.0)
-    policy.model.train()
-    for _ in range(steps):
-        lp, _ = masked_token_logprobs(policy.model, batch, batch["loss_mask"])
-        loss = -lp.sum() / batch["loss_mask"].sum()
-        if float(loss.detach()) < 0.01:
-            break
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    policy.model.eval()
-    return _task
-
-
 def multi_turn(policy, engine: VLLMBackend, rows: int) -> list[tuple[str, float, int, float]]:
     """(name, seconds, sampled tokens, tool calls per row) of greedy crop episodes on both backends."""
-    make_task = taught(policy)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_vllm_backend import _task, teach_crop_episode
+
+    teach_crop_episode(policy)
     engine.load_weights(generation_weights(policy.model))
-    tasks = [make_task(i=i) for i in range(rows)]
+    tasks = [_task(i=i) for i in range(rows)]
     limits = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
     out = []
     for name, backend in (("vagent + vLLM", engine), ("vagent + HF", HFBackend(policy))):
@@ -176,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         from doc_table import write_section
 
-        write_section("vllm-rollout-cpu", table, command=f".venv-vllm/bin/{' '.join(['python', *sys.argv])}".replace(
-            " --doc", ""))  # fmt: skip
+        write_section("vllm-rollout-cpu", table)  # the command as run, in .venv-vllm (the section says so)
     return 0
 
 

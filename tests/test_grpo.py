@@ -707,3 +707,40 @@ def test_the_score_stage_encodes_the_engines_patches_and_the_step_lets_them_go(
     assert alive_at_next_step[1:] == [0]  # at step 2's start, nothing of step 1's patches is left
     assert dropped and all(not t.patches for t in dropped)
     assert list((tmp_path / "rollouts").glob("*_images/*.png")), "the export still writes the episodes' images"
+
+
+def test_token_tis_weights_each_sampled_tokens_loss_by_its_capped_importance_ratio(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
+    """A synthetic engine/trainer gap with a known answer: every recorded sampler log-prob is log 4 below the
+    trainer's, so pi_old / pi_sampler = 4 on every sampled token. With grpo.rollout_correction=token_tis (cap 2) each
+    token's loss is doubled: the same step's gradient is exactly twice the uncorrected one's; every ratio is over the
+    cap, the ratio's mean is 4 and the k3 KL is 4 - 1 - log 4, logged either way."""
+
+    import vagent.rewards as rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
+    rollout = grpo.run
+
+    def gapped(*args, **kwargs):
+        out = rollout(*args, **kwargs)
+        for t in out:  # the sampler "recorded" lower log-probs than it drew from
+            t.logprobs = [lp - math.log(4) if m else lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True)]
+        return out
+
+    monkeypatch.setattr(grpo, "run", gapped)
+    records = {}
+    for mode in ("none", "token_tis"):
+        overrides = [*_overrides(tmp_path / mode, tiny_qwen25, zoom_rows_file(16, 1000)), "train.max_steps=1",
+                     "rollout.max_turns=1", "grpo.max_sampler_gap=0", "optim.max_grad_norm=1e9",
+                     "rewards.weights={even_tokens: 1.0}", "rewards.options={}", f"grpo.rollout_correction={mode}"]  # fmt: skip
+        grpo.train(load_config(GRPOConfig, CONFIG, overrides))
+        [records[mode]] = read_metrics(tmp_path / mode / "metrics.jsonl")
+    off, tis = records["none"], records["token_tis"]
+    assert off["reward"] == tis["reward"]  # the same samples
+    assert tis["grad_norm"] == pytest.approx(2 * off["grad_norm"], rel=1e-4)
+    for r in (off, tis):
+        assert r["rollout_corr/clipped_share"] == 1.0
+        assert r["rollout_corr/is_ratio_mean"] == pytest.approx(4.0, rel=1e-4)
+        assert r["rollout_corr/kl"] == pytest.approx(3 - math.log(4), rel=1e-4)
+        assert r["sampler_logprob_gap"] == pytest.approx(math.log(4), rel=1e-4)

@@ -64,11 +64,10 @@ def engine(policy):
     backend.close()
 
 
-@pytest.fixture(scope="module")
-def taught(small):
-    """A policy that has memorized SCRIPT's episode (two crop calls, then the answer), so that greedy decoding on
-    its own writes the two tool calls: trained on the engine's own encoding of the scripted episode."""
-    policy = load_policy(small, device="cpu", dtype="float32")
+def teach_crop_episode(policy, steps: int = 200):
+    """``policy``, in place, after memorizing SCRIPT's episode (two crop calls, then the answer), so that greedy
+    decoding on its own writes the two tool calls: trained on the engine's own encoding of the scripted episode.
+    (Also ``benchmarks/vllm_rollout.py``'s multi-turn workload.) Returns the final loss."""
     limits = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
     [gold] = run(policy, [_task(SCRIPT)], limits=limits, batch_size=1)
     assert len(gold.tool_results) == 2 and gold.stop_reason == "answered"
@@ -81,16 +80,24 @@ def taught(small):
     batch = collate([enc], policy.tokenizer.pad_token_id or 0)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=3e-3, weight_decay=0.0)
     policy.model.train()
-    for _ in range(200):  # about 80 steps do it (0.15 s each)
+    for _ in range(steps):  # about 80 steps do it (0.15 s each)
         lp, _ = masked_token_logprobs(policy.model, batch, batch["loss_mask"])
-        loss = -lp.sum() / batch["loss_mask"].sum()
-        if float(loss.detach()) < 0.01:
+        loss = float(-lp.detach().sum() / batch["loss_mask"].sum())
+        if loss < 0.01:
             break
         optimizer.zero_grad()
-        loss.backward()
+        (-lp.sum() / batch["loss_mask"].sum()).backward()
         optimizer.step()
     policy.model.eval()
-    assert float(loss) < 0.01, f"the script was not memorized (loss {float(loss):.3f})"
+    return loss
+
+
+@pytest.fixture(scope="module")
+def taught(small):
+    """A policy that has memorized SCRIPT's episode (``teach_crop_episode``)."""
+    policy = load_policy(small, device="cpu", dtype="float32")
+    loss = teach_crop_episode(policy)
+    assert loss < 0.01, f"the script was not memorized (loss {loss:.3f})"
     return policy
 
 

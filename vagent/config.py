@@ -677,8 +677,8 @@ class GRPOAlgoConfig:
         "(sampler_logprob_gap) exceeds this; the rollouts were then drawn from other weights or another "
         "distribution than the one trained (measured 2e-7 in fp32 when they agree). 0 = off.",
     )
-    rollout_correction: Literal["off", "token_tis"] = option(
-        "off",
+    rollout_correction: Literal["none", "token_tis"] = option(
+        "none",
         "Correct for the gap between the engine that sampled and the trainer (vLLM's kernels, bf16): token_tis "
         "weights each sampled token's loss by min(pi_old / pi_sampler, rollout_correction_cap), verl's token-level "
         "truncated importance sampling; the sampler/trainer KL, the ratio's mean and max and the capped share are "

@@ -83,7 +83,7 @@ def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits
     try:
         return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=args.batch_size,
                                       max_images=limits.max_images, seed=args.seed,
-                                      gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+                                      gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
     except ValueError as e:
         raise BenchmarkError(f"--backend vllm: {e}") from None
 

