@@ -462,7 +462,10 @@ def part_grpo_step(args, scale, ckpt: Path, out: Path) -> dict:
     sizes = [f"grpo.prompts_per_step={scale['prompts']}", f"grpo.group_size={scale['group']}",
              f"grpo.rollout_batch_size={scale['prompts'] * scale['group']}", "grpo.dynamic_sampling=false",
              "rollout.max_turns=3", f"rollout.max_new_tokens={scale['turn_tokens']}", "rollout.max_total_tokens=3072",
-             f"model.device={args.device}", f"model.path={ckpt}"]  # fmt: skip
+             f"model.device={args.device}", f"model.path={ckpt}",
+             # the config rolls out on vLLM, whose CUDA wheel a lent machine cannot be given (over the carry limit):
+             # this part measures vagent's HF backend, the one the decode part measures too
+             "rollout.backend=hf"]  # fmt: skip
     if args.device == "cpu":  # fp32, and KV storage grown on demand (the config's budget is a GPU's)
         sizes += ["train.precision=fp32", "rollout.kv_cache_gb=null"]
     else:  # one 80 GB device holds the update and the rollout: 8 GiB of KV (75 rows of 3,072) keeps the plan at 73 GiB
