@@ -30,12 +30,16 @@ class Sampling:
         temperature: 0 = greedy.
         top_p: Nucleus mass (1 = off).
         stop_strings: The turn ends when its text contains one of these (or at EOS).
+        seed: The turn's own sampling seed, for a backend with a generator per request (vLLM): the same tokens
+            whatever else is batched. None = the backend's shared stream. The HF backend ignores it (its callers seed
+            torch's generator: the server's seeded lanes, ``run_agent``).
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -236,7 +237,12 @@ class _Engine:
         if row.scripted:
             row.scripted.pop(0)  # a None hole: this turn is sampled
         row.state = RowState.GENERATING
-        sampling = Sampling(max_new_tokens=budget, **self.sampling)
+        seed = (
+            None
+            if limits.sampling_seed is None
+            else zlib.crc32(f"{limits.sampling_seed}/{row.key}/{row.turns}".encode())
+        )
+        sampling = Sampling(max_new_tokens=budget, **self.sampling, seed=seed)
         pixels, grids = [p.pixel_values for p in row.patches], [p.grid_thw for p in row.patches]
         self.backend.submit(
             TurnRequest(row.key, list(row.ids), pixels, grids, sampling, [p.image for p in row.patches])

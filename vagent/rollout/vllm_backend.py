@@ -139,24 +139,27 @@ class VLLMBackend:
         self._watchdog = _Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))
         self._requests: dict[str, tuple[Hashable, list[int]]] = {}  # request id -> (row key, the encoder's ids)
         self._live: dict[Hashable, str] = {}  # row key -> its running request
+        self._partial: dict[Hashable, list[int]] = {}  # row key -> the tokens its running turn sampled so far
         self._count = 0
         self._stats = BackendStats()
 
     @classmethod
-    def for_policy(cls, policy: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> VLLMBackend:
-        """An engine over ``policy``'s checkpoint, with its tokens (EOS, image pad, vision placeholders banned) and its
-        device; ``dtype`` defaults to the policy's; ``kwargs`` as for the constructor.
+    def for_policy(cls, policy: Any, *, dtype: torch.dtype | None = None, device: str | None = None,
+                   **kwargs: Any) -> VLLMBackend:  # fmt: skip
+        """An engine over ``policy``'s checkpoint, with its tokens (EOS, image pad, vision placeholders banned), on
+        ``device`` (default: the policy's); ``dtype`` defaults to the policy's; ``kwargs`` as for the constructor.
 
         Raises:
             ValueError: vLLM cannot run this checkpoint here (``vllm_unsupported``: one line, with the remedy).
         """
-        why = vllm_unsupported(policy.model.config, policy.device.type)
+        device = device or policy.device.type
+        why = vllm_unsupported(policy.model.config, device)
         if why:
             raise ValueError(why)
         return cls(
             policy.path, dtype=dtype or policy.dtype, eos_token_ids=policy.eos_token_ids,
             image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids,
-            tokenizer=policy.tokenizer, device=policy.device.type, **kwargs,
+            tokenizer=policy.tokenizer, device=device, **kwargs,
         )  # fmt: skip
 
     # -- the GenerationBackend Protocol ---------------------------------------------------------------
@@ -181,6 +184,7 @@ class VLLMBackend:
             bad_words=self._banned,
             logprobs=0,  # the sampled token's own
             skip_special_tokens=False,
+            seed=s.seed,
         )
         ids = collapse_image_pads(request.ids, self._pad)
         prompt = TokensPrompt(prompt_token_ids=ids)
@@ -201,9 +205,11 @@ class VLLMBackend:
         results = []
         for out in outputs:
             if not out.finished:
+                self._partial[self._requests[out.request_id][0]] = list(out.outputs[0].token_ids)
                 continue
             key, ids = self._requests.pop(out.request_id)
             self._live.pop(key, None)
+            self._partial.pop(key, None)
             if list(out.prompt_token_ids) != ids:  # the one-encoder contract: what vLLM ran is what will be trained
                 raise RuntimeError(
                     f"vLLM expanded row {key!r}'s prompt to {len(out.prompt_token_ids)} tokens that are not the "
@@ -220,6 +226,7 @@ class VLLMBackend:
 
     def release(self, key: Hashable) -> None:
         request_id = self._live.pop(key, None)
+        self._partial.pop(key, None)
         if request_id is not None:  # only after an error: a finished turn's request is gone already
             self._requests.pop(request_id, None)
             self._engine.abort_request([request_id])
@@ -230,6 +237,10 @@ class VLLMBackend:
 
     def stats(self) -> BackendStats:
         return self._stats
+
+    def partial(self) -> dict[Hashable, list[int]]:
+        """The tokens each running turn has sampled so far (for streaming)."""
+        return dict(self._partial)
 
     def free_storage(self) -> None:
         """The rollout is over until the next weight sync: on a GPU the engine sleeps (``sleep``); a no-op on a CPU,

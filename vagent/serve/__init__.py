@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="What generates: hf (vagent's own engine) "
+                   "or vllm (a vLLM engine over the checkpoint; a seeded request's turns carry their own seed). "
+                   "Default: %(default)s.")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                   help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
 
 
 def _positive(text: str) -> int:
@@ -97,6 +102,20 @@ def main(args: argparse.Namespace) -> int:
         tool_workers=args.tool_workers,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(policy, options)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    engine = None
+    if args.backend == "vllm":
+        from vagent.rollout.vllm_backend import VLLMBackend
+
+        try:
+            engine = VLLMBackend.for_policy(policy, max_model_len=options.max_model_len, max_num_seqs=args.max_queue,
+                                            max_images=options.max_images,
+                                            gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
+        except ValueError as e:
+            raise SystemExit(f"vagent serve: error: --backend vllm: {e}") from None
+    app = create_app(policy, options, engine)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        if engine is not None:
+            engine.close()
     return 0

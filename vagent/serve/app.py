@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 from vagent.chat import parse_turn
 from vagent.data.encode import encode_prompt, template_suffix
 from vagent.model import Policy
-from vagent.rollout import RolloutLimits, Task
+from vagent.rollout import GenerationBackend, RolloutLimits, Task
 from vagent.serve.backend import Finished, Sampling
 from vagent.serve.request import APIError, ChatRequest, parse_chat_request
 from vagent.serve.scheduler import Job, Scheduler
@@ -85,9 +85,11 @@ class ServerOptions:
     tool_workers: int = 8
 
 
-def create_app(policy: Policy, options: ServerOptions) -> FastAPI:
-    """The FastAPI app serving ``policy``; its model thread starts now and stops with the app."""
-    scheduler = Scheduler(policy, agent_profile=options.agent_profile, tool_workers=options.tool_workers)
+def create_app(policy: Policy, options: ServerOptions, engine: GenerationBackend | None = None) -> FastAPI:
+    """The FastAPI app serving ``policy`` (generating with ``engine`` when given: ``--backend vllm``); its model thread
+    starts now and stops with the app."""
+    scheduler = Scheduler(policy, agent_profile=options.agent_profile, tool_workers=options.tool_workers,
+                          engine=engine)  # fmt: skip
     header = policy.tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
     admitted = [0]  # requests in the server; touched only on the event loop, so no lock
 
@@ -164,8 +166,9 @@ def create_app(policy: Policy, options: ServerOptions) -> FastAPI:
     return app
 
 
-def _encode(policy: Policy, header: list[int], request: ChatRequest) -> dict[str, torch.Tensor]:
-    """The prompt's ids (ending with the assistant header, or inside the assistant turn to continue) and images."""
+def _encode(policy: Policy, header: list[int], request: ChatRequest) -> tuple[dict[str, torch.Tensor], list]:
+    """The prompt's ids (ending with the assistant header, or inside the assistant turn to continue) and images, and
+    the model-sized images they were made from."""
     messages = request.messages
     shown = [policy.model_view(image) for image in request.images]
     with _ENCODE_LOCK:
@@ -176,14 +179,14 @@ def _encode(policy: Policy, header: list[int], request: ChatRequest) -> dict[str
             encoded = encode_prompt(policy.processor, messages, shown)
             tail = header
     encoded["input_ids"] = torch.cat([encoded["input_ids"], torch.tensor(tail, dtype=torch.long)])
-    return encoded
+    return encoded, shown
 
 
 def _chat_job(policy: Policy, header: list[int], request: ChatRequest, options: ServerOptions, sink) -> Job:
     if request.max_turns is not None:
         raise APIError("max_turns is a turn budget of agent mode (vagent serve --agent): a plain completion is one "
                        "turn", param="max_turns")  # fmt: skip
-    encoded = _encode(policy, header, request)
+    encoded, shown = _encode(policy, header, request)
     prompt = len(encoded["input_ids"])
     room = options.max_model_len - prompt
     max_tokens = request.max_tokens or min(options.default_max_tokens, room)
@@ -193,7 +196,8 @@ def _chat_job(policy: Policy, header: list[int], request: ChatRequest, options: 
                        code="context_length_exceeded")  # fmt: skip
     seed = (request.seed, request.id) if request.seed is not None else None
     sampling = Sampling(request.temperature, request.top_p, request.stop, seed)
-    return Job(request.id, request.n, sampling, sink, encoded=encoded, max_tokens=max_tokens, stream=request.stream)
+    return Job(request.id, request.n, sampling, sink, encoded=encoded, images=shown, max_tokens=max_tokens,
+               stream=request.stream)  # fmt: skip
 
 
 def _agent_job(request: ChatRequest, options: ServerOptions, sink) -> Job:

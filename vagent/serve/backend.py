@@ -6,18 +6,21 @@ backend API (the ``GenerationBackend`` protocol: submit / step / release / stats
 ``BatchedGenerator`` keeps one shared backend for every unseeded request: each row carries its own sampling
 settings (temperature, top-p, stop strings), so all of them generate together in one batch (rows join and leave
 between steps: continuous batching). A request with a ``seed`` gets a lane of its own whose RNG state is swapped
-in around each of its steps, so it samples the same tokens whatever else the server is doing.
+in around each of its steps, so it samples the same tokens whatever else the server is doing. With a vLLM engine
+(``vagent serve --backend vllm``) every request shares its one batch: a seeded request's turns carry their own seed,
+which vLLM draws from with a generator of the request's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 from vagent.model import Policy
-from vagent.rollout import HFBackend, RolloutLimits, Task, TurnRequest, TurnResult, run
+from vagent.rollout import GenerationBackend, HFBackend, RolloutLimits, Task, TurnRequest, TurnResult, run
 from vagent.rollout import Sampling as TurnSampling
 from vagent.types import Trajectory
 
@@ -54,7 +57,7 @@ class Finished:
 
 @dataclass
 class _Lane:
-    backend: HFBackend
+    backend: GenerationBackend
     keys: set[Hashable] = field(default_factory=set)
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (cpu, cuda) generator states of a seeded lane
 
@@ -67,28 +70,32 @@ class BatchedGenerator:
         policy: The loaded policy.
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, engine: GenerationBackend | None = None) -> None:
         self.policy = policy
+        self.engine = engine  # a vLLM engine: one lane for every request (seeds go with the requests)
         self.lanes: dict[tuple[int, str] | None, _Lane] = {}  # by Sampling.seed; None: the shared lane
 
     @property
     def busy(self) -> bool:
         return any(lane.keys for lane in self.lanes.values())
 
-    def submit(self, key: Hashable, sampling: Sampling, encoded: dict[str, torch.Tensor], max_new_tokens: int) -> None:
+    def submit(self, key: Hashable, sampling: Sampling, encoded: dict[str, torch.Tensor], max_new_tokens: int,
+               images: list | None = None) -> None:  # fmt: skip
         """Queue one sample of a prompt encoded by ``vagent.data.encode`` (``input_ids`` ending with the assistant
-        header, ``pixel_values`` and ``image_grid_thw`` when it has images)."""
-        lane = self.lanes.get(sampling.seed)
+        header, ``pixel_values`` and ``image_grid_thw`` when it has images, made from the model-sized ``images``)."""
+        lane_key = None if self.engine is not None else sampling.seed
+        lane = self.lanes.get(lane_key)
         if lane is None:
-            rng = self._seeded_state(sampling.seed[0]) if sampling.seed else None
-            lane = self.lanes[sampling.seed] = _Lane(HFBackend(self.policy), rng=rng)
+            rng = self._seeded_state(sampling.seed[0]) if lane_key else None
+            lane = self.lanes[lane_key] = _Lane(self.engine or HFBackend(self.policy), rng=rng)
         ids = encoded["input_ids"].tolist()
         pixels, grids = [], []
         if "pixel_values" in encoded:
             grids = list(encoded["image_grid_thw"].split(1))
             pixels = list(encoded["pixel_values"].split([int(g.prod()) for g in grids]))
-        turn = TurnSampling(max_new_tokens, sampling.temperature, sampling.top_p, sampling.stop)
-        lane.backend.submit(TurnRequest(key, ids, pixels, grids, sampling=turn))
+        seed = sampling.seed[0] + key[1] if self.engine is not None and sampling.seed else None  # sample i: seed + i
+        turn = TurnSampling(max_new_tokens, sampling.temperature, sampling.top_p, sampling.stop, seed=seed)
+        lane.backend.submit(TurnRequest(key, ids, pixels, grids, sampling=turn, images=list(images or [])))
         lane.keys.add(key)
 
     def step(self) -> list[Finished]:
@@ -108,6 +115,8 @@ class BatchedGenerator:
 
     def partial(self) -> dict[Hashable, list[int]]:
         """Tokens sampled so far by every row that is mid-turn (for streaming)."""
+        if self.engine is not None:
+            return {key: tokens for key, tokens in self.engine.partial().items() if tokens}
         # The backend keeps its decode batch private; reading it here keeps that knowledge in this adapter.
         return {
             row.key: row.tokens for lane in self.lanes.values() for row in lane.backend._rows.values() if row.tokens
@@ -115,6 +124,10 @@ class BatchedGenerator:
 
     def reset(self) -> None:
         """Drop every lane and its rows (after a failed step: the batch state is not trusted any more)."""
+        for lane in self.lanes.values():
+            if lane.backend is self.engine:  # the engine outlives the lane: its rows go
+                for key in list(lane.keys):
+                    self.engine.release(key)
         self.lanes.clear()
 
     def _step(self, lane: _Lane) -> list[TurnResult]:
@@ -145,9 +158,14 @@ def run_agent(
     batch_size: int = 16,
     agent: str = "vagent",
     tool_workers: int = 8,
+    engine: GenerationBackend | None = None,
 ) -> list[Trajectory]:
     """Run the engine's tool loop on ``tasks`` (one sample each) as one batch under the ``agent`` profile, its calls
-    on ``tool_workers`` threads; ``seed`` fixes the sampling."""
+    on ``tool_workers`` threads; ``seed`` fixes the sampling (a vLLM ``engine``: each turn request's own seed)."""
+    if engine is not None:
+        limits = dataclasses.replace(limits, sampling_seed=seed)
+        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers,
+                   backend=engine)  # fmt: skip
     if seed is None:
         return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers)
     cuda = policy.device.type == "cuda"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vagent.model import Policy
-from vagent.rollout import RolloutLimits, Task
+from vagent.rollout import GenerationBackend, RolloutLimits, Task
 from vagent.serve.backend import BatchedGenerator, Sampling, run_agent
 
 __all__ = ["Job", "Scheduler"]
@@ -41,6 +41,7 @@ class Job:
         sampling: The lane its samples generate in.
         sink: Receives the job's events; must be thread-safe (the app wraps ``loop.call_soon_threadsafe``).
         encoded: A chat job's prompt (``vagent.data.encode`` output ending with the assistant header).
+        images: The model-sized images its patches were made from (what a vLLM engine is sent).
         max_tokens: A chat job's per-sample budget.
         stream: Report partial tokens.
         tasks: An agent job's episodes (one per sample) and ``limits``: run with the tool loop.
@@ -53,6 +54,7 @@ class Job:
     sampling: Sampling
     sink: Callable[[Event], None]
     encoded: dict[str, torch.Tensor] | None = None
+    images: list = field(default_factory=list)
     max_tokens: int = 0
     stream: bool = False
     tasks: list[Task] = field(default_factory=list)
@@ -76,12 +78,14 @@ class Scheduler:
     Args:
         policy: The loaded policy.
         agent_batch_size: Episodes the tool loop runs at once.
+        engine: What generates (a vLLM engine, ``--backend vllm``); None: vagent's HF backend.
     """
 
     def __init__(self, policy: Policy, agent_batch_size: int = 16, agent_profile: str = "vagent",
-                 tool_workers: int = 8) -> None:  # fmt: skip
+                 tool_workers: int = 8, engine: GenerationBackend | None = None) -> None:  # fmt: skip
         self.policy, self.agent_profile, self.tool_workers = policy, agent_profile, tool_workers
-        self.generator = BatchedGenerator(policy)
+        self.engine = engine
+        self.generator = BatchedGenerator(policy, engine)
         self.agent_batch_size = agent_batch_size
         self._inbox: deque[Job] = deque()
         self._running: dict[str, Job] = {}  # chat jobs with samples in the batch
@@ -124,7 +128,7 @@ class Scheduler:
             if job.encoded is not None:
                 self._running[job.id] = job
                 for i in range(job.n):
-                    self.generator.submit((job.id, i), job.sampling, job.encoded, job.max_tokens)
+                    self.generator.submit((job.id, i), job.sampling, job.encoded, job.max_tokens, job.images)
         if agents:
             self._run_agents(agents)
 
@@ -165,7 +169,8 @@ class Scheduler:
             tasks = [task for job in group for task in job.tasks]
             try:
                 trajectories = run_agent(self.policy, tasks, group[0].limits, seed=seed, batch_size=self.agent_batch_size,
-                                         agent=self.agent_profile, tool_workers=self.tool_workers)  # fmt: skip
+                                         agent=self.agent_profile, tool_workers=self.tool_workers,
+                                         engine=self.engine)  # fmt: skip
             except Exception as e:
                 log.exception("agent rollout failed")
                 for job in group:
