@@ -58,7 +58,19 @@ def test_greedy_answers_with_an_image_are_the_hf_backends_streamed_or_not(client
     assert [e.logprob for e in ours.logprobs.content] == pytest.approx([e.logprob for e in hf.logprobs.content],
                                                                         abs=1e-4)  # fmt: skip
     chunks = list(_ask(clients["vllm"], temperature=0, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == hf.message.content
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == hf.message.content and len(pieces) >= 2  # streamed as sampled, not at the end
+
+
+def test_a_request_the_engine_refuses_fails_alone(clients):
+    """More images than the engine takes (vLLM's limit_mm_per_prompt, the server's --max-images): that request gets
+    an error, and the server goes on answering (the same greedy answer as before)."""
+    before = _ask(clients["vllm"], temperature=0).choices[0].message.content
+    many = [{"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (56, 56), (9 * i, 0, 0)))}}
+            for i in range(12)]  # fmt: skip
+    with pytest.raises(openai.APIError, match="could not be scheduled"):
+        _ask(clients["vllm"], messages=[{"role": "user", "content": [*many, {"type": "text", "text": "Count."}]}])
+    assert _ask(clients["vllm"], temperature=0).choices[0].message.content == before
 
 
 def test_a_seeded_request_samples_the_same_tokens_again(clients):
@@ -68,6 +80,8 @@ def test_a_seeded_request_samples_the_same_tokens_again(clients):
     texts = lambda r: [c.message.content for c in r.choices]  # noqa: E731
     assert texts(again) == texts(first) and texts(other) != texts(first)
     assert texts(first)[0] != texts(first)[1]  # each sample its own seed
+    negative = [_ask(clients["vllm"], seed=-1, temperature=1.0) for _ in range(2)]  # vLLM reads -1 as "no seed"
+    assert negative[0].choices[0].message.content == negative[1].choices[0].message.content
 
 
 def test_agent_mode_runs_its_episodes_on_the_engine(clients):

@@ -192,9 +192,9 @@ class VLLMBackend:
             prompt["multi_modal_data"] = {"image": list(request.images)}
         self._count += 1
         request_id = f"{self._count}"
+        self._engine.add_request(request_id, prompt, params)  # raises for a request vLLM refuses: nothing recorded
         self._requests[request_id] = (request.key, request.ids)
         self._live[request.key] = request_id
-        self._engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[TurnResult]:
         start = time.perf_counter()
@@ -221,7 +221,10 @@ class VLLMBackend:
             logprobs = [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
             self._stats.prefill_tokens += len(ids) - (out.num_cached_tokens or 0)
             self._stats.decode_tokens += len(tokens)
-            results.append(TurnResult(key, tokens, logprobs, _stop(completion.finish_reason, completion.stop_reason)))
+            stop = _stop(completion.finish_reason, completion.stop_reason)
+            if stop is None:  # vLLM ended the request itself (an error, an abort): not a turn the policy finished
+                raise RuntimeError(f"vLLM ended row {key!r}'s turn with finish reason {completion.finish_reason!r}")
+            results.append(TurnResult(key, tokens, logprobs, stop))
         return results
 
     def release(self, key: Hashable) -> None:
@@ -403,7 +406,10 @@ class _Watchdog:
                 os._exit(70)
 
 
-def _stop(finish_reason: str | None, stop_reason: int | str | None) -> str:
+def _stop(finish_reason: str | None, stop_reason: int | str | None) -> str | None:
+    """The turn's stop (``TurnResult.stop``) from vLLM's finish reason; None for one the policy did not cause."""
     if finish_reason == "length":
         return "length"
+    if finish_reason != "stop":
+        return None
     return "stop_string" if isinstance(stop_reason, str) else "eos"

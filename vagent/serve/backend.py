@@ -8,7 +8,8 @@ settings (temperature, top-p, stop strings), so all of them generate together in
 between steps: continuous batching). A request with a ``seed`` gets a lane of its own whose RNG state is swapped
 in around each of its steps, so it samples the same tokens whatever else the server is doing. With a vLLM engine
 (``vagent serve --backend vllm``) every request shares its one batch: a seeded request's turns carry their own seed,
-which vLLM draws from with a generator of the request's own.
+which vLLM draws from with a generator of the request's own (the same draws whatever else is batched; the logits
+themselves can still differ in their last bits with the batch, as in vLLM).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class BatchedGenerator:
         if "pixel_values" in encoded:
             grids = list(encoded["image_grid_thw"].split(1))
             pixels = list(encoded["pixel_values"].split([int(g.prod()) for g in grids]))
-        seed = sampling.seed[0] + key[1] if self.engine is not None and sampling.seed else None  # sample i: seed + i
+        # sample i draws with seed + i (as vLLM's own n > 1 does), kept non-negative: vLLM reads -1 as no seed
+        seed = (sampling.seed[0] + key[1]) & (2**63 - 1) if self.engine is not None and sampling.seed else None
         turn = TurnSampling(max_new_tokens, sampling.temperature, sampling.top_p, sampling.stop, seed=seed)
         lane.backend.submit(TurnRequest(key, ids, pixels, grids, sampling=turn, images=list(images or [])))
         lane.keys.add(key)
@@ -126,9 +128,21 @@ class BatchedGenerator:
         """Drop every lane and its rows (after a failed step: the batch state is not trusted any more)."""
         for lane in self.lanes.values():
             if lane.backend is self.engine:  # the engine outlives the lane: its rows go
-                for key in list(lane.keys):
-                    self.engine.release(key)
+                self.cancel(list(lane.keys))
         self.lanes.clear()
+
+    def cancel(self, keys: list[Hashable]) -> None:
+        """Forget these samples wherever they are (a request that failed alone); never raises."""
+        for lane in self.lanes.values():
+            for key in keys:
+                if key in lane.keys or lane.backend is self.engine:
+                    lane.keys.discard(key)
+                    try:
+                        lane.backend.release(key)
+                    except Exception:  # the server goes on: a row it cannot release is the backend's to drop
+                        pass
+        for seed in [seed for seed, lane in self.lanes.items() if seed is not None and not lane.keys]:
+            del self.lanes[seed]  # a seeded lane serves one request
 
     def _step(self, lane: _Lane) -> list[TurnResult]:
         if lane.rng is None:

@@ -126,9 +126,15 @@ class Scheduler:
         agents = [job for job in new if job.encoded is None]
         for job in new:
             if job.encoded is not None:
+                try:
+                    for i in range(job.n):
+                        self.generator.submit((job.id, i), job.sampling, job.encoded, job.max_tokens, job.images)
+                except Exception as e:  # a request the backend refuses (vLLM: too many images ...) fails alone
+                    log.warning("request %s refused by the backend: %s", job.id, e)
+                    self.generator.cancel([(job.id, i) for i in range(job.n)])
+                    job.emit(("error", f"the request could not be scheduled: {type(e).__name__}: {e}", None))
+                    continue
                 self._running[job.id] = job
-                for i in range(job.n):
-                    self.generator.submit((job.id, i), job.sampling, job.encoded, job.max_tokens, job.images)
         if agents:
             self._run_agents(agents)
 
