@@ -33,6 +33,12 @@ def tiny_qwen25(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small(tmp_path_factory):
+    """A random Qwen2.5-VL checkpoint dir (small preset: head_dim 32, the smallest vLLM's CPU attention runs)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", family="qwen2_5_vl", size="small")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """A random Qwen2-VL checkpoint dir (nano preset: only loading and generation are exercised)."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2_vl", family="qwen2_vl", size="nano")

@@ -48,11 +48,6 @@ def _task(scripted: list[str] | None = None, i: int = 0) -> Task:
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "small", size="small")
-
-
-@pytest.fixture(scope="module")
 def policy(small):
     return load_policy(small, device="cpu", dtype="float32")
 

@@ -52,11 +52,6 @@ def even_tokens(trajectories, rows):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("vllm-grpo") / "small", size="small")
-
-
-@pytest.fixture(scope="module")
 def rows(small, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm-rows")
     frame = load_policy(small, device="cpu").frame

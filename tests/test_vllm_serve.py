@@ -18,14 +18,8 @@ import openai
 
 from tests.serve_helpers import start_server, stop_server
 from tests.test_serve import data_url, image_message
-from vagent.tiny_model import build_tiny_checkpoint
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("vllm-serve") / "small", size="small")
 
 
 @pytest.fixture(scope="module")
