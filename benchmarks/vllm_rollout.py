@@ -10,6 +10,9 @@ and with Qwen's 151,936-token one:
   prompts and images (the engine alone); ``vagent + vLLM`` is ``vagent.rollout.run`` over ``VLLMBackend`` (prompt
   building, the turn protocol, the id checks); ``vagent + HF`` the same over ``HFBackend``. Target: vagent + vLLM at
   least 0.9 of bare vLLM's sampled tokens/s.
+* **GRPO step**: two steps of the tiny CPU config (4 prompts x 4 samples of zoom rows, turns of 32 tokens) on each
+  backend; the second step's wall time, with its ``gen`` and ``sync`` stages (the vLLM engine is given the weights
+  after every update).
 * **multi-turn crop**: the checkpoint first memorizes a crop episode (two crop calls, then an answer: the test suite's
   ``taught`` policy), then ``--rows`` rows roll out greedily on each backend: three sampled turns and two tool images
   per row, rows rejoining the batch as their tools return.
@@ -116,6 +119,37 @@ def multi_turn(policy, engine: VLLMBackend, rows: int) -> list[tuple[str, float,
     return out
 
 
+def grpo_steps(path: Path, out: Path) -> list[tuple[str, float, float, float]]:
+    """(backend, gen s, sync s, step s) of the second of two GRPO steps on each backend: the tiny CPU config, 4 prompts
+    x 4 samples of zoom rows, turns of 32 tokens, fp32; the toy reward spreads within every group, so both steps
+    update (and the vLLM engine is given the weights at each)."""
+    from data_pipelines.synthetic.zoom import zoom_rows
+    from vagent.config import GRPOConfig, load_config
+    from vagent.data import write_rows
+    from vagent.recipes import grpo
+    from vagent.training.metrics import read_metrics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_vllm_grpo import even_tokens
+
+    grpo.REWARDS["even_tokens"] = even_tokens
+    frame = load_policy(path, device="cpu").frame
+    rows = write_rows(zoom_rows(out / "rows", 16, seed=0, size=(224, 168), clutter=10, **frame), out / "rows.jsonl")
+    config = Path(__file__).resolve().parent.parent / "configs" / "grpo" / "qwen2_5_vl_tiny_cpu.yaml"
+    timings = []
+    for backend in ("hf", "vllm"):
+        run_dir = out / f"grpo-{backend}"
+        overrides = [f"out_dir={run_dir}", f"model.path={path}", f"data.train={rows}", f"rollout.backend={backend}",
+                     "train.max_steps=2", "train.save_every=0", "train.save_final=false", "train.tensorboard=false",
+                     "train.precision=fp32", "grpo.prompts_per_step=4", "grpo.group_size=4",
+                     "grpo.rollout_batch_size=16", "rollout.max_new_tokens=32", "rewards.weights={even_tokens: 1.0}",
+                     "rewards.options={}"]  # fmt: skip
+        grpo.train(load_config(GRPOConfig, config, overrides))
+        last = read_metrics(run_dir / "metrics.jsonl")[-1]
+        timings.append((backend, last["time/gen"], last["time/sync"], last["time/step"]))
+    return timings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -142,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                     lines.append(f"| {name} | multi-turn crop, {args.rows} rows, greedy | {gen} | {seconds:.2f} | "
                                  f"{tokens} | {tokens / seconds:.0f} | | {calls:.1f} |")  # fmt: skip
             engine.close()
+            if vocab == "trained":  # one GRPO step's stages on each backend (its second step: engines warm)
+                for backend, gen, sync, step in grpo_steps(path, Path(tmp) / "grpo"):
+                    lines.append(f"| {name} | GRPO step 2: gen {gen:.2f} s, sync {sync:.2f} s | vagent + {backend} | "
+                                 f"{step:.2f} | | | | |")  # fmt: skip
             print("\n".join(lines), flush=True)
     table = "\n".join(lines)
     if args.doc:
