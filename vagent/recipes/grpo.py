@@ -891,10 +891,10 @@ def _scored_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) log-probs of the sampled tokens under the distribution the sampler drew from (``sampling``: its
     temperature and top_p, as verl and TRL divide the logits by the temperature in both the old-log-prob pass and
-    the update, ``suppress`` out of it) and that distribution's summed entropy. With ``chunk_size`` (or any warping)
-    the head runs on the
-    sampled positions, ``chunk_size`` (1,024 when 0) at a time (``masked_token_logprobs``); with 0 and no warping,
-    ``sampled_logprobs`` over whole logits from the position that predicts the batch's first sampled token on."""
+    the update, ``suppress`` out of it) and that distribution's summed entropy. With ``chunk_size`` (or any warping
+    or suppression) the head runs on the sampled positions, ``chunk_size`` (1,024 when 0) at a time
+    (``masked_token_logprobs``); with 0 and none of them, ``sampled_logprobs`` over whole logits from the position
+    that predicts the batch's first sampled token on."""
     mask = batch["loss_mask"]
     temperature, top_p = sampling
     if chunk_size or sampling != (1.0, 1.0) or suppress:

@@ -139,7 +139,7 @@ class VLLMBackend:
         self._watchdog = _Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))
         self._requests: dict[str, tuple[Hashable, list[int]]] = {}  # request id -> (row key, the encoder's ids)
         self._live: dict[Hashable, str] = {}  # row key -> its running request
-        self._partial: dict[Hashable, list[int]] = {}  # row key -> the tokens its running turn sampled so far
+        self._partial: dict[Hashable, Sequence[int]] = {}  # row key -> the tokens its running turn sampled so far
         self._count = 0
         self._stats = BackendStats()
 
@@ -205,7 +205,8 @@ class VLLMBackend:
         results = []
         for out in outputs:
             if not out.finished:
-                self._partial[self._requests[out.request_id][0]] = list(out.outputs[0].token_ids)
+                # by reference: copied only when a streaming caller asks (partial), not at every decode step
+                self._partial[self._requests[out.request_id][0]] = out.outputs[0].token_ids
                 continue
             key, ids = self._requests.pop(out.request_id)
             self._live.pop(key, None)
@@ -243,7 +244,7 @@ class VLLMBackend:
 
     def partial(self) -> dict[Hashable, list[int]]:
         """The tokens each running turn has sampled so far (for streaming)."""
-        return dict(self._partial)
+        return {key: list(tokens) for key, tokens in self._partial.items()}
 
     def free_storage(self) -> None:
         """The rollout is over until the next weight sync: on a GPU the engine sleeps (``sleep``); a no-op on a CPU,
