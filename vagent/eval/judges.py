@@ -65,7 +65,7 @@ def evaluate_endpoint(client: JudgeClient, benchmark: Benchmark, rows: Sequence[
     for row, reply in zip(rows, replies, strict=True):
         trajectory = Trajectory(row.id, [Message.text("assistant", reply.text)],
                                 stop_reason="answered" if reply.error is None else "failed")  # fmt: skip
-        scores = benchmark.score(row, trajectory)
+        scores = benchmark.score(row, trajectory, rule="vagent")
         samples.append({"id": row.id, "sample": 0, "prediction": reply.text,
                         "gold": gold_answers(row.answer, row.answer_type), **scores,
                         "error": reply.error})  # fmt: skip

@@ -7,10 +7,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from vagent.data import Row
+from vagent.eval.extract import extract_choice
 from vagent.geometry import span_iou
 from vagent.rewards.answer import choice_match, f1_em, parse_span
+from vagent.types import Trajectory
 
-__all__ = ["RECALL_AT", "choice_metrics", "f1_em_metrics", "summarize", "temporal_metrics"]
+__all__ = ["RECALL_AT", "choice_metrics", "choice_score", "f1_em_metrics", "summarize", "temporal_metrics"]
 
 RECALL_AT = (0.3, 0.5, 0.7)
 
@@ -29,6 +32,17 @@ def f1_em_metrics(prediction: str | None, golds: Sequence[str]) -> dict[str, flo
 
 def choice_metrics(prediction: str | None, gold: str, choices: Sequence[str]) -> dict[str, float]:
     return {"accuracy": choice_match(prediction, gold, choices) if prediction is not None else 0.0}
+
+
+def choice_score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
+    """``{"accuracy", "parsed"}`` of a multiple-choice sample: the option ``rule`` reads off the reply
+    (``vagent.eval.extract``) against the gold letter or text; ``parsed`` is 0 when the rule read no option (a parse
+    failure, scored 0 and counted, never a guess)."""
+    choices = row.choices or []
+    picked = extract_choice(trajectory.last_reply, trajectory.answer, choices, rule)
+    if picked is None:
+        return {"accuracy": 0.0, "parsed": 0.0}
+    return {"accuracy": choice_match(picked, str(row.answer), choices), "parsed": 1.0}
 
 
 def temporal_metrics(prediction: str | None, gold: Sequence[float]) -> dict[str, float]:

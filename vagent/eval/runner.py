@@ -50,7 +50,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
              limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: ToolServices | None = None,
              env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
              progress: bool = True, agent: str = "vagent", tool_workers: int = 8,
-             backend: GenerationBackend | None = None) -> dict[str, Any]:  # fmt: skip
+             backend: GenerationBackend | None = None, extract: str = "vagent") -> dict[str, Any]:  # fmt: skip
     """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
 
     Args:
@@ -62,6 +62,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         agent: The agent profile the policy speaks (``vagent.agents.PROFILES``): its prompt, tools and answers.
         tool_workers: Threads running tool calls (``vagent.rollout.run``).
         backend: What generates (``vagent.rollout.run``'s; default: a new HF backend per chunk).
+        extract: How answers are read off the replies (``vagent.eval.extract.EXTRACTORS``).
 
     Raises:
         BenchmarkError: ``out_dir`` holds samples made under other limits (a resume must ask for the same).
@@ -97,7 +98,7 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
             row = by_id[trajectory.task_id]
             counters["sample"] = k
             tw.write(trajectory)
-            scores = benchmark.score(row, trajectory)
+            scores = benchmark.score(row, trajectory, rule=extract)
             record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": gold_answers(row.answer, row.answer_type),
                       **scores, "tool_calls": [r.name for r in trajectory.tool_results],
                       "tool_errors": sum(1 for r in trajectory.tool_results if r.error),

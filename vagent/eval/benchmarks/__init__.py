@@ -31,7 +31,8 @@ class Benchmark:
     Attributes:
         name: The ``--benchmark`` name.
         load: ``(path, image_root) -> (rows, errors)``; ``errors`` lists ``(record id or line, reason)``.
-        score: ``(row, trajectory) -> {metric: value}`` for one sample.
+        score: ``(row, trajectory, rule) -> {metric: value}`` for one sample; ``rule`` is how the answer is read
+            off the reply (``vagent.eval.extract.EXTRACTORS``), which modules without options may ignore.
         metrics: The metric names ``score`` returns, in table order.
         tools: Tools offered by default (``--tools`` overrides; ``none`` = the no-tool baseline).
         report: ``(rows, samples) -> {metric: value}``: metrics over several samples (a pair judged both ways),
@@ -40,7 +41,7 @@ class Benchmark:
 
     name: str
     load: Callable[[Path, Path | None], tuple[list[Row], list[tuple[str, str]]]]
-    score: Callable[[Row, Trajectory], dict[str, float]]
+    score: Callable[..., dict[str, float]]
     metrics: tuple[str, ...]
     tools: tuple[str, ...]
     report: Callable[[Sequence[Row], Sequence[dict[str, Any]]], dict[str, Any]] | None = None

@@ -50,7 +50,7 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
     return rows, errors
 
 
-def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
+def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
     candidates = row.judgment.candidates if row.judgment is not None else None
     if trajectory.stop_reason == "answered":
         verdict = read_verdict(trajectory.last_reply, candidates)

@@ -20,7 +20,7 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
     return load_with(path, lambda where, r: convert(r, image_root, path.parent, "image_path", "mat-search"))
 
 
-def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
+def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
     return f1_em_metrics(trajectory.answer, row.answer)
 
 

@@ -22,7 +22,7 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
         return [], [(str(path), str(e))]
 
 
-def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
+def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
     return {
         "accuracy": accuracy([trajectory], [row])[0],
         "crop_iou": crop_iou([trajectory], [row])[0],

@@ -34,7 +34,7 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
     return load_with(path, lambda where, r: convert(where, r, image_root, path.parent))
 
 
-def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
+def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
     return temporal_metrics(trajectory.answer, row.answer)
 
 

@@ -14,4 +14,4 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
     return load_with(path, lambda where, r: convert(where, r, image_root, path.parent, "video"))
 
 
-BENCHMARK = Benchmark("video-mc", load, score, ("accuracy",), ("sample_frames", "crop_clip"))
+BENCHMARK = Benchmark("video-mc", load, score, ("accuracy", "parsed"), ("sample_frames", "crop_clip"))

@@ -13,7 +13,7 @@ from typing import Any
 
 from vagent.data import Row
 from vagent.eval.benchmarks import Benchmark, RecordError, load_with, media_path, require
-from vagent.eval.metrics import choice_metrics
+from vagent.eval.metrics import choice_score
 from vagent.types import Trajectory
 
 _PREFIX = re.compile(r"^\(?[A-Za-z][.)]\s+")
@@ -46,8 +46,8 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
     return load_with(path, lambda where, r: convert(where, r, image_root, path.parent, "image"))
 
 
-def score(row: Row, trajectory: Trajectory) -> dict[str, float]:
-    return choice_metrics(trajectory.answer, row.answer, row.choices or [])
+def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
+    return choice_score(row, trajectory, rule)
 
 
-BENCHMARK = Benchmark("vstar", load, score, ("accuracy",), ("crop", "zoom_in"))
+BENCHMARK = Benchmark("vstar", load, score, ("accuracy", "parsed"), ("crop", "zoom_in"))
