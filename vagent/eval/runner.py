@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
 from vagent.toolbox import ToolServices
 from vagent.training.distributed import DistEnv, barrier
 from vagent.training.metrics import read_metrics
+from vagent.types import Trajectory
 
 __all__ = ["evaluate", "read_samples", "write_table"]
 
@@ -46,11 +47,15 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path)
 
 
-def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,
+Episodes = Callable[[list[Task], int, Callable[[Trajectory], None]], object]
+
+
+def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, *, tools: list[str] | None,
              limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: ToolServices | None = None,
              env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
              progress: bool = True, agent: str = "vagent", tool_workers: int = 8,
-             backend: GenerationBackend | None = None, extract: str = "vagent") -> dict[str, Any]:  # fmt: skip
+             backend: GenerationBackend | None = None, extract: str = "vagent",
+             episodes: Episodes | None = None) -> dict[str, Any]:  # fmt: skip
     """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
 
     Args:
@@ -63,6 +68,9 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         tool_workers: Threads running tool calls (``vagent.rollout.run``).
         backend: What generates (``vagent.rollout.run``'s; default: a new HF backend per chunk).
         extract: How answers are read off the replies (``vagent.eval.extract.EXTRACTORS``).
+        episodes: ``(tasks, n_samples, progress)``: runs the episodes another way than vagent's engine over
+            ``policy`` (a model behind an OpenAI-compatible endpoint, ``vagent.eval.endpoint``), calling
+            ``progress(trajectory)`` as each finishes; ``policy`` may then be None.
 
     Raises:
         BenchmarkError: ``out_dir`` holds samples made under other limits (a resume must ask for the same).
@@ -113,8 +121,12 @@ def evaluate(policy: Policy, benchmark: Benchmark, rows: Sequence[Row], out_dir:
         # rows in chunks so finished samples reach the log while the run goes on
         chunk = max(1, batch_size)
         for start in range(0, len(todo), chunk):
-            run(policy, [task(r) for r in todo[start : start + chunk]], n_samples, limits, batch_size=batch_size,
-                progress=finished, agent=agent, services=services, tool_workers=tool_workers, backend=backend)  # fmt: skip
+            tasks = [task(r) for r in todo[start : start + chunk]]
+            if episodes is not None:
+                episodes(tasks, n_samples, finished)
+                continue
+            run(policy, tasks, n_samples, limits, batch_size=batch_size, progress=finished, agent=agent,
+                services=services, tool_workers=tool_workers, backend=backend)  # fmt: skip
     bar.close()
     barrier()
     if rank != 0:
