@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from vagent.data import Row
-from vagent.types import Trajectory
 
 __all__ = ["BENCHMARKS", "Benchmark", "BenchmarkError", "RecordError", "media_path", "read_records", "require"]
 
