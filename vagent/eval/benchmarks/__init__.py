@@ -115,18 +115,20 @@ def load_with(path: Path, convert: Callable[[str, dict[str, Any]], Row]) -> tupl
 
 
 def _registry() -> dict[str, Benchmark]:
-    from vagent.eval.benchmarks import (
-        judge_pairs,
-        mat_coding,
-        mat_search,
-        synthetic,
-        temporal_grounding,
-        video_mc,
-        vstar,
-    )
+    """Every module's ``BENCHMARK`` (or its ``VARIANTS``, several names read by one loader), by name."""
+    import importlib
 
-    modules = (mat_coding, mat_search, vstar, video_mc, temporal_grounding, synthetic, judge_pairs)
-    return {m.BENCHMARK.name: m.BENCHMARK for m in modules}
+    names = [
+        "mat_coding",
+        "mat_search",
+        "vstar",
+        "video_mc",
+        "temporal_grounding",
+        "synthetic",
+        "judge_pairs",
+    ]
+    modules = [importlib.import_module(f"vagent.eval.benchmarks.{name}") for name in names]
+    return {b.name: b for m in modules for b in getattr(m, "VARIANTS", (m.BENCHMARK,))}
 
 
 BENCHMARKS: dict[str, Benchmark] = _registry()
