@@ -1,6 +1,7 @@
 """The generation backend under the engine: slot KV storage, stop strings on token ids, one-turn generate,
 the turn-barrier reference."""
 
+import dataclasses
 import random
 
 import pytest
@@ -430,3 +431,18 @@ def test_storage_grown_on_demand_is_freed_between_rollouts_and_grows_again(polic
     assert backend.cache.slots == 0 and backend.cache.capacity == 0
     again = run(policy, _tasks(), limits=limits, batch_size=4, backend=backend)
     assert [t.token_ids for t in again] == [t.token_ids for t in first]
+
+
+def test_a_seeded_sample_draws_the_same_tokens_whatever_shares_its_batch_or_chunk(policy):
+    # vagent eval's reruns: each turn's seed is made of the task id, the sample index and the turn, and the HF
+    # backend draws a seeded turn from its own generator, so a task run alone, in another batch or after other
+    # chunks samples the same tokens (greedy would show nothing: sample at T = 1)
+    limits = RolloutLimits(max_turns=3, max_new_tokens=12, temperature=1.0, sampling_seed=7)
+    together = run(policy, _tasks(), 2, limits=limits, batch_size=8)
+    torch.manual_seed(123)  # the shared stream moves; the seeded turns must not care
+    alone = [t for task in reversed(_tasks()) for t in run(policy, [task], 2, limits=limits, batch_size=1)]
+    by_sample = {(t.task_id, i % 2): t.token_ids for i, t in enumerate(together)}
+    assert {(t.task_id, i % 2): t.token_ids for i, t in enumerate(alone)} == by_sample
+    assert by_sample[("c", 0)] != by_sample[("c", 1)]  # the samples of a task are different draws
+    other = run(policy, _tasks(), 2, limits=dataclasses.replace(limits, sampling_seed=8), batch_size=8)
+    assert [t.token_ids for t in other] != [t.token_ids for t in together]

@@ -13,7 +13,16 @@ from vagent.geometry import span_iou
 from vagent.rewards.answer import choice_match, f1_em, parse_span
 from vagent.types import Trajectory
 
-__all__ = ["RECALL_AT", "choice_metrics", "choice_score", "f1_em_metrics", "summarize", "temporal_metrics"]
+__all__ = [
+    "RECALL_AT",
+    "choice_metrics",
+    "choice_score",
+    "f1_em_metrics",
+    "summarize",
+    "temporal_metrics",
+    "uncertainty",
+    "wilson",
+]
 
 RECALL_AT = (0.3, 0.5, 0.7)
 
@@ -58,14 +67,15 @@ def temporal_metrics(prediction: str | None, gold: Sequence[float]) -> dict[str,
 
 
 def summarize(samples: Sequence[dict[str, Any]], metric_names: Sequence[str]) -> dict[str, Any]:
-    """Aggregate per-sample records (``id``, ``sample``, metric values, optional ``type`` list).
+    """Aggregate per-sample records (``id``, ``sample``, metric values, optional ``type`` list and ``groups`` dict).
 
     With several samples per id: ``<metric>`` is the mean over all samples (avg@k) and ``pass@k/<metric>``
-    the mean over ids of the best sample. Per type: the same means over the ids of each type.
+    the mean over ids of the best sample. Per type and per group (``by_<grouping>``): the same means over the ids
+    of each type or group. ``intervals``, ``at_k`` and ``spread`` are added by ``uncertainty``.
 
     >>> summarize([{"id": "a", "sample": 0, "em": 1.0}, {"id": "a", "sample": 1, "em": 0.0},
-    ...            {"id": "b", "sample": 0, "em": 0.0}, {"id": "b", "sample": 1, "em": 0.0}], ["em"])
-    {'n': 2, 'samples': 4, 'em': 0.25, 'pass@2/em': 0.5}
+    ...            {"id": "b", "sample": 0, "em": 0.0}, {"id": "b", "sample": 1, "em": 0.0}], ["em"])["pass@2/em"]
+    0.5
     """
     by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in samples:
@@ -76,11 +86,98 @@ def summarize(samples: Sequence[dict[str, Any]], metric_names: Sequence[str]) ->
         out[name] = sum(s[name] for s in samples) / len(samples) if samples else 0.0
         if k > 1:
             out[f"pass@{k}/{name}"] = sum(max(s[name] for s in v) for v in by_id.values()) / len(by_id)
+    out.update(uncertainty(samples, metric_names))
+
+    def means(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"n": len({s["id"] for s in chosen}), **{name: sum(s[name] for s in chosen) / len(chosen)
+                                                         for name in metric_names}}  # fmt: skip
+
     types = sorted({t for s in samples for t in s.get("type") or []})
     if types:
-        out["by_type"] = {}
-        for t in types:
-            chosen = [s for s in samples if t in (s.get("type") or [])]
-            out["by_type"][t] = {"n": len({s["id"] for s in chosen}),
-                                 **{name: sum(s[name] for s in chosen) / len(chosen) for name in metric_names}}  # fmt: skip
+        out["by_type"] = {t: means([s for s in samples if t in (s.get("type") or [])]) for t in types}
+    for grouping in sorted({g for s in samples for g in s.get("groups") or {}}):
+        values = sorted({str(s["groups"][grouping]) for s in samples if grouping in (s.get("groups") or {})})
+        out[f"by_{grouping}"] = {
+            v: means([s for s in samples if str((s.get("groups") or {}).get(grouping)) == v]) for v in values
+        }
     return out
+
+
+def uncertainty(samples: Sequence[dict[str, Any]], metric_names: Sequence[str], *, resamples: int = 2000,
+                seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """How far each mean can be trusted, and what smaller ``k`` would have given, from ``k`` samples per record.
+
+    * ``intervals[<metric>]``: a 95% interval of the avg@k: Wilson's binomial interval when every record has one
+      sample of a 0/1 metric, else a percentile bootstrap over records (``resamples`` draws of the records with
+      replacement, each record carrying all its samples: the samples of one record are not independent).
+    * ``at_k[j]``: for j in 1, 2, 4, ... and k, ``avg`` and ``pass`` of each metric over each record's first j
+      samples. A run asking for j samples draws these very samples (each sample's seed is its index), so these are
+      the run at j, not an estimate. ``intervals`` also holds ``pass@k/<metric>``'s bootstrap interval.
+    * ``spread[<metric>]``: the mean of each sample index across records (sample 0's, sample 1's, ...) and their
+      standard deviation: how much a single-sample score moves from draw to draw.
+
+    >>> u = uncertainty([{"id": str(i), "sample": 0, "acc": float(i < 8)} for i in range(10)], ["acc"])
+    >>> [round(x, 3) for x in u["intervals"]["acc"]]  # Wilson, 8 of 10
+    [0.49, 0.943]
+    """
+    import math
+
+    import numpy as np
+
+    by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in sorted(samples, key=lambda s: s["sample"]):
+        by_id[s["id"]].append(s)
+    records = list(by_id.values())
+    if not records:
+        return {}
+    k = min(len(v) for v in records)
+    out: dict[str, Any] = {"intervals": {}, "at_k": {}, "spread": {}}
+    ladder = sorted({j for j in (1, 2, 4, 8, 16, 32, 64, 128) if j <= k} | {k})
+    for j in ladder:
+        out["at_k"][j] = {}
+        for name in metric_names:
+            firsts = [[s[name] for s in v[:j]] for v in records]
+            out["at_k"][j][f"avg@{j}/{name}"] = sum(sum(f) / j for f in firsts) / len(firsts)
+            out["at_k"][j][f"pass@{j}/{name}"] = sum(max(f) for f in firsts) / len(firsts)
+    draws = np.random.default_rng(seed).integers(0, len(records), size=(resamples, len(records)))  # (R, N) records
+    for name in metric_names:
+        values = [[s[name] for s in v] for v in records]
+        binary = all(x in (0, 1) for v in values for x in v)
+        if binary and all(len(v) == 1 for v in values):
+            out["intervals"][name] = wilson(sum(v[0] for v in values), len(values))
+        else:
+            per_record = np.array([sum(v) / len(v) for v in values])  # (N,) each record's avg@k
+            out["intervals"][name] = _percentile_interval(per_record[draws].mean(axis=1))
+        if k > 1:
+            best = [max(v) for v in values]
+            out["intervals"][f"pass@{k}/{name}"] = _percentile_interval(
+                [sum(best[i] for i in d) / len(d) for d in draws]
+            )
+            by_index = [sum(v[i] for v in values) / len(values) for i in range(k)]
+            mean = sum(by_index) / k
+            out["spread"][name] = {"std": math.sqrt(sum((x - mean) ** 2 for x in by_index) / (k - 1)),
+                                   "min": min(by_index), "max": max(by_index)}  # fmt: skip
+    return out
+
+
+def wilson(successes: float, n: int, z: float = 1.959963984540054) -> list[float]:
+    """Wilson's score interval of a binomial proportion (95% by default): unlike the normal one it stays in [0, 1]
+    and is not empty at 0 or n successes.
+
+    >>> [round(x, 3) for x in wilson(0, 20)]
+    [0.0, 0.161]
+    """
+    if n == 0:
+        return [0.0, 1.0]
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def _percentile_interval(values, level: float = 0.95) -> list[float]:
+    """The central ``level`` of the bootstrap means (R,): their (1 - level) / 2 and (1 + level) / 2 quantiles."""
+    import numpy as np
+
+    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+    return [float(lo), float(hi)]

@@ -30,9 +30,9 @@ class Sampling:
         temperature: 0 = greedy.
         top_p: Nucleus mass (1 = off).
         stop_strings: The turn ends when its text contains one of these (or at EOS).
-        seed: The turn's own sampling seed, for a backend with a generator per request (vLLM): the same tokens
-            whatever else is batched. None = the backend's shared stream. The HF backend ignores it (its callers seed
-            torch's generator: the server's seeded lanes, ``run_agent``).
+        seed: The turn's own sampling seed: each backend draws the turn from a generator of its own seeded with it
+            (vLLM's per-request generator, the HF backend's ``torch.Generator`` per row), so the turn's tokens do not
+            depend on what else is batched. None = the backend's shared stream.
     """
 
     max_new_tokens: int

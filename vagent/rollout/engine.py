@@ -99,8 +99,9 @@ class _Engine:
     """Runs rows to completion; see the module docstring."""
 
     def __init__(self, policy, limits, backend, services, batch_size, tool_workers, tool_timeout_s, on_turn,
-                 progress, agent="vagent", keep_patches=False):  # fmt: skip
+                 progress, agent="vagent", keep_patches=False, n_samples=1):  # fmt: skip
         self.policy, self.limits, self.backend = policy, limits, backend
+        self.n_samples = n_samples  # a job's key is task index * n_samples + sample
         self.keep_patches = keep_patches
         self.profile = get_profile(agent)
         self.services = services
@@ -237,11 +238,9 @@ class _Engine:
         if row.scripted:
             row.scripted.pop(0)  # a None hole: this turn is sampled
         row.state = RowState.GENERATING
-        seed = (
-            None
-            if limits.sampling_seed is None
-            else zlib.crc32(f"{limits.sampling_seed}/{row.key}/{row.turns}".encode())
-        )
+        # by task and sample, not by the key's place in this call: a rerun in other chunks draws the same tokens
+        where = f"{row.task.id}/{row.key % self.n_samples}/{row.turns}"
+        seed = None if limits.sampling_seed is None else zlib.crc32(f"{limits.sampling_seed}/{where}".encode())
         sampling = Sampling(max_new_tokens=budget, **self.sampling, seed=seed)
         pixels, grids = [p.pixel_values for p in row.patches], [p.grid_thw for p in row.patches]
         self.backend.submit(
@@ -447,7 +446,7 @@ def run(
     backend = backend if backend is not None else HFBackend(policy)
     jobs = [(i * n_samples + s, task) for i, task in enumerate(tasks) for s in range(n_samples)]
     engine = _Engine(policy, limits, backend, services or ToolServices(), batch_size, tool_workers, tool_timeout_s,
-                     on_turn, progress, agent, keep_patches)  # fmt: skip
+                     on_turn, progress, agent, keep_patches, n_samples)  # fmt: skip
     done = engine.run(jobs)
     return [done[key] for key, _ in jobs]
 

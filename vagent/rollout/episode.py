@@ -67,9 +67,10 @@ class RolloutLimits:
             that the first view does not already show everything, then clamped so that the prompt (its images and
             every video's frames) leaves room under ``max_images`` for a tool image. None = the profile's own view.
         seed: Seeds the per-task draws (``frame_budget``); tokens are sampled from torch's generator, not from it.
-        sampling_seed: Fixes each sampled turn on a backend with a generator per request (vLLM): every turn request
-            carries a seed made of it, the row and the turn (``vagent serve``'s seeded requests). None: the backend's
-            own stream (GRPO must not set it: every step would draw the same noise).
+        sampling_seed: Fixes each sampled turn: every turn request carries a seed made of it, the task's id, the
+            sample's index and the turn (``vagent serve``'s seeded requests, ``vagent eval``'s reproducible samples),
+            drawn from a generator of its own by either backend. None: the backend's shared stream (GRPO must not
+            set it: every step would draw the same noise).
     """
 
     max_turns: int = 4

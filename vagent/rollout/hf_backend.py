@@ -74,6 +74,7 @@ class _Row:
     stops: StopMatcher | None = None
     tokens: list[int] = field(default_factory=list)  # this turn's sampled ids
     logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None  # a seeded turn's own stream (Sampling.seed); None: torch's shared one
 
 
 class HFBackend:
@@ -269,6 +270,9 @@ class HFBackend:
 
     def _start_turn(self, row: _Row, sampling: Sampling) -> None:
         row.sampling, row.tokens, row.logprobs = sampling, [], []
+        row.generator = None
+        if sampling.seed is not None and sampling.temperature > 0:
+            row.generator = torch.Generator(device=self.policy.device).manual_seed(sampling.seed)
         if sampling.stop_strings not in self._matchers:
             self._matchers[sampling.stop_strings] = StopMatcher(self.policy.tokenizer, sampling.stop_strings)
         row.stops = self._matchers[sampling.stop_strings]
@@ -450,7 +454,7 @@ class HFBackend:
                     logprobs[b] = torch.log_softmax(scaled[b].masked_fill(drop, float("-inf")), dim=-1)
         tokens = logprobs.argmax(dim=-1)
         if bool(sampled.any()):
-            tokens = torch.where(sampled, _draw(logprobs.exp()), tokens)
+            tokens = torch.where(sampled, _draw(logprobs.exp(), [row.generator for row in rows]), tokens)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
@@ -476,14 +480,19 @@ class HFBackend:
         return results
 
 
-def _draw(probs: torch.Tensor) -> torch.Tensor:
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
     """One token per row of (B, V) probabilities by the inverse CDF: one uniform number per row, then a binary
     search of the row's cumulative sum (float64, so 151,936 summands lose no mass that matters). Same distribution
     as ``torch.multinomial(probs, 1)``, which draws an exponential number for every vocabulary entry: at Qwen's
-    vocabulary and 64 rows that took 3x a CPU decode step. A token of probability 0 is never drawn."""
+    vocabulary and 64 rows that took 3x a CPU decode step. A token of probability 0 is never drawn. A row with its own
+    generator (a seeded turn) draws its number from it, so its tokens do not depend on which rows share the batch."""
     cdf = probs.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device)
+    for b, generator in enumerate(generators or []):
+        if generator is not None:
+            u[b] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)
+    u = u * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: some cdf entry exceeds it
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
