@@ -422,19 +422,26 @@ def _add_loading(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
 
 
-def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:
-    """The agent profile, the episode limits and sampling of a rollout or an evaluation."""
-    p.add_argument("--agent", default="vagent", type=_agent_name, help=AGENT_HELP)
+def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float, preset: bool = False) -> None:
+    """The agent profile, the episode limits and sampling of a rollout or an evaluation. With ``preset`` (``vagent
+    eval``) the flags a ``--protocol`` sets default to None: the protocol's value, else the built-in one, applies
+    (``vagent.eval.protocols.resolve``), and the card names the flags given."""
+
+    def default(value):
+        return None if preset else value
+
+    p.add_argument("--agent", default=default("vagent"), type=_agent_name, help=AGENT_HELP)
     p.add_argument("--max-turns", type=_positive, default=None, help="Assistant turns per episode (default: the "
                    "agent profile's own limit; 4 for vagent).")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens, help="Tokens sampled per turn.")
-    p.add_argument("--max-total-tokens", type=_positive, default=8192, help="Tokens per episode (%(default)s).")
+    p.add_argument("--max-new-tokens", type=_positive, default=default(max_new_tokens),
+                   help=f"Tokens sampled per turn ({max_new_tokens}).")  # fmt: skip
+    p.add_argument("--max-total-tokens", type=_positive, default=default(8192), help="Tokens per episode (8192).")
     p.add_argument("--max-images", type=_positive, default=None,
                    help="Images per episode, prompt included (default: the agent profile's; 8 for vagent).")  # fmt: skip
     p.add_argument("--max-tool-calls", type=_positive, default=None, help="Tool calls per episode across its turns "
                    "(stop reason max_calls; default: the agent profile's own budget, none for vagent).")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s).")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=default(temperature), help=f"0 = greedy ({temperature}).")
+    p.add_argument("--top-p", type=float, default=default(1.0), help="Nucleus mass (1.0 = off).")
     p.add_argument("--batch-size", type=_positive, default=8, help="Episodes generated together (%(default)s).")
     p.add_argument("--tool-workers", type=_positive, default=8, help="Threads running tool calls, shared by the "
                    "episodes in flight; a call's timeout counts from when one starts it (%(default)s).")  # fmt: skip
@@ -476,20 +483,43 @@ def _add_generate(sub) -> None:
 
 def _add_eval(sub) -> None:
     from vagent.eval.benchmarks import BENCHMARKS
+    from vagent.eval.extract import EXTRACTORS
+    from vagent.eval.protocols import PROTOCOLS
 
-    p = sub.add_parser("eval", help="Evaluate a checkpoint on a benchmark (resumable; torchrun splits the rows).")
-    what = p.add_mutually_exclusive_group(required=True)
+    p = sub.add_parser("eval", help="Evaluate a checkpoint or an endpoint on a benchmark under a named protocol "
+                       "(resumable; torchrun splits the rows; protocol.json reruns it).")  # fmt: skip
+    what = p.add_mutually_exclusive_group()
     what.add_argument("--model", help="HF checkpoint dir.")
-    what.add_argument("--endpoint", help="Instead: the OpenAI-compatible API root of a judge (judge-pairs).")
+    what.add_argument("--endpoint", help="Instead: the OpenAI-compatible API root of the model to evaluate (vllm "
+                      "serve, vagent serve, a hosted API); vagent runs the tools and sends their output back.")  # fmt: skip
     p.add_argument("--endpoint-model", help="Model id at --endpoint (default: the first one it lists).")
-    p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
-    p.add_argument("--data", required=True, help="The benchmark file in its published format.")
+    p.add_argument("--benchmark", choices=sorted(BENCHMARKS))
+    p.add_argument("--data", help="The benchmark file (or folder) in its published format.")
     p.add_argument("--image-root", help="Folder the records' image/video paths are relative to (default: the file's).")
-    p.add_argument("--out", required=True, help="Run dir: samples.jsonl, metrics.json/.md, trajectories.html.")
+    p.add_argument("--out", help="Run dir: protocol.json, samples.jsonl, metrics.json/.md, trajectories.html "
+                   "(default with --rerun: RUN_DIR-rerun).")  # fmt: skip
+    p.add_argument("--rerun", metavar="RUN_DIR", help="Repeat the run in RUN_DIR exactly (its protocol.json: same "
+                   "file, records, model, protocol and seeds) into --out.")  # fmt: skip
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS), help="A published agent's evaluation protocol: its agent "
+                   "profile, k, sampling, turn, image, token and pixel budgets, answer extraction and judge "
+                   "(docs/guide/evaluation.md#protocols). Any flag given overrides the protocol's value.")  # fmt: skip
     p.add_argument("--tools", type=_tool_names, default=None,
                    help="Comma-separated tools, or 'none' for the no-tool baseline. Default: the benchmark's.")  # fmt: skip
-    p.add_argument("--samples", type=_positive, default=1, help="Samples per record (pass@k with temperature > 0).")
-    _add_episode(p, max_new_tokens=512, temperature=0.0)
+    p.add_argument("--samples", type=_positive, default=None,
+                   help="Samples per record: avg@k, pass@k and their intervals, and every smaller k (1).")  # fmt: skip
+    p.add_argument("--extract", choices=EXTRACTORS, default=None, help="How an option is read off a reply: vagent "
+                   "(the profile's answer; default), strict (only the answer tag), vlmevalkit, lmms-eval "
+                   "(each harness's own rule).")  # fmt: skip
+    p.add_argument("--parse-fallback", choices=["none", "random"], default=None, help="A reply no rule reads: none "
+                   "(scored 0 and counted; default) or random (a seeded random option, as lmms-eval's "
+                   "LongVideoBench scores it).")  # fmt: skip
+    p.add_argument("--option-order", choices=["as-listed"], default=None, help="as-listed: the options in the "
+                   "file's order, which for V*'s per-image JSONs puts the right one first (DeepEyes' script; its "
+                   "protocol sets it). Default: the loader's order.")  # fmt: skip
+    p.add_argument("--max-pixels", type=_positive, default=None,
+                   help="Pixel budget of the images the model is shown (default: the checkpoint's processor).")  # fmt: skip
+    p.add_argument("--min-pixels", type=_positive, default=None, help="Smallest image size in pixels (the same).")
+    _add_episode(p, max_new_tokens=512, temperature=0.0, preset=True)
     p.add_argument("--limit", type=_positive, help="Only the first K records.")
     p.add_argument("--skip-bad", action="store_true", help="Report bad records and go on (default: fail the run).")
     p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool (mat-search).")
@@ -497,7 +527,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--unsandboxed", action="store_true", help="Run `code` without bubblewrap (trusted input only).")
     p.add_argument("--judge", help="OpenAI-compatible API root of a judge model: adds judged accuracy to the metrics.")
     p.add_argument("--judge-model", help="Model id at --judge (default: the first one it lists).")
-    p.add_argument("--judge-mode", default="correct", choices=["correct", "score"], help="1/0 or a 0-10 grade.")
+    p.add_argument("--judge-mode", default=None, choices=["correct", "score"], help="1/0 (default) or a 0-10 grade.")
     p.add_argument("--judge-concurrency", type=_positive, default=8)
     p.add_argument("--judge-api-key-env", help="Environment variable holding the API key of --judge or --endpoint.")
     _add_loading(p)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from vagent.data import Row
-from vagent.eval.runner import read_samples, write_table
+from vagent.eval.report import write_report
+from vagent.eval.runner import read_samples
 from vagent.judge import TEMPLATES, JudgeClient, Verdict, judge_messages, parse_verdict
 from vagent.rollout import Task
 from vagent.rollout.export import read_jsonl, write_html
@@ -53,8 +54,7 @@ def judge_run(out_dir: Path, rows: Sequence[Row], client: JudgeClient, *, mode: 
     metrics["judged_accuracy"] = sum(graded) / len(graded) if graded else 0.0
     metrics["judge_failures"] = len(samples) - len(graded)
     metrics["judge_model"] = client.model
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
-    write_table([metrics], out_dir / "metrics.md", [out_dir.name])
+    write_report(out_dir, metrics)
     _viewer(out_dir, samples, metrics.get("benchmark", ""))
     return metrics
 

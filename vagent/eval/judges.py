@@ -22,7 +22,7 @@ from vagent.data import Row
 from vagent.data.judgment import Judgment, render
 from vagent.eval.benchmarks import Benchmark
 from vagent.eval.metrics import summarize
-from vagent.eval.runner import write_table
+from vagent.eval.report import write_report
 from vagent.judge import JudgeClient, chat_messages
 from vagent.rewards.answer import gold_answers
 from vagent.rollout import Task, prompt_messages
@@ -77,6 +77,5 @@ def evaluate_endpoint(client: JudgeClient, benchmark: Benchmark, rows: Sequence[
     metrics["judge_failures"] = sum(1 for s in samples if s["error"] is not None)
     metrics.update(benchmark=benchmark.name, endpoint=client.url, model=client.model,
                    skipped=[{"record": r, "reason": why} for r, why in skipped])  # fmt: skip
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
-    write_table([metrics], out_dir / "metrics.md", [out_dir.name])
+    write_report(out_dir, metrics)
     return metrics

@@ -29,9 +29,10 @@ from tqdm import tqdm
 from vagent.data import Row
 from vagent.eval.benchmarks import Benchmark, BenchmarkError
 from vagent.eval.metrics import summarize
+from vagent.eval.report import write_report, write_table
 from vagent.eval.turns import turn_record
 from vagent.model import Policy
-from vagent.rewards.answer import gold_answers
+from vagent.rewards.answer import choice_match, gold_answers
 from vagent.rollout import GenerationBackend, RolloutLimits, Task, run
 from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
 from vagent.toolbox import ToolServices
@@ -54,7 +55,7 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
              limits: RolloutLimits, n_samples: int = 1, batch_size: int = 8, services: ToolServices | None = None,
              env: DistEnv | None = None, skipped: Sequence[tuple[str, str]] = (), label: str = "",
              progress: bool = True, agent: str = "vagent", tool_workers: int = 8,
-             backend: GenerationBackend | None = None, extract: str = "vagent",
+             backend: GenerationBackend | None = None, extract: str = "vagent", parse_fallback: str = "none",
              episodes: Episodes | None = None) -> dict[str, Any]:  # fmt: skip
     """Evaluate ``rows``; returns the metrics dict (also written to ``out_dir/metrics.json`` by rank 0).
 
@@ -68,6 +69,9 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
         tool_workers: Threads running tool calls (``vagent.rollout.run``).
         backend: What generates (``vagent.rollout.run``'s; default: a new HF backend per chunk).
         extract: How answers are read off the replies (``vagent.eval.extract.EXTRACTORS``).
+        parse_fallback: ``random``: a multiple-choice reply the rule cannot read scores a random option, drawn from
+            the record's id and the sample's index (lmms-eval's LongVideoBench); ``none``: it scores 0. Either way
+            it is counted in ``parse_failures``.
         episodes: ``(tasks, n_samples, progress)``: runs the episodes another way than vagent's engine over
             ``policy`` (a model behind an OpenAI-compatible endpoint, ``vagent.eval.endpoint``), calling
             ``progress(trajectory)`` as each finishes; ``policy`` may then be None.
@@ -107,11 +111,20 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
             counters["sample"] = k
             tw.write(trajectory)
             scores = benchmark.score(row, trajectory, rule=extract)
+            guess = None
+            if parse_fallback == "random" and scores.get("parsed") == 0.0 and row.choices:
+                guess = random_option(row, k)
+                scores = {**scores, "accuracy": choice_match(guess, str(row.answer), row.choices)}
             record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": gold_answers(row.answer, row.answer_type),
                       **scores, "tool_calls": [r.name for r in trajectory.tool_results],
                       "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
                       "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
-                      "type": row.extra.get("type") or [], **turn_record(trajectory)}  # fmt: skip
+                      "type": row.extra.get("type") or [], "groups": row.extra.get("groups") or {},
+                      **turn_record(trajectory)}  # fmt: skip
+            if guess is not None:
+                record["guessed"] = guess
+            if "endpoint_error" in trajectory.metrics:  # a request that never got a reply: not a wrong answer
+                record["endpoint_error"] = trajectory.metrics["endpoint_error"]
             if clash := [key for key in scores if record[key] != scores[key]]:
                 raise ValueError(f"{benchmark.name} metric names {clash} clash with sample fields")
             samples_log.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -132,6 +145,14 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
     if rank != 0:
         return {}
     return _merge(benchmark, rows, out_dir, world, skipped, tools, agent, limits)
+
+
+def random_option(row: Row, sample: int) -> str:
+    """The option letter a parse failure scores under ``--parse-fallback random``: drawn by a generator seeded with
+    the record's id and the sample's index, so a rerun draws the same."""
+    import random
+
+    return chr(ord("A") + random.Random(f"{row.id}/{sample}").randrange(len(row.choices or [])))
 
 
 def _same_limits(out_dir: Path, limits: RolloutLimits, write: bool) -> None:
@@ -171,8 +192,10 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     metrics["agent"] = agent
     metrics["limits"] = dataclasses.asdict(limits) if limits is not None else {}
     metrics["skipped"] = [{"record": r, "reason": why} for r, why in skipped]
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
-    write_table([metrics], out_dir / "metrics.md", [out_dir.name])
+    if "parsed" in benchmark.metrics:
+        metrics["parse_failures"] = sum(1 for s in merged if not s["parsed"] and "endpoint_error" not in s)
+    metrics["endpoint_failures"] = sum(1 for s in merged if "endpoint_error" in s)
+    write_report(out_dir, metrics)
     trajectories = [t for r in range(world) for t in read_jsonl(out_dir / f"trajectories.rank{r}.jsonl")]
     rewards = {(s["id"], s["sample"]): s.get(benchmark.metrics[0]) for s in merged}
     counts: dict[str, int] = {}
@@ -182,16 +205,3 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
         t.reward = rewards.get((t.task_id, k))
     write_html(trajectories, out_dir / "trajectories.html", title=f"{benchmark.name}: {out_dir.name}")
     return metrics
-
-
-def write_table(runs: Sequence[dict[str, Any]], path: Path | None, names: Sequence[str]) -> str:
-    """A markdown table of one or more runs' metrics (one row per run), written to ``path`` if given."""
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k not in ("n", "samples")]
-    lines = ["| run | n | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
-    for name, m in zip(names, runs, strict=True):
-        cells = [f"{m.get(k, float('nan')):.3f}" if isinstance(m.get(k), float) else str(m.get(k, "")) for k in keys]
-        lines.append(f"| {name} | {m.get('n', '')} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines) + "\n"
-    if path is not None:
-        path.write_text(table)
-    return table

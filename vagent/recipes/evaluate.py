@@ -18,7 +18,10 @@ from typing import Any
 
 from vagent.agents import get_profile
 from vagent.eval import BENCHMARKS, BenchmarkError
-from vagent.eval.runner import evaluate, read_samples, write_table
+from vagent.eval.card import CARD_NAME, card_differences, file_sha256, protocol_card, read_card, write_card
+from vagent.eval.protocols import FIELDS, PROTOCOLS, resolve
+from vagent.eval.report import write_table
+from vagent.eval.runner import evaluate, read_samples
 from vagent.eval.turns import budgets, exactness, turn_scaling
 from vagent.model import load_policy
 from vagent.rollout import RolloutLimits
@@ -26,22 +29,43 @@ from vagent.training.distributed import init_distributed, shutdown
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.rerun:
+        args = rerun_args(args)
+    for flag, value in (("--benchmark", args.benchmark), ("--data", args.data), ("--out", args.out),
+                        ("--model or --endpoint", args.model or args.endpoint)):  # fmt: skip
+        if not value:
+            raise BenchmarkError(f"{flag} is required (or --rerun RUN_DIR)")
+    values, overrides = resolve({k: getattr(args, k, None) for k in FIELDS}, args.protocol)
+    for key, value in values.items():
+        setattr(args, key, value)
+    args.data, args.image_root = (
+        str(Path(args.data).resolve()),
+        args.image_root and str(Path(args.image_root).resolve()),
+    )
+    args.model = args.model and str(Path(args.model).resolve())
     benchmark = BENCHMARKS[args.benchmark]
     rows, errors = benchmark.load(Path(args.data), Path(args.image_root) if args.image_root else None)
     for record, why in errors:
         print(f"bad record {record}: {why}", file=sys.stderr)
     if errors and not args.skip_bad:
         raise BenchmarkError(f"{len(errors)} bad record(s) in {args.data} (listed above); fix them or pass --skip-bad")
-    rows = rows[: args.limit] if args.limit else rows
+    rows = order_options(rows[: args.limit] if args.limit else rows, args.option_order)
     if not rows:
         raise BenchmarkError(f"no records to evaluate in {args.data}")
+    if args.protocol and PROTOCOLS[args.protocol].judge and not args.judge:
+        print(f"note: the {args.protocol} protocol grades with a model judge; without --judge URL only the "
+              f"rule-based score ({args.extract}) is reported", file=sys.stderr)  # fmt: skip
+    if args.endpoint and benchmark.name == "judge-pairs":
+        return _eval_judge_endpoint(args, benchmark, rows, errors)
     if args.endpoint:
-        return _eval_endpoint(args, benchmark, rows, errors)
+        return _eval_endpoint_policy(args, benchmark, rows, errors, overrides)
     env = init_distributed(args.device)
     try:
         policy = load_policy(args.model, device=env.device, dtype=args.dtype, attn_implementation=args.attn)
+        set_pixel_budget(policy, args.min_pixels, args.max_pixels)
         limits = episode_limits(args)
         _check_context(policy, limits, get_profile(args.agent).limits.max_turns, quiet=not env.is_main)
+        _start_card(args, benchmark, limits, policy.pixel_budget, overrides, write=env.is_main)
         import torch
 
         torch.manual_seed(args.seed + env.rank)
@@ -55,18 +79,101 @@ def run_eval(args: argparse.Namespace) -> int:
             metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
                                n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
                                skipped=errors, progress=env.is_main, agent=args.agent,
-                               tool_workers=args.tool_workers, backend=backend)  # fmt: skip
+                               tool_workers=args.tool_workers, backend=backend, extract=args.extract,
+                               parse_fallback=args.parse_fallback)  # fmt: skip
         finally:
             if backend is not None:
                 backend.close()
     finally:
         shutdown()
+    return _finish(args, rows, metrics)
+
+
+def _finish(args: argparse.Namespace, rows, metrics: dict[str, Any]) -> int:
     if metrics and args.judge:
         metrics = _judge(args, rows)
     if metrics:
         print((Path(args.out) / "metrics.md").read_text())
-        print(f"wrote {args.out}/samples.jsonl, metrics.json, trajectories.html")
+        print(f"wrote {args.out}/protocol.json, samples.jsonl, metrics.json, metrics.md, trajectories.html")
     return 0
+
+
+def rerun_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The command line of the run in ``args.rerun`` (its ``protocol.json``), into ``args.out`` (default
+    ``RUN_DIR-rerun``). The data file and the model's config must be the ones the card names (same SHA-256).
+
+    Raises:
+        BenchmarkError: no card in the run dir, or the file or model changed since.
+    """
+    run_dir = Path(args.rerun)
+    card = read_card(run_dir)
+    if card is None:
+        raise BenchmarkError(f"{run_dir} holds no {CARD_NAME} (not an eval run dir, or one made before cards)")
+    given = {k: v for k, v in vars(args).items() if k in ("out", "func", "command")}
+    replay = argparse.Namespace(**{**card["args"], **given, "rerun": None})
+    replay.out = args.out or str(run_dir.resolve()) + "-rerun"
+    if Path(replay.out).resolve() == run_dir.resolve():
+        raise BenchmarkError("--out must be another dir than the run being repeated")
+    data = Path(replay.data)
+    if not data.exists() or file_sha256(data) != card["data_sha256"]:
+        raise BenchmarkError(f"{data} is not the file {run_dir.name} was scored on (missing, or its SHA-256 changed)")
+    if card.get("model_config_sha256"):
+        config = Path(replay.model) / "config.json"
+        if not config.is_file() or file_sha256(config) != card["model_config_sha256"]:
+            raise BenchmarkError(f"{replay.model} is not the model {run_dir.name} scored (missing, or its "
+                                 "config.json changed)")  # fmt: skip
+    return replay
+
+
+def _start_card(args: argparse.Namespace, benchmark, limits: RolloutLimits, pixels, overrides, write: bool) -> None:
+    """Write the run's card; a resumed run (a card in ``--out`` already) must be under the same protocol."""
+    import dataclasses
+
+    from vagent.judge import TEMPLATES
+
+    loader = sys.modules[benchmark.load.__module__]
+    card = protocol_card(vars(args), benchmark=benchmark.name, loader=loader, limits=dataclasses.asdict(limits),
+                         pixels=pixels, overrides=overrides,
+                         protocol=dataclasses.asdict(PROTOCOLS[args.protocol]) if args.protocol else None,
+                         judge_prompt=TEMPLATES[args.judge_mode] if args.judge else None)  # fmt: skip
+    out = Path(args.out)
+    old = read_card(out)
+    if old is not None:
+        keep = {"vagent", "judge", "args", "command", "created", "overrides"}  # a resume may differ in these
+        changed = [k for k in card_differences([{k: v for k, v in old.items() if k not in keep},
+                                                {k: v for k, v in card.items() if k not in keep}])]  # fmt: skip
+        if changed:
+            raise BenchmarkError(f"{out} holds a run under another protocol ({', '.join(changed)} differ); resume it "
+                                 "with the same flags, or pass another --out")  # fmt: skip
+    if write:
+        write_card(out, card)
+
+
+def set_pixel_budget(policy: Any, min_pixels: int | None, max_pixels: int | None) -> None:
+    """``--min-pixels`` / ``--max-pixels``: the budget of the images the model is shown (its processor's, which
+    the engine, the tools' frame and the encoder all read)."""
+    if min_pixels is None and max_pixels is None:
+        return
+    low, high = policy.pixel_budget
+    low, high = min_pixels or low, max_pixels or high
+    if low > high:
+        raise BenchmarkError(f"--min-pixels {low} is more than --max-pixels {high}")
+    image_processor = policy.processor.image_processor
+    image_processor.size = {**image_processor.size, "shortest_edge": low, "longest_edge": high}
+    for name, value in (("min_pixels", low), ("max_pixels", high)):
+        if hasattr(image_processor, name):
+            setattr(image_processor, name, value)
+
+
+def order_options(rows, option_order: str | None):
+    """``--option-order as-listed``: leave each record's options in the file's order (a loader that would otherwise
+    reorder them records the file's order in ``row.extra["listed"]``); None: the loader's order."""
+    if option_order != "as-listed":
+        return rows
+    import dataclasses
+
+    return [dataclasses.replace(r, choices=r.extra["listed"]["choices"], answer=r.extra["listed"]["answer"])
+            if "listed" in r.extra else r for r in rows]  # fmt: skip
 
 
 def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits) -> Any:
@@ -90,12 +197,13 @@ def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits
 
 def episode_limits(args: argparse.Namespace) -> RolloutLimits:
     """The episode limits of ``vagent eval`` and ``vagent rollout`` (``--max-turns`` ... ``--top-p``): the agent
-    profile's own turn and image limits unless given."""
+    profile's own turn and image limits unless given. Every sampled turn is seeded from ``--seed``, the record, the
+    sample's index and the turn, so a rerun draws the same samples however the episodes are batched."""
     profile = get_profile(args.agent).limits
     return RolloutLimits(max_turns=args.max_turns or profile.max_turns, max_new_tokens=args.max_new_tokens,
                          max_total_tokens=args.max_total_tokens, max_images=args.max_images or profile.max_images,
-                         max_tool_calls=args.max_tool_calls, temperature=args.temperature,
-                         top_p=args.top_p)  # fmt: skip
+                         max_tool_calls=args.max_tool_calls, temperature=args.temperature, top_p=args.top_p,
+                         sampling_seed=args.seed)  # fmt: skip
 
 
 def _check_context(policy, limits: RolloutLimits, own_turns: int, quiet: bool = False) -> None:
@@ -112,17 +220,41 @@ def _check_context(policy, limits: RolloutLimits, own_turns: int, quiet: bool = 
               file=sys.stderr)  # fmt: skip
 
 
-def _eval_endpoint(args: argparse.Namespace, benchmark, rows, errors) -> int:
-    """``--endpoint URL``: a judge behind an OpenAI-compatible API answers the rows in one turn (no tool loop)."""
+def _eval_endpoint_policy(args: argparse.Namespace, benchmark, rows, errors, overrides) -> int:
+    """``--endpoint URL``: the model behind an OpenAI-compatible API answers, turn by turn, with vagent running the
+    agent profile's tools here (``vagent.eval.endpoint``); scored by the same loaders, rules and card."""
+    import os
+
+    from vagent.config import ToolboxConfig
+    from vagent.eval.endpoint import QWEN25_PIXELS, endpoint_episodes
+    from vagent.recipes.common import tool_services
+    from vagent.recipes.judged import first_model
+
+    pixels = (args.min_pixels or QWEN25_PIXELS[0], args.max_pixels or QWEN25_PIXELS[1])
+    args.endpoint_model = args.endpoint_model or first_model(args.endpoint)
+    limits = episode_limits(args)
+    _start_card(args, benchmark, limits, pixels, overrides, write=True)
+    services = tool_services(ToolboxConfig(search_corpus=args.search_corpus, search_url=args.search_url,
+                                           allow_unsandboxed_code=args.unsandboxed))  # fmt: skip
+    api_key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
+    episodes = endpoint_episodes(args.endpoint, model=args.endpoint_model, limits=limits, agent=args.agent,
+                                 services=services, concurrency=args.judge_concurrency, api_key=api_key,
+                                 seed=args.seed, tool_workers=args.tool_workers, pixel_budget=pixels)  # fmt: skip
+    metrics = evaluate(None, benchmark, rows, Path(args.out), tools=args.tools, limits=limits, n_samples=args.samples,
+                       batch_size=args.batch_size, skipped=errors, agent=args.agent, extract=args.extract,
+                       parse_fallback=args.parse_fallback, episodes=episodes)  # fmt: skip
+    return _finish(args, rows, metrics)
+
+
+def _eval_judge_endpoint(args: argparse.Namespace, benchmark, rows, errors) -> int:
+    """``--endpoint URL --benchmark judge-pairs``: a judge behind an OpenAI-compatible API answers the pairs in one
+    turn (no tool loop)."""
     import os
 
     from vagent.eval.judges import evaluate_endpoint
     from vagent.judge import JudgeClient
     from vagent.recipes.judged import first_model
 
-    if benchmark.name != "judge-pairs":
-        raise BenchmarkError(f"--endpoint evaluates judges (--benchmark judge-pairs); {benchmark.name} needs the "
-                             "tool loop of a checkpoint (--model)")  # fmt: skip
     api_key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
     out = Path(args.out)
     client = JudgeClient(args.endpoint, args.endpoint_model or first_model(args.endpoint), api_key=api_key,
@@ -154,7 +286,8 @@ def _judge(args: argparse.Namespace, rows) -> dict[str, Any]:
 
 
 def compare(run_dirs: list[str], out: Path | None) -> str:
-    """Side-by-side table of several eval runs (their metrics.json) and, with ``out``, a bar chart PNG."""
+    """Side-by-side table of several eval runs (their metrics.json), their protocol cards side by side with every
+    field in which they differ named, and, with ``out``, a bar chart PNG."""
     runs: list[dict[str, Any]] = []
     for d in run_dirs:
         path = Path(d) / "metrics.json"
@@ -162,12 +295,32 @@ def compare(run_dirs: list[str], out: Path | None) -> str:
             raise BenchmarkError(f"{d} holds no metrics.json (not an eval run dir, or the run has not finished)")
         runs.append(json.loads(path.read_text()))
     names = [Path(d).name for d in run_dirs]
-    table = write_table(runs, None, names)
+    table = write_table(runs, None, names) + "\n" + protocol_comparison([read_card(Path(d)) for d in run_dirs], names)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "comparison.md").write_text(table)
         bar_chart(runs, names, out / "comparison.png")
     return table
+
+
+def protocol_comparison(cards: list[dict[str, Any] | None], names: list[str]) -> str:
+    """The protocol fields in which the runs differ, one row each with every run's value; or that they agree."""
+    missing = [n for n, c in zip(names, cards, strict=True) if c is None]
+    lines = ["## Protocols", ""]
+    if missing:
+        lines += [f"No protocol card in {', '.join(missing)} (made before cards): not compared.", ""]
+    present = [(n, c) for n, c in zip(names, cards, strict=True) if c is not None]
+    if len(present) < 2:
+        return "\n".join(lines) + "\n"
+    differences = card_differences([c for _, c in present])
+    if not differences:
+        return "\n".join([*lines, "The runs' protocol cards agree in every field that decides a score.", ""])
+    lines += [f"The runs differ in {len(differences)} protocol field(s):", "",
+              "| field | " + " | ".join(n for n, _ in present) + " |", "|---|" + "---|" * len(present)]  # fmt: skip
+    for field, values in differences.items():
+        cells = [json.dumps(v, default=str) if not isinstance(v, str) else v for v in values]
+        lines.append(f"| {field} | " + " | ".join(c if len(c) <= 40 else c[:37] + "..." for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def bar_chart(runs: list[dict[str, Any]], names: list[str], path: Path, title: str = "") -> Path:
