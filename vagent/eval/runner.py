@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from vagent.data import Row
 from vagent.eval.benchmarks import Benchmark, BenchmarkError
+from vagent.eval.extract import extract_choice
 from vagent.eval.metrics import summarize
 from vagent.eval.report import write_report, write_table
 from vagent.eval.turns import turn_record
@@ -110,23 +111,7 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
             row = by_id[trajectory.task_id]
             counters["sample"] = k
             tw.write(trajectory)
-            scores = benchmark.score(row, trajectory, rule=extract)
-            guess = None
-            if parse_fallback == "random" and scores.get("parsed") == 0.0 and row.choices:
-                guess = random_option(row, k)
-                scores = {**scores, "accuracy": choice_match(guess, str(row.answer), row.choices)}
-            record = {"id": row.id, "sample": k, "prediction": trajectory.answer, "gold": gold_answers(row.answer, row.answer_type),
-                      **scores, "tool_calls": [r.name for r in trajectory.tool_results],
-                      "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
-                      "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
-                      "type": row.extra.get("type") or [], "groups": row.extra.get("groups") or {},
-                      **turn_record(trajectory)}  # fmt: skip
-            if guess is not None:
-                record["guessed"] = guess
-            if "endpoint_error" in trajectory.metrics:  # a request that never got a reply: not a wrong answer
-                record["endpoint_error"] = trajectory.metrics["endpoint_error"]
-            if clash := [key for key in scores if record[key] != scores[key]]:
-                raise ValueError(f"{benchmark.name} metric names {clash} clash with sample fields")
+            record = sample_record(benchmark, row, trajectory, k, extract, parse_fallback)
             samples_log.write(json.dumps(record, ensure_ascii=False) + "\n")
             samples_log.flush()
             bar.update(1)
@@ -147,12 +132,41 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
     return _merge(benchmark, rows, out_dir, world, skipped, tools, agent, limits)
 
 
-def random_option(row: Row, sample: int) -> str:
-    """The option letter a parse failure scores under ``--parse-fallback random``: drawn by a generator seeded with
-    the record's id and the sample's index, so a rerun draws the same."""
+def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample: int, extract: str,
+                  parse_fallback: str) -> dict[str, Any]:  # fmt: skip
+    """One line of ``samples.jsonl``: the sample's scores under ``extract`` (with ``parse_fallback``), its prediction
+    and gold, tool use, turns, stop reason, the record's types and groups, and why its requests failed if they did."""
+    scores = benchmark.score(row, trajectory, rule=extract)
+    guess = None
+    if parse_fallback == "random" and scores.get("parsed") == 0.0 and row.choices:
+        guess = fallback_option(row, trajectory, sample, extract)
+        scores = {**scores, "accuracy": choice_match(guess, str(row.answer), row.choices) if guess else 0.0}
+    record = {"id": row.id, "sample": sample, "prediction": trajectory.answer,
+              "gold": gold_answers(row.answer, row.answer_type), **scores,
+              "tool_calls": [r.name for r in trajectory.tool_results],
+              "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
+              "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
+              "type": row.extra.get("type") or [], "groups": row.extra.get("groups") or {},
+              **turn_record(trajectory)}  # fmt: skip
+    if guess is not None:
+        record["guessed"] = guess
+    if "endpoint_error" in trajectory.metrics:  # a request that never got a reply: not a wrong answer
+        record["endpoint_error"] = trajectory.metrics["endpoint_error"]
+    if clash := [key for key in scores if record[key] != scores[key]]:
+        raise ValueError(f"{benchmark.name} metric names {clash} clash with sample fields")
+    return record
+
+
+def fallback_option(row: Row, trajectory: Trajectory, sample: int, extract: str) -> str | None:
+    """The option a reply the rule could not read scores under ``--parse-fallback random``, from a generator seeded
+    with the record's id and the sample's index (a rerun draws the same). Under ``lmms-eval`` it is lmms-eval's own
+    fallback: LongVideoBench's parser, then its random option; under the other rules a random option."""
     import random
 
-    return chr(ord("A") + random.Random(f"{row.id}/{sample}").randrange(len(row.choices or [])))
+    rng = random.Random(f"{row.id}/{sample}")
+    if extract == "lmms-eval":
+        return extract_choice(trajectory.last_reply, trajectory.answer, row.choices or [], extract, fallback=rng)
+    return chr(ord("A") + rng.randrange(len(row.choices or [])))
 
 
 def _same_limits(out_dir: Path, limits: RolloutLimits, write: bool) -> None:

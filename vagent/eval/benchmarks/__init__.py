@@ -122,13 +122,18 @@ def _registry() -> dict[str, Benchmark]:
         "mat_coding",
         "mat_search",
         "vstar",
+        "hr_bench",
+        "mme_realworld",
+        "visualprobe",
         "video_mc",
         "temporal_grounding",
+        "video_mme",
+        "longvideobench",
         "synthetic",
         "judge_pairs",
     ]
     modules = [importlib.import_module(f"vagent.eval.benchmarks.{name}") for name in names]
-    return {b.name: b for m in modules for b in getattr(m, "VARIANTS", (m.BENCHMARK,))}
+    return {b.name: b for m in modules for b in (m.VARIANTS if hasattr(m, "VARIANTS") else (m.BENCHMARK,))}
 
 
 BENCHMARKS: dict[str, Benchmark] = _registry()
