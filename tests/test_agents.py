@@ -22,6 +22,7 @@ from vagent.data.encode import encode_messages
 from vagent.media import smart_resize
 from vagent.rollout import RolloutLimits, Task, rollout, run
 from vagent.toolbox import ToolContext, ToolServices
+from vagent.toolbox.sandbox import Sandbox
 
 # 1000x800 original: the context's model view is half size, so a box read in the wrong frame lands elsewhere.
 ORIGINAL = Image.new("RGB", (1000, 800), (90, 140, 200))
@@ -313,7 +314,11 @@ def _profile_task(name: str, clip: str) -> Task:
              "tool-star": "<think> look it up </think> <search> who </search>",
              "openthinkimg": json.dumps({"thought": "", "actions": [
                  {"name": "DrawVerticalLineByX", "arguments": {"image": "img_1", "param": "x=50"}}]}),
-             "visual-arft": "<think> look it up </think>\n<search> who </search>"}  # fmt: skip
+             "visual-arft": "<think> look it up </think>\n<search> who </search>",
+             "mini-o3": '<grounding>{"bbox_2d": [0.1, 0.2, 0.4, 0.5], "source": "original_image"}</grounding>',
+             "chain-of-focus": '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [10, 20, 120, 90]}}'
+                               "</tool_call>",
+             "thyme": "<code>\n```python\nprint(6 * 7)\n```\n</code>"}  # fmt: skip
     if name == "longvt":
         return Task(id=name, question="What?", videos=[clip], scripted_turns=[calls[name], None])
     tools = ["search"] if name == "visual-arft" else ["crop"]
@@ -338,7 +343,7 @@ def test_a_multi_turn_rollout_reencodes_to_its_ids_under_every_profile(policy, c
         n_samples=2,
         limits=limits,
         agent=name,
-        services=ToolServices(search=_Hits()),
+        services=ToolServices(search=_Hits(), sandbox=Sandbox(bwrap="/nonexistent/bwrap", allow_unsandboxed=True)),
     ):
         assert traj.metrics["tool_calls"] == 1 and sum(traj.loss_mask) > 0
         assert not any(r.error for r in traj.tool_results), traj.tool_results

@@ -42,7 +42,10 @@ def test_eval_runs_a_benchmark_under_each_profile(bench, tiny_qwen25, name):
     expected = {"deepeyes": "You are a helpful assistant.\n\n# Tools", "pixel-reasoner": "You are a helpful assistant.",
                 "longvt": "You are a helpful assistant.\n# Tools", "deepeyesv2": "You are an agent",
                 "tool-star": "You are a helpful assistant that can solve", "openthinkimg": "You are a visual assistant",
-                "visual-arft": None, "vagent": "You are a helpful assistant that answers"}[name]  # fmt: skip
+                "visual-arft": None, "vagent": "You are a helpful assistant that answers",
+                "mini-o3": "You are a helpful assistant. Answer the user's question",
+                "chain-of-focus": "You are a helpful assistant.\n\n# Tools\nYou may call",
+                "thyme": "You are a helpful assistant.\n\nSolve the following"}[name]  # fmt: skip
     if expected is None:  # Visual-ARFT's prompt is one user message that starts with the image
         assert opening["type"] == "image"
     else:

@@ -39,7 +39,12 @@ PUBLISHED = [
     ("mini-o3", "min_pixels", 40_000, "README: data.min_pixels=40000"),
     ("mini-o3", "extract", "strict", 'README: extract_answer_tags="strict" (general_qa_tool.py: <answer>...</answer>)'),
     ("mini-o3", "judge", True, "verl/utils/reward_score/general_qa_tool.py: gpt-4o-2024-11-20 judge"),
-    ("pixel-reasoner", "temperature", 0.0, "curiosity_driven_rl/.../experience_maker.py: if is_eval: temperature = 0.0"),
+    (
+        "pixel-reasoner",
+        "temperature",
+        0.0,
+        "curiosity_driven_rl/.../experience_maker.py: if is_eval: temperature = 0.0",
+    ),
     ("pixel-reasoner", "max_tool_calls", 4, "experience_maker.py: force_terminate = num_toolcalls > 3"),
     ("pixel-reasoner", "max_images", 16, "experience_maker.py: max_imgnum = 16"),
     ("pixel-reasoner", "max_new_tokens", 2048, 'experience_maker.py: getattr(args, "max_out_tokens", 2048)'),
@@ -60,7 +65,12 @@ PUBLISHED = [
     ("longvt", "temperature", 0.0, "lmms-eval models/chat/async_openai.py: temperature 0 unless the task sets it"),
     ("longvt", "max_new_tokens", 49152, "LongVT lmms_eval_tasks videomme_w_subtitle_tool.yaml: max_new_tokens 49152"),
     ("longvt", "extract", "lmms-eval", "lmms-eval harness (examples/eval/run_eval.sh --model async_openai)"),
-    ("deepeyesv2", "temperature", 0.0, "Visual-Agent/DeepEyesV2 evaluation/VLMEvalKit/vlmeval/config.py: temperature=0."),
+    (
+        "deepeyesv2",
+        "temperature",
+        0.0,
+        "Visual-Agent/DeepEyesV2 evaluation/VLMEvalKit/vlmeval/config.py: temperature=0.",
+    ),
     ("deepeyesv2", "max_turns", 11, "vlmeval/api/vllm_api.py: agent_try=10, `if agent_try_times > 10: break`"),
     ("deepeyesv2", "max_new_tokens", 20480, 'evaluation/VLMEvalKit/eval.sh MODEL_CONFIGS "max_tokens": 20480'),
     ("deepeyesv2", "max_pixels", 16384 * 28 * 28, "vlmeval/.../agent_utils.py smart_resize max 16384*28*28"),
@@ -136,7 +146,10 @@ def test_mini_o3_protocol_avg_at_4_with_intervals_and_an_exact_rerun(vstar_file,
     assert main(args) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n"] == 3 and metrics["samples"] == 12
-    assert {"accuracy", "pass@4/accuracy"} <= set(metrics) and set(metrics["intervals"]) >= {"accuracy", "pass@4/accuracy"}
+    assert {"accuracy", "pass@4/accuracy"} <= set(metrics) and set(metrics["intervals"]) >= {
+        "accuracy",
+        "pass@4/accuracy",
+    }
     assert set(metrics["at_k"]) == {"1", "2", "4"} and "accuracy" in metrics["spread"]
     card = json.loads((out / "protocol.json").read_text())
     assert card["protocol"]["name"] == "mini-o3" and card["agent"] == "mini-o3" and card["extract"] == "strict"
@@ -157,11 +170,11 @@ def test_mini_o3_protocol_avg_at_4_with_intervals_and_an_exact_rerun(vstar_file,
     assert "agree in every field" in capsys.readouterr().out
 
     other = vstar_file / "greedy"
-    assert main([*args[:-len(small) - 2], "--out", str(other), *small, "--temperature", "0"]) == 0
+    assert main([*args[: -len(small) - 2], "--out", str(other), *small, "--temperature", "0"]) == 0
     capsys.readouterr()
     assert main(["eval-report", str(out), str(other)]) == 0
     report = capsys.readouterr().out
-    assert "| limits.temperature | 1.0 | 0.0 |" in report and "| overrides.temperature |" in report
+    assert "| limits.temperature | 1.0 | 0.0 |" in report and "| overrides.temperature.used | null | 0.0 |" in report
 
 
 def test_a_rerun_refuses_a_changed_file_and_a_resume_another_protocol(vstar_file, tiny_qwen25, capsys):

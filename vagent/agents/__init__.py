@@ -6,7 +6,19 @@ engine, encoder and toolbox (see ``docs/guide/agents.md``).
 
 from __future__ import annotations
 
-from vagent.agents import deepeyes, deepeyesv2, longvt, openthinkimg, pixel_reasoner, tool_star, vagent, visual_arft
+from vagent.agents import (
+    chain_of_focus,
+    deepeyes,
+    deepeyesv2,
+    longvt,
+    mini_o3,
+    openthinkimg,
+    pixel_reasoner,
+    thyme,
+    tool_star,
+    vagent,
+    visual_arft,
+)
 from vagent.agents.profile import AgentLimits, AgentProfile
 
 __all__ = ["PROFILES", "AgentLimits", "AgentProfile", "get_profile"]
@@ -20,6 +32,9 @@ PROFILES: dict[str, AgentProfile] = {
     visual_arft.PROFILE.name: visual_arft.PROFILE,
     tool_star.PROFILE.name: tool_star.PROFILE,
     openthinkimg.PROFILE.name: openthinkimg.PROFILE,
+    mini_o3.PROFILE.name: mini_o3.PROFILE,
+    chain_of_focus.PROFILE.name: chain_of_focus.PROFILE,
+    thyme.PROFILE.name: thyme.PROFILE,
 }
 
 

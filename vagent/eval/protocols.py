@@ -138,8 +138,7 @@ _add(Protocol(
     extract="strict", parse_fallback="none", judge=True, judge_mode="correct", option_order=None,
     benchmarks=("visualprobe", "vstar", "hr-bench", "mme-realworld"),
     notes="avg@32 at temperature 1.0. Mini-o3 resizes the prompt image to 2,000,000 pixels without rounding to "
-          "multiples of 28; vagent's processor rounds. Its strict rule reads the first <answer> of the episode, the "
-          "profile the last. Its judge is GPT-4o; a judgment that failed five times counts wrong there, while vagent "
+          "multiples of 28; vagent's processor rounds. Its judge is GPT-4o; a judgment that failed five times counts wrong there, while vagent "
           "leaves it out of judged_accuracy and counts it in judge_failures.",
 ))  # fmt: skip
 _add(Protocol(

@@ -159,7 +159,7 @@ def set_pixel_budget(policy: Any, min_pixels: int | None, max_pixels: int | None
     if low > high:
         raise BenchmarkError(f"--min-pixels {low} is more than --max-pixels {high}")
     image_processor = policy.processor.image_processor
-    image_processor.size = {**image_processor.size, "shortest_edge": low, "longest_edge": high}
+    image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high  # a dict or a SizeDict
     for name, value in (("min_pixels", low), ("max_pixels", high)):
         if hasattr(image_processor, name):
             setattr(image_processor, name, value)
