@@ -119,7 +119,7 @@ def test_an_endpoint_judge_is_evaluated_from_its_replies(fake, tmp_path):  # noq
     assert samples[1]["error"].startswith("http 500")
 
 
-def test_vagent_eval_endpoint_and_checkpoint(fake, tmp_path, tiny_qwen25):  # noqa: F811
+def test_vagent_eval_endpoint_and_checkpoint(fake, tmp_path, tiny_qwen25, capsys):  # noqa: F811
     _, url = fake  # the scripted endpoint answers "Judgement: 1" to everything: no verdict
     data = _pairs(tmp_path, n=2)
     assert main(["eval", "--endpoint", url, "--benchmark", "judge-pairs", "--data", str(data),
@@ -131,10 +131,9 @@ def test_vagent_eval_endpoint_and_checkpoint(fake, tmp_path, tiny_qwen25):  # no
     metrics = json.loads((tmp_path / "ckpt" / "metrics.json").read_text())
     assert {"agreement", "unparseable", "consistency", "first_preference", "pairs"} <= set(metrics)
     assert metrics["samples"] == 7 and metrics["pairs"] == 4
-    with pytest.raises(SystemExit):  # neither --model nor --endpoint: a usage error
-        main(["eval", "--benchmark", "judge-pairs", "--data", str(data), "--out", str(tmp_path / "x")])
-    assert main(["eval", "--endpoint", url, "--benchmark", "synthetic", "--data", str(data),
-                 "--out", str(tmp_path / "y")]) == 2  # fmt: skip
+    # neither --model nor --endpoint (nor --rerun): a usage error, named
+    assert main(["eval", "--benchmark", "judge-pairs", "--data", str(data), "--out", str(tmp_path / "x")]) == 2
+    assert "--model or --endpoint is required" in capsys.readouterr().err
 
 
 # -- the prompt a trained judge gets is the one it was trained on -----------------------------------------------------

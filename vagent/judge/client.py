@@ -1,7 +1,8 @@
 """A client for any OpenAI-compatible chat endpoint (``vllm serve``, ``vagent serve``, hosted APIs), for judges.
 
 Built for reward loops that must not stall or crash: requests run ``concurrency`` at a time, each attempt has a
-timeout, connection errors / timeouts / 429 / 5xx are retried with exponential backoff and jitter, and a reply
+timeout, connection errors / timeouts / 429 / 5xx are retried with exponential backoff and jitter (at least the
+server's ``Retry-After`` seconds when it sends them), and a reply
 that never comes back is returned as a failure (``JudgeReply.error``), never raised. A reply the server cut at
 ``max_tokens`` (``finish_reason: length``) is a failure too: a judge's reasoning cut short has no verdict, and
 reading one from it would score a guess. Replies are cached by the request (model, messages, sampling settings),
@@ -9,7 +10,10 @@ in memory and optionally in a JSONL file, so a resumed run or a re-scored sample
 server sent are cached (a cut one with its ``finish_reason``: the same request is cut the same way); transport
 failures are not.
 
-Not covered: streaming, tool calls, and rate limits beyond backing off on 429.
+The agent loop of ``vagent.eval.endpoint`` uses the same client with ``cache=False`` (each sample must be drawn, not
+served again), reading the server's ``usage`` and the first choice as sent (``JudgeReply.usage``, ``.choice``).
+
+Not covered: streaming, tool calls, and rate limits beyond backing off on 429 (and ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ __all__ = ["TRUNCATED", "JudgeClient", "JudgeReply"]
 
 _RETRIED = {408, 409, 425, 429, 500, 502, 503, 504}
 TRUNCATED = "length: the reply reached max_tokens"
+MAX_RETRY_AFTER_S = 120.0  # a server asking for longer is obeyed up to this per retry (the backoff cap is 30 s)
 
 
 @dataclass
@@ -46,6 +52,10 @@ class JudgeReply:
         attempts: HTTP attempts made.
         finish_reason: The server's ``finish_reason`` (``stop``, ``length``, ...; None when it sent none or no
             reply came).
+        usage: The server's ``usage`` (``prompt_tokens``, ``completion_tokens``, ...) when it sent one; None for a
+            cached reply.
+        choice: The first choice as the server sent it (vLLM adds ``stop_reason``: the stop string it matched);
+            empty for a cached reply or a failure.
     """
 
     text: str
@@ -53,6 +63,8 @@ class JudgeReply:
     cached: bool = False
     attempts: int = 0
     finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    choice: dict[str, Any] = field(default_factory=dict)
 
 
 class JudgeClient:
@@ -100,26 +112,32 @@ class JudgeClient:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def complete(self, messages: Sequence[dict[str, Any]], *, temperature: float = 0.0, max_tokens: int = 512,
-                 seed: int | None = 0, stop: Sequence[str] | None = None) -> JudgeReply:  # fmt: skip
-        """One chat completion; never raises. ``stop``: strings that end the reply (not sent when None)."""
+                 seed: int | None = 0, stop: Sequence[str] | None = None, top_p: float | None = None,
+                 extra: dict[str, Any] | None = None, cache: bool = True) -> JudgeReply:  # fmt: skip
+        """One chat completion; never raises. ``stop``: strings that end the reply (not sent when None); ``top_p``:
+        sent when given; ``extra``: more body fields (a server's extensions, e.g. vLLM's ``continue_final_message``);
+        ``cache`` False: neither served from nor stored in the cache (a sample that must be drawn each time)."""
         params = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed,
-                  **({"stop": list(stop)} if stop else {})}  # fmt: skip
+                  **({"stop": list(stop)} if stop else {}), **({"top_p": top_p} if top_p is not None else {}),
+                  **(extra or {})}  # fmt: skip
         key = self.key(messages, **params)
         with self._lock:
-            if key in self.cache:
+            if cache and key in self.cache:
                 return _reply(*self.cache[key], cached=True)
         body = {"model": self.model, "messages": list(messages), **{k: v for k, v in params.items() if v is not None}}
-        error = "no attempt made"
+        error, wait_s = "no attempt made", 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                delay = min(30.0, self.backoff_s * 2 ** (attempt - 1))
-                time.sleep(delay * (1 + 0.5 * random.random()))
-            retry, text, finish, error = self._attempt(body)
+                delay = min(30.0, self.backoff_s * 2 ** (attempt - 1)) * (1 + 0.5 * random.random())
+                time.sleep(max(delay, wait_s))
+            retry, text, finish, error, sent = self._attempt(body)
             if error is None:
-                self._store(key, text, finish)
-                return _reply(text, finish, attempts=attempt + 1)
+                if cache:
+                    self._store(key, text, finish)
+                return _reply(text, finish, attempts=attempt + 1, usage=sent.get("usage"), choice=sent["choice"])
             if not retry:
                 return JudgeReply("", error=error, attempts=attempt + 1)
+            wait_s = sent.get("retry_after", 0.0)
         return JudgeReply("", error=error, attempts=self.retries + 1)
 
     def complete_many(self, requests_: Sequence[Sequence[dict[str, Any]]], **params: Any) -> list[JudgeReply]:
@@ -129,28 +147,33 @@ class JudgeClient:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _attempt(self, body: dict[str, Any]) -> tuple[bool, str, str | None, str | None]:
-        """(retryable, text, finish_reason, error) of one HTTP attempt."""
+    def _attempt(self, body: dict[str, Any]) -> tuple[bool, str, str | None, str | None, dict[str, Any]]:
+        """(retryable, text, finish_reason, error, sent) of one HTTP attempt; ``sent``: the first ``choice`` and the
+        ``usage`` of a reply, the ``retry_after`` seconds of a refusal that named them."""
         session = getattr(self._session, "s", None) or requests.Session()
         self._session.s = session
         try:
             response = session.post(self.url, json=body, headers=self.headers, timeout=self.timeout_s)
         except requests.Timeout:
-            return True, "", None, "timeout"
+            return True, "", None, "timeout", {}
         except requests.RequestException as e:
-            return True, "", None, f"connection: {type(e).__name__}"
+            return True, "", None, f"connection: {type(e).__name__}", {}
         if response.status_code != 200:
             try:
                 detail = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 detail = response.text[:200]
-            return response.status_code in _RETRIED, "", None, f"http {response.status_code}: {detail}"
+            sent = {"retry_after": wait} if (wait := _retry_after(response.headers.get("Retry-After"))) else {}
+            return response.status_code in _RETRIED, "", None, f"http {response.status_code}: {detail}", sent
         try:
-            choice = response.json()["choices"][0]
+            data = response.json()
+            choice = data["choices"][0]
             content, finish = choice["message"]["content"], choice.get("finish_reason")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            return False, "", None, "malformed response"
-        return False, content if isinstance(content, str) else "", finish if isinstance(finish, str) else None, None
+            return False, "", None, "malformed response", {}
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+        return (False, content if isinstance(content, str) else "", finish if isinstance(finish, str) else None, None,
+                {"choice": choice, "usage": usage})  # fmt: skip
 
     def _store(self, key: str, text: str, finish: str | None) -> None:
         with self._lock:
@@ -159,6 +182,25 @@ class JudgeClient:
                 self.cache_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.cache_path, "a") as f:
                     f.write(json.dumps({"key": key, "text": text, "finish_reason": finish}, ensure_ascii=False) + "\n")
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds a ``Retry-After`` header asks to wait (delta-seconds or an HTTP date), capped; 0 when absent or
+    unreadable.
+
+    >>> _retry_after("2"), _retry_after(None), _retry_after("soon")
+    (2.0, 0.0, 0.0)
+    """
+    if not value:
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return 0.0
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
 
 
 def _reply(text: str, finish: str | None, **kwargs: Any) -> JudgeReply:

@@ -179,7 +179,8 @@ def _messages(messages: Any, tools: list[dict], roots: list[Path], max_pixels: i
                                                                          "tool"):  # fmt: skip
             raise APIError("each message needs a role: system, user, assistant or tool", param=param)
         role = "system" if message["role"] == "developer" else message["role"]
-        parts = _content(message.get("content"), param, roots, max_pixels, images_allowed=role == "user")
+        # a tool turn carries its images back (a crop), as vagent's protocol renders it and as vLLM accepts it
+        parts = _content(message.get("content"), param, roots, max_pixels, images_allowed=role in ("user", "tool"))
         if role == "assistant":
             parts += [ContentPart("text", _call_text(call, f"{param}.tool_calls[{j}]"))
                       for j, call in enumerate(message.get("tool_calls") or [])]  # fmt: skip
@@ -226,7 +227,7 @@ def _content(content: Any, param: str, roots: list[Path], max_pixels: int, image
                 raise APIError("image_url needs a url", param=where)
             parts.append(ContentPart("image", image=_image(url, where, roots, max_pixels)))
         elif kind == "image_url":
-            raise APIError("images are accepted in user messages only", param=where)
+            raise APIError("images are accepted in user and tool messages only", param=where)
         else:
             raise APIError(f"unsupported content part {kind!r}: use 'text' or 'image_url'", param=where)
     return parts
