@@ -178,3 +178,33 @@ def test_vagent_rollout_with_backend_vllm_writes_the_hf_backends_greedy_trajecto
         out[backend] = [[m.token_ids for m in t.messages] for t in read_jsonl(tmp_path / f"{backend}.jsonl")]
     assert len(out["hf"]) == 3 and any(ids for t in out["hf"] for ids in t if ids)
     assert out["vllm"] == out["hf"]
+
+
+def test_vagent_eval_with_backend_vllm_under_another_pixel_budget_scores_the_hf_backends_samples(small, tmp_path):
+    """`vagent eval --backend vllm --max-pixels N` (a protocol's pixel budget, not the checkpoint's): the engine's
+    processor takes the policy's budget, so the model-sized images pass unchanged and the greedy samples are the HF
+    backend's."""
+    import json
+    import subprocess
+    import sys
+
+    from vagent.rollout.export import read_jsonl
+
+    (tmp_path / "images").mkdir()
+    IMAGE.resize((300, 200)).save(tmp_path / "images" / "a.png")
+    rows = [{"id": f"v{i}", "image": "images/a.png", "question": "What color?", "options": ["blue", "red"],
+             "answer": "A"} for i in range(2)]  # fmt: skip
+    (tmp_path / "vstar.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    samples = {}
+    for backend in ("hf", "vllm"):
+        cmd = [sys.executable, "-m", "vagent.cli", "eval", "--model", str(small), "--benchmark", "vstar", "--data",
+               str(tmp_path / "vstar.jsonl"), "--out", str(tmp_path / backend), "--max-new-tokens", "12",
+               "--max-turns", "2", "--max-pixels", str(112 * 112), "--min-pixels", str(56 * 56), "--backend", backend,
+               "--dtype", "float32"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((tmp_path / backend / "protocol.json").read_text())["pixels"] == [56 * 56, 112 * 112]
+        samples[backend] = [[m.token_ids for m in t.messages]
+                            for t in read_jsonl(tmp_path / backend / "trajectories.rank0.jsonl")]  # fmt: skip
+    assert len(samples["hf"]) == 2 and any(ids for t in samples["hf"] for ids in t if ids)
+    assert samples["vllm"] == samples["hf"]

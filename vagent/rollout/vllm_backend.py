@@ -100,6 +100,9 @@ class VLLMBackend:
         sleep: On a GPU, let ``sleep``/``wake_up`` free and restore the engine's memory around the update.
         watchdog_s: Seconds a step may take before the process is ended with every stack in the log (0 = off).
         device: ``"cpu"`` or ``"cuda"``.
+        pixels: ``(min_pixels, max_pixels)`` of the engine's image processor (``Policy.pixel_budget``, which
+            ``vagent eval --max-pixels`` may change); None = the checkpoint's. The images come model-sized: the
+            engine must leave them so.
     """
 
     def __init__(
@@ -120,11 +123,12 @@ class VLLMBackend:
         sleep: bool = True,
         watchdog_s: float = 0.0,
         device: str = "cpu",
+        pixels: tuple[int, int] | None = None,
     ) -> None:
         self.llm = _start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_images=max_images,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
-                                 device=device)  # fmt: skip
+                                 device=device, pixels=pixels)  # fmt: skip
         self._engine = self.llm.llm_engine
         self.dtype = dtype
         self.device = device
@@ -159,7 +163,7 @@ class VLLMBackend:
         return cls(
             policy.path, dtype=dtype or policy.dtype, eos_token_ids=policy.eos_token_ids,
             image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids,
-            tokenizer=policy.tokenizer, device=device, **kwargs,
+            tokenizer=policy.tokenizer, device=device, pixels=policy.pixel_budget, **kwargs,
         )  # fmt: skip
 
     # -- the GenerationBackend Protocol ---------------------------------------------------------------
@@ -313,7 +317,7 @@ class VLLMBackend:
 
 def _start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
                   max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
-                  device: str) -> Any:  # fmt: skip
+                  device: str, pixels: tuple[int, int] | None = None) -> Any:  # fmt: skip
     """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it."""
     try:
         import vllm  # noqa: F401
@@ -339,6 +343,8 @@ def _start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_
         kwargs["enable_sleep_mode"] = sleep
         if kv_cache_gb:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+    if pixels is not None:
+        kwargs["mm_processor_kwargs"] = {"min_pixels": pixels[0], "max_pixels": pixels[1]}
     # What vLLM changes for the whole process is put back after it starts: its CPU worker replaces
     # torch.set_num_threads by a no-op and sets its own thread count; it sets LD_PRELOAD (inherited by every tool
     # subprocess) and LOCAL_WORLD_SIZE (torchrun's); and it reseeds every generator (the trainer's sampling noise
