@@ -95,8 +95,7 @@ def _cases(tmp_path, vstar, hrbench, mme, visualprobe):  # noqa: F811
     ]
 
 
-def test_a_model_that_knows_the_answers_scores_one_on_every_loaders_file(oracle, tmp_path, vstar, hrbench, mme,  # noqa: F811
-                                                                         visualprobe):  # fmt: skip
+def test_a_model_knowing_the_answers_scores_one_on_each_loader(oracle, tmp_path, vstar, hrbench, mme, visualprobe):  # noqa: F811
     server, url = oracle
     for i, (name, data, image_root) in enumerate(_cases(tmp_path, vstar, hrbench, mme, visualprobe)):
         server.golds = _golds(name, data, image_root)
