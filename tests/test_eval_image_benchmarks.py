@@ -17,6 +17,7 @@ from vagent.eval import BENCHMARKS, BenchmarkError
 from vagent.eval.benchmarks.visualprobe import match
 from vagent.eval.benchmarks.vstar import convert_folder
 from vagent.eval.runner import evaluate
+from vagent.recipes.evaluate import order_options
 from vagent.rollout import RolloutLimits
 from vagent.types import Message, Trajectory
 
@@ -59,10 +60,12 @@ def vstar(tmp_path):
     root = tmp_path / "vstar_bench"
     annotations = {
         "direct_attributes/sa_1": {"target_object": ["cup"], "bbox": [[10, 20, 30, 40]],
-                                   "question": "What is the color of the cup?", "options": ["red", "blue", "green", "white"]},
+                                   "question": "What is the color of the cup?",
+                                   "options": ["red", "blue", "green", "white"]},
         "relative_position/sa_2": {"target_object": ["dog", "car"], "bbox": [[1, 2, 3, 4], [5, 6, 7, 8]],
                                    "question": "Is the dog on the left or right side of the car?",
-                                   "options": ["The dog is on the left side of the car.", "The dog is on the right side of the car."]},
+                                   "options": ["The dog is on the left side of the car.",
+                                               "The dog is on the right side of the car."]},
         "GPT4V-hard/1": {"question": "not in the bench", "options": ["a", "b"]},
     }  # fmt: skip
     for name, annotation in annotations.items():
@@ -72,7 +75,7 @@ def vstar(tmp_path):
         {"question_id": 0, "image": "direct_attributes/sa_1.jpg", "category": "direct_attributes", "label": "B",
          "text": f"What is the color of the cup?\n(A) blue\n(B) red\n(C) green\n(D) white\n{INSTRUCTION}"},
         {"question_id": 1, "image": "relative_position/sa_2.jpg", "category": "relative_position", "label": "A",
-         "text": "Is the dog on the left or right side of the car? (A) left (B) right"},  # options inline, no instruction
+         "text": "Is the dog on the left or right side of the car? (A) left (B) right"},  # inline, no instruction
     ]  # fmt: skip
     (root / "test_questions.jsonl").write_text("\n".join(json.dumps(q) for q in questions) + "\n")
     return root
@@ -88,7 +91,7 @@ def test_vstar_test_questions_jsonl_as_it_ships(vstar):
     assert dog.question == "Is the dog on the left or right side of the car?" and dog.choices == ["left", "right"]
 
 
-def test_vstar_folder_shuffles_by_id_and_the_always_a_variant_keeps_the_stored_order(vstar):
+def test_vstar_folder_shuffles_by_id_and_keeps_the_stored_order_for_option_order_as_listed(vstar):
     rows, errors = BENCHMARKS["vstar"].load(vstar, None)
     assert errors == [] and [r.id for r in rows] == ["direct_attributes/sa_1", "relative_position/sa_2"]
     cup = rows[0]
@@ -97,13 +100,14 @@ def test_vstar_folder_shuffles_by_id_and_the_always_a_variant_keeps_the_stored_o
     assert cup.extra["groups"] == {"category": "direct_attributes"} and cup.extra["target_object"] == ["cup"]
     again, _ = BENCHMARKS["vstar"].load(vstar, None)
     assert [(r.choices, r.answer) for r in again] == [(r.choices, r.answer) for r in rows]  # same order every load
-    stored, _ = BENCHMARKS["vstar-always-a"].load(vstar, None)
+    stored = order_options(rows, "as-listed")  # vagent eval --option-order as-listed: the JSON's order, answer at A
     assert [r.answer for r in stored] == ["A", "A"] and stored[0].choices == ["red", "blue", "green", "white"]
     # over many ids the seeded order puts the answer at every letter, not always at A
     record = {"question": "q", "options": ["right", "w1", "w2", "w3"], "_image": "x.jpg", "_category": "c"}
-    assert {convert_folder(f"c/{i}.jpg", record, always_a=False).answer for i in range(40)} == set("ABCD")
-    with pytest.raises(BenchmarkError, match="per-image folder"):
-        BENCHMARKS["vstar-always-a"].load(vstar / "test_questions.jsonl", None)
+    assert {convert_folder(f"c/{i}.jpg", record).answer for i in range(40)} == set("ABCD")
+    (vstar / "empty").mkdir()
+    with pytest.raises(BenchmarkError, match="holds no V. images"):
+        BENCHMARKS["vstar"].load(vstar / "empty", None)
 
 
 def test_vstar_bad_records_name_their_index_and_field(vstar):
@@ -114,8 +118,9 @@ def test_vstar_bad_records_name_their_index_and_field(vstar):
     reasons = dict(errors)
     assert len(rows) == 2 and "annotation sa_3.json" in reasons["relative_position/sa_3.jpg"]
     assert "field 'options'" in reasons["direct_attributes/sa_4.jpg"]
-    bad = [{"question_id": 7, "image": "direct_attributes/sa_1.jpg", "category": "c", "label": "A", "text": "no options"},
-           {"question_id": 8, "image": "direct_attributes/sa_1.jpg", "category": "c", "label": "E", "text": "Q? (A) x (B) y"}]  # fmt: skip
+    image = "direct_attributes/sa_1.jpg"
+    bad = [{"question_id": 7, "image": image, "category": "c", "label": "A", "text": "no options"},
+           {"question_id": 8, "image": image, "category": "c", "label": "E", "text": "Q? (A) x (B) y"}]  # fmt: skip
     (vstar / "bad.jsonl").write_text("\n".join(json.dumps(r) for r in bad))
     rows, errors = BENCHMARKS["vstar"].load(vstar / "bad.jsonl", None)
     reasons = dict(errors)
@@ -240,12 +245,15 @@ def test_mme_realworld_json_as_it_ships_with_its_groups(mme):
     assert first.question == "What are objects to the front of the ego car?" and first.answer == "B"
     assert first.choices == ["many cars", "one truck", "two buses", "nothing", "All the above answers are wrong."]
     assert first.images == [str(mme / "images" / "AutonomousDriving" / "a.jpg")]
+    # eval_your_results.py: a category lowercased, every ".../attribute..." one merged; each level within its parent
     assert [r.extra["groups"] for r in rows] == [
         {"task": "Perception", "subtask": "Perception/Autonomous_Driving",
          "category": "Perception/Autonomous_Driving/objects_identify"},
-        {"task": "Perception", "subtask": "Perception/Monitoring", "category": "Perception/Monitoring/vehicle/counting"},
-        {"task": "Perception", "subtask": "Perception/Monitoring", "category": "Perception/Monitoring/person/attribute"},
-    ]  # fmt: skip  (eval_your_results.py: categories lowercased, every attribute category merged)
+        {"task": "Perception", "subtask": "Perception/Monitoring",
+         "category": "Perception/Monitoring/vehicle/counting"},
+        {"task": "Perception", "subtask": "Perception/Monitoring",
+         "category": "Perception/Monitoring/person/attribute"},
+    ]  # fmt: skip
 
 
 def test_mme_realworld_vlmevalkit_tsv_and_lmms_eval_parquet(tmp_path):
@@ -278,9 +286,10 @@ def test_mme_realworld_bad_records_name_their_id_and_field(mme):
     rows, errors = BENCHMARKS["mme-realworld"].load(mme / "bad.json", mme / "images")
     reasons = dict(errors)
     assert rows == [] and len(errors) == 3
-    assert "field 'Ground truth'" in reasons["Question_id 'Perception/Autonomous_Driving/Objects_Identify/0000' (bad.json[0])"]
-    assert "field 'Answer choices'" in reasons["Question_id 'perception/monitoring/Vehicle/counting/0310' (bad.json[1])"]
-    assert "field 'Task'" in reasons["Question_id 'perception/monitoring/person/0001' (bad.json[2])"]
+    ids = [r["Question_id"] for r in records]
+    assert "field 'Ground truth'" in reasons[f"Question_id {ids[0]!r} (bad.json[0])"]
+    assert "field 'Answer choices'" in reasons[f"Question_id {ids[1]!r} (bad.json[1])"]
+    assert "field 'Task'" in reasons[f"Question_id {ids[2]!r} (bad.json[2])"]
 
 
 def test_mme_realworld_runs_end_to_end(mme, tmp_path):
@@ -300,7 +309,7 @@ def visualprobe(tmp_path):
     split = tmp_path / "VisualProbe_Hard"
     _jpeg((90, 90, 90), split / "data" / "0.jpg")
     records = [
-        {"images": ["VisualProbe_Hard/data/0.jpg"], "doc_id": "hard_0", "problem": "<image>\nWhat is written on the blue sign?",
+        {"images": ["VisualProbe_Hard/data/0.jpg"], "doc_id": "hard_0", "problem": "<image>\nWhat does the sign say?",
          "solution": "Jptica.", "data_source": "visual_probe_hard"},
         {"images": ["VisualProbe_Hard/data/0.jpg"], "doc_id": "hard_1", "problem": "<image>\nWhich option? (A) x (B) y",
          "solution": "B", "data_source": "visual_probe_hard"},
@@ -312,7 +321,7 @@ def visualprobe(tmp_path):
 def test_visualprobe_loads_as_it_ships(visualprobe, tmp_path):
     rows, errors = BENCHMARKS["visualprobe"].load(visualprobe / "val.json", None)
     assert errors == [] and [r.id for r in rows] == ["hard_0", "hard_1"]
-    assert rows[0].question == "What is written on the blue sign?" and rows[0].answer == "Jptica."
+    assert rows[0].question == "What does the sign say?" and rows[0].answer == "Jptica."
     assert rows[0].images == [str(visualprobe / "data" / "0.jpg")] and rows[0].extra["groups"] == {"difficulty": "hard"}
     rooted, _ = BENCHMARKS["visualprobe"].load(visualprobe / "val.json", tmp_path)  # --image-root = BASE_IMAGE_DIR
     assert rooted[0].images == rows[0].images

@@ -81,7 +81,7 @@ def test_every_benchmarks_primary_metric_is_zero_without_an_answer():
             **{name: Row("r", "q", "A", "choice", choices=["a", "b"])
                for name in ("video-mme", "video-mme-sub", "longvideobench", "longvideobench-nosub")},
             **{name: Row("r", "q", "A", "choice", choices=["a", "b"])
-               for name in ("vstar-always-a", "hr-bench", "mme-realworld")}, "visualprobe": Row("r", "q", "x", "exact"),
+               for name in ("hr-bench", "mme-realworld")}, "visualprobe": Row("r", "q", "x", "exact"),
             "judge-pairs": Row("r", "q", "Answer 1 is better", "exact",
                                judgment=Judgment("pairwise", "answers", "Digit?", ["3", "7"], "3", 1))}  # fmt: skip
     assert set(rows) == set(BENCHMARKS)

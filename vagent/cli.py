@@ -531,7 +531,17 @@ def _add_eval(sub) -> None:
     p.add_argument("--judge-concurrency", type=_positive, default=8)
     p.add_argument("--judge-api-key-env", help="Environment variable holding the API key of --judge or --endpoint.")
     _add_loading(p)
-    p.set_defaults(func=_eval)
+
+    def usage_check(args: argparse.Namespace) -> None:
+        if args.rerun:
+            return
+        missing = [flag for flag, value in (("--benchmark", args.benchmark), ("--data", args.data),
+                                            ("--out", args.out), ("--model or --endpoint", args.model or args.endpoint))
+                   if not value]  # fmt: skip
+        if missing:
+            p.error(f"{', '.join(missing)} required (or --rerun RUN_DIR)")
+
+    p.set_defaults(func=_eval, usage_check=usage_check)
 
 
 def _add_rollout(sub) -> None:
@@ -588,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if hasattr(args, "usage_check"):  # a flag that is required unless another is given: a usage error, before torch
+        args.usage_check(args)
     # After parsing, so that `vagent --help` and usage errors do not pay for importing torch (about 3 s).
     from transformers.utils import logging as hf_logging
 

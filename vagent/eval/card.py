@@ -115,7 +115,7 @@ def protocol_card(args: dict[str, Any], *, benchmark: str, loader: Any, limits: 
         "overrides": overrides,
         "vagent": {"version": __version__, "commit": _commit()},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "args": {k: v for k, v in args.items() if k != "func"},
+        "args": {k: v for k, v in args.items() if not callable(v)},
     }
 
 

@@ -7,9 +7,10 @@ images (github.com/penghao-wu/vstar; data: huggingface.co/datasets/craigwu/vstar
   ``option_chosen == 0``). A folder holding the pairs directly is read as one category. The options are shown in an
   order shuffled by a generator seeded with the record id (``direct_attributes/sa_4690``): listed as stored, the
   answer would always be A and a model that always says A would score 100%; V*'s own scorer compared option
-  likelihoods, so it had no letter positions, and DeepEyes' ``eval/eval_vstar.py`` shuffles unseeded (a different
-  order each run). The seeded order is the same on every run and machine. ``--benchmark vstar-always-a`` lists them as
-  stored instead (answer always A), for a harness that does so or to measure a position bias.
+  likelihoods, so it had no letter positions, and DeepEyes' ``eval/eval_vstar.py`` (at cc3ff4d) shuffles unseeded, a
+  different order each run. The seeded order is the same on every run and machine. The stored order (answer always A,
+  as an earlier DeepEyes script listed them) is kept in ``row.extra["listed"]``: ``vagent eval --option-order
+  as-listed`` shows that instead, for a harness that does so or to measure a position bias.
 * ``test_questions.jsonl`` (same dataset): ``{"question_id", "image": "direct_attributes/sa_4690.jpg", "text":
   "What is ...?\\n(A) red\\n(B) blue\\n...\\nAnswer with the option's letter from the given choices directly.",
   "category", "label": "B"}``, read as lmms-eval's ``vstar_bench`` task reads it (``lmms_eval/tasks/vstar_bench``):
@@ -24,7 +25,6 @@ Image paths are relative to ``--image-root`` (default: the file's folder). Score
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import random
@@ -47,6 +47,7 @@ _MARK = re.compile(r"(?<!\S)\(([A-Z])\)\s*")  # "(A) " at the start or after whi
 
 
 def options(record: dict[str, Any]) -> list[str]:
+    """``record["options"]`` (or ``choices``): at least two strings, each without its own "A." prefix."""
     value = require(record, "options" if "options" in record else "choices", list)
     if len(value) < 2 or not all(isinstance(v, str) and v.strip() for v in value):
         raise RecordError("field 'options' must list at least two non-empty strings")
@@ -129,13 +130,13 @@ def read_folder(folder: Path) -> Iterator[tuple[str, dict[str, Any] | RecordErro
         raise BenchmarkError(f"{folder} holds no V* images (<name>.jpg with <name>.json, in {' or '.join(SUBSETS)}/)")
 
 
-def convert_folder(where: str, record: dict[str, Any], always_a: bool) -> Row:
-    """A per-image annotation: ``options[0]`` is the answer; the order is seeded by the id unless ``always_a``."""
+def convert_folder(where: str, record: dict[str, Any]) -> Row:
+    """A per-image annotation: ``options[0]`` is the answer, shown in an order seeded by the id; the stored order is
+    ``extra["listed"]`` (``--option-order as-listed``)."""
     stored = options(record)
     rid, category = where.rsplit(".", 1)[0], record["_category"]
     order = list(range(len(stored)))
-    if not always_a:
-        random.Random(rid).shuffle(order)  # str seed: hashed with SHA-512, the same on every run and platform
+    random.Random(rid).shuffle(order)  # a str seed is hashed with SHA-512: the same on every run and platform
     boxes = []
     for box in require(record, "bbox", list, optional=True) or []:
         if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
@@ -143,17 +144,15 @@ def convert_folder(where: str, record: dict[str, Any], always_a: bool) -> Row:
         boxes.append([box[0], box[1], box[0] + box[2], box[1] + box[3]])  # V*'s x, y, w, h -> x1, y1, x2, y2
     return Row(id=rid, question=require(record, "question", str).strip(), answer=chr(ord("A") + order.index(0)),
                answer_type="choice", choices=[stored[i] for i in order], images=[record["_image"]], source="vstar",
-               evidence=Evidence(boxes=boxes) if boxes else None,
-               extra={"type": [category], "groups": {"category": category},
-                      "target_object": record.get("target_object") or []})  # fmt: skip
+               evidence=Evidence(boxes=boxes) if boxes else None, extra={
+                   "type": [category], "groups": {"category": category}, "target_object": record.get("target_object"),
+                   "listed": {"choices": stored, "answer": "A"}})  # fmt: skip
 
 
-def _load(path: Path, image_root: Path | None, always_a: bool) -> tuple[list[Row], list[tuple[str, str]]]:
+def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str, str]]]:
+    """A benchmark folder, ``test_questions.jsonl`` or vagent's earlier layout (module docstring)."""
     if path.is_dir():
-        return load_records(read_folder(path), lambda where, r: convert_folder(where, r, always_a))
-    if always_a:
-        raise BenchmarkError("vstar-always-a reads V*'s per-image folder (a file keeps its own option order); "
-                             "give the folder that holds direct_attributes/ and relative_position/")  # fmt: skip
+        return load_records(read_folder(path), convert_folder)
 
     def one(where: str, record: dict[str, Any]) -> Row:
         if "text" in record and "label" in record:  # test_questions.jsonl
@@ -165,17 +164,8 @@ def _load(path: Path, image_root: Path | None, always_a: bool) -> tuple[list[Row
     return load_records(records, one, id_key="question_id" if layout else "id")
 
 
-def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str, str]]]:
-    return _load(path, image_root, always_a=False)
-
-
-def load_always_a(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str, str]]]:
-    return _load(path, image_root, always_a=True)
-
-
 def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
     return choice_score(row, trajectory, rule)
 
 
 BENCHMARK = Benchmark("vstar", load, score, ("accuracy", "parsed"), ("crop", "zoom_in"))
-VARIANTS = (BENCHMARK, dataclasses.replace(BENCHMARK, name="vstar-always-a", load=load_always_a))
