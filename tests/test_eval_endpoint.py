@@ -212,6 +212,11 @@ def test_an_endpoint_that_never_answers_fails_its_episodes_and_they_are_counted(
         assert t["stop_reason"] == "failed" and t["metrics"][ENDPOINT_ERROR].startswith("http 500: overloaded")
     samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert [s["stop_reason"] for s in samples] == ["failed", "failed"]
+    assert metrics["endpoint_failures"] == 2 and "parse_failures" in metrics and metrics["parse_failures"] == 0
+    # the same command once the server is back retries the failed episodes (a resume does not take them as done)
+    httpd.mode = "answer"
+    metrics, _ = _evaluate(url, rows, tmp_path / "out", retries=1)
+    assert metrics["accuracy"] == 1.0 and metrics["endpoint_failures"] == 0 and metrics["samples"] == 2
 
 
 def test_a_tasks_samples_reach_progress_in_sample_order(server):

@@ -136,26 +136,30 @@ LONGVIDEOBENCH = [
 def test_longvideobench_rule_with_a_fallback(reply, expected):
     rng = random.Random(0)
     state = rng.getstate()
-    assert extract_choice(reply, None, CARS, "lmms-eval", fallback=rng) == expected
+    assert extract_choice(reply, None, CARS, "lmms-eval", task="longvideobench", fallback=rng) == expected
     assert rng.getstate() == state  # a reply it reads draws nothing
+    assert extract_choice(reply, None, CARS, "lmms-eval", task="longvideobench") == expected  # its primary rule
 
 
 def test_random_fallback_is_seeded_and_only_on_a_parse_failure():
     failures = ["I think it's the red car", "The answer is based on the color.", "", "none of them"]
-    picks = [extract_choice(r, None, CARS, "lmms-eval", fallback=random.Random(7)) for r in failures]
-    again = [extract_choice(r, None, CARS, "lmms-eval", fallback=random.Random(7)) for r in failures]
+    picks = [extract_choice(r, None, CARS, "lmms-eval", task="longvideobench", fallback=random.Random(7))
+             for r in failures]  # fmt: skip
+    again = [extract_choice(r, None, CARS, "lmms-eval", task="longvideobench", fallback=random.Random(7))
+             for r in failures]  # fmt: skip
     assert picks == again == [random.Random(7).choice("ABCD")] * len(failures)
     rng, twin = random.Random(3), random.Random(3)
-    drawn = [extract_choice("no letter here", None, CARS, "lmms-eval", fallback=rng) for _ in range(40)]
+    drawn = [extract_choice("no letter here", None, CARS, "lmms-eval", task="longvideobench", fallback=rng)
+             for _ in range(40)]  # fmt: skip
     assert drawn == [twin.choice("ABCD") for _ in range(40)] and set(drawn) == set("ABCD")
     # without a fallback the same replies are parse failures
-    assert all(extract_choice(r, None, CARS, "lmms-eval") is None for r in failures)
+    assert all(extract_choice(r, None, CARS, "lmms-eval", task="longvideobench") is None for r in failures)
 
 
-@pytest.mark.parametrize("rule", ["vagent", "strict", "vlmevalkit"])
-def test_random_fallback_is_lmms_eval_only(rule):
-    with pytest.raises(ValueError, match="lmms-eval"):
-        extract_choice("no letter", None, CARS, rule, fallback=random.Random(0))
+@pytest.mark.parametrize("rule", ["vagent", "strict", "vlmevalkit", "lmms-eval"])
+def test_a_random_fallback_guesses_only_where_the_rule_reads_nothing(rule):
+    assert extract_choice("no letter", None, CARS, rule, fallback=random.Random(0)) == random.Random(0).choice("ABCD")
+    assert extract_choice("<answer>B</answer>", "B", CARS, rule, fallback=random.Random(0)) == "B"
 
 
 def test_unknown_rule_is_an_error():

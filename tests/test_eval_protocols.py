@@ -188,3 +188,28 @@ def test_a_rerun_refuses_a_changed_file_and_a_resume_another_protocol(vstar_file
         f.write("\n")
     assert main(["eval", "--rerun", str(out)]) == 2
     assert "is not the file run was scored on" in capsys.readouterr().err
+
+
+def test_a_run_at_k_holds_the_run_at_a_smaller_k_sample_for_sample(vstar_file, policy):
+    """Samples are numbered by their seeds, not by the order they finish (a short episode finishes first): the first
+    j samples of a run at k are the samples a run at j draws, so at_k[j] is that run's score."""
+    from vagent.eval.runner import evaluate
+    from vagent.rollout import RolloutLimits
+    from vagent.rollout.export import read_jsonl
+
+    rows, _ = BENCHMARKS["vstar"].load(vstar_file / "vstar.jsonl", None)
+    limits = RolloutLimits(max_turns=2, max_new_tokens=10, temperature=1.0, sampling_seed=3)
+
+    def ids(out):
+        return {(t.task_id, t.sample): t.token_ids for t in read_jsonl(out / "trajectories.rank0.jsonl")}
+
+    evaluate(policy, BENCHMARKS["vstar"], rows, vstar_file / "k4", tools=None, limits=limits, n_samples=4,
+             batch_size=2, progress=False)  # fmt: skip
+    evaluate(policy, BENCHMARKS["vstar"], rows, vstar_file / "k2", tools=None, limits=limits, n_samples=2,
+             batch_size=3, progress=False)  # fmt: skip
+    four, two = ids(vstar_file / "k4"), ids(vstar_file / "k2")
+    assert len(four) == 12 and len(two) == 6
+    assert {key: four[key] for key in two} == two
+    assert len({len(v) for v in four.values()}) > 1  # the episodes differ in length: finishing order is not sample order
+    samples = [json.loads(line) for line in (vstar_file / "k4" / "samples.jsonl").read_text().splitlines()]
+    assert [(s["id"], s["sample"]) for s in samples] == [(r.id, k) for r in rows for k in range(4)]

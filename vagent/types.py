@@ -236,6 +236,8 @@ class Trajectory:
         tool_results: One ``ToolResult`` per tool call, in order.
         frames: Per prompt image, the ``Frame`` the policy saw.
         reward: Filled in by the trainer or eval, never by the rollout.
+        sample: Which of the task's samples this is (0 .. n_samples - 1): its sampling seeds are drawn from it, so a
+            run asking for fewer samples makes the first ones. None where the maker does not number them.
     """
 
     task_id: str
@@ -249,6 +251,7 @@ class Trajectory:
     tool_results: list[ToolResult] = field(default_factory=list)
     frames: list[Frame] = field(default_factory=list)
     reward: float | None = None
+    sample: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -318,6 +321,7 @@ class Trajectory:
             "tool_results": [dataclasses.asdict(r) for r in self.tool_results],
             "frames": [dataclasses.asdict(f) for f in self.frames],  # sizes as JSON lists
             "reward": self.reward,
+            **({"sample": self.sample} if self.sample is not None else {}),
         }
 
     @classmethod
@@ -351,4 +355,5 @@ class Trajectory:
                 for f in data.get("frames", [])
             ],
             reward=data.get("reward"),
+            sample=data.get("sample"),
         )

@@ -189,7 +189,8 @@ class EndpointEpisodes:
         if episode.error is not None:
             metrics[ENDPOINT_ERROR] = episode.error
         return Trajectory(task.id, episode.messages, answer=episode.answer, stop_reason=episode.stop,
-                          metrics=metrics, tool_results=episode.tool_results, frames=episode.frames)  # fmt: skip
+                          metrics=metrics, tool_results=episode.tool_results, frames=episode.frames,
+                          sample=sample)  # fmt: skip
 
     def _start(self, task: Task, sample: int, pool: ToolPool) -> _Episode:
         """The prompt as the engine makes it (``_Engine._prompt``), its images as the served model sees them."""

@@ -35,8 +35,8 @@ __all__ = ["EXTRACTORS", "extract_choice", "extract_text"]
 EXTRACTORS = ("vagent", "strict", "vlmevalkit", "lmms-eval")
 
 
-def extract_choice(reply: str, answer: str | None, choices: Sequence[str], rule: str = "vagent",
-                   fallback: random.Random | None = None) -> str | None:  # fmt: skip
+def extract_choice(reply: str, answer: str | None, choices: Sequence[str], rule: str = "vagent", *,
+                   task: str | None = None, fallback: random.Random | None = None) -> str | None:  # fmt: skip
     """The option letter ("A", "B", ...) a sample picked under ``rule``, or None when the rule reads none.
 
     Args:
@@ -44,9 +44,11 @@ def extract_choice(reply: str, answer: str | None, choices: Sequence[str], rule:
         answer: What the agent profile extracted as the answer (``Trajectory.answer``), or None.
         choices: The options' texts, in letter order (no "A." prefixes).
         rule: One of ``EXTRACTORS``.
-        fallback: ``lmms-eval`` only, and only when the user asks for it: read the reply as lmms-eval's
-            LongVideoBench task does, which draws a random option (from this generator) when it reads no letter.
-            A letter it reads that is not an option (an "E" of four options) is still None: lmms-eval scores it wrong.
+        task: The benchmark (``Row.source``): under ``lmms-eval``, ``longvideobench`` reads the reply with that
+            task's own parser (``parse_multi_choice_response``) instead of the ranked formats Video-MME's uses.
+        fallback: Only when the user asks for it (``--parse-fallback random``): a reply the rule reads no option
+            from picks a random option from this generator, as lmms-eval's LongVideoBench task does. A letter that
+            is not an option (an "E" of four options) is still None: lmms-eval scores it wrong.
 
     >>> extract_choice("B or C", "B or C", ["red", "blue", "green"], "vlmevalkit") is None  # two letters: no answer
     True
@@ -55,9 +57,18 @@ def extract_choice(reply: str, answer: str | None, choices: Sequence[str], rule:
     """
     if rule not in EXTRACTORS:
         raise ValueError(f"unknown extraction rule {rule!r}; choose from {', '.join(EXTRACTORS)}")
-    if fallback is not None and rule != "lmms-eval":
-        raise ValueError(f"a random fallback is lmms-eval's (LongVideoBench) only, not the {rule!r} rule's")
     letters = [chr(ord("A") + i) for i in range(min(len(choices), 26))]
+    if rule == "lmms-eval" and (task or "").startswith("longvideobench"):  # -nosub too: the same task parser
+        text = _strip_reasoning(reply if answer is None else answer)
+        return _lmms_longvideobench(text, letters, fallback)
+    picked = _read_choice(reply, answer, choices, rule, letters)
+    if picked is None and fallback is not None and letters:
+        return fallback.choice(letters)
+    return picked
+
+
+def _read_choice(reply: str, answer: str | None, choices: Sequence[str], rule: str,
+                 letters: Sequence[str]) -> str | None:  # fmt: skip
     if rule == "vagent":
         if answer is None:
             return None
@@ -67,10 +78,7 @@ def extract_choice(reply: str, answer: str | None, choices: Sequence[str], rule:
     text = reply if answer is None else answer
     if rule == "vlmevalkit":
         return _vlmevalkit(text, choices, letters)
-    text = _strip_reasoning(text)
-    if fallback is not None:
-        return _lmms_longvideobench(text, letters, fallback)
-    return _lmms_mcq(text, letters)
+    return _lmms_mcq(_strip_reasoning(text), letters)
 
 
 def extract_text(reply: str, answer: str | None, rule: str = "vagent") -> str | None:
@@ -247,15 +255,16 @@ def _lmms_mcq(text: str, letters: Sequence[str]) -> str | None:
     return max(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else None
 
 
-def _lmms_longvideobench(text: str, letters: Sequence[str], rng: random.Random) -> str | None:
+def _lmms_longvideobench(text: str, letters: Sequence[str], rng: random.Random | None) -> str | None:
     """lmms-eval's LongVideoBench ``parse_multi_choice_response`` (EvolvingLMMs-Lab/lmms-eval,
     lmms_eval/tasks/longvideobench/utils.py): drop the answer prefixes ("The answer is", ..., case-sensitive), then
     the first capital A-E anywhere ("Because" reads B); with none, ``rng.choice`` of the options, as that task (after
-    the LongVideoBench paper) guesses. Its "more than ten words and no A-E" branch guesses too, so it is the same case.
+    the LongVideoBench paper) guesses, or None without ``rng`` (a parse failure). Its "more than ten words and no A-E"
+    branch guesses too, so it is the same case.
     """
     for prefix in _LVB_PREFIXES:
         text = text.replace(prefix, "")
     match = re.search(r"[ABCDE]", text)
     if match is None:
-        return rng.choice(letters) if letters else None
+        return rng.choice(letters) if letters and rng is not None else None
     return match.group() if match.group() in letters else None

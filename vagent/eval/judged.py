@@ -69,8 +69,8 @@ def _viewer(out_dir: Path, samples: list[dict[str, Any]], benchmark: str) -> Non
     trajectories = [t for path in sorted(out_dir.glob("trajectories.rank*.jsonl")) for t in read_jsonl(path)]
     counts: dict[str, int] = {}
     for t in trajectories:
-        k = counts.get(t.task_id, 0)
-        counts[t.task_id] = k + 1
+        k = t.sample if t.sample is not None else counts.get(t.task_id, 0)
+        counts[t.task_id] = counts.get(t.task_id, 0) + 1
         if (t.task_id, k) in verdicts:
             t.metrics["judge"] = verdicts[(t.task_id, k)]
     if trajectories:

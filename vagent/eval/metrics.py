@@ -48,7 +48,7 @@ def choice_score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict
     (``vagent.eval.extract``) against the gold letter or text; ``parsed`` is 0 when the rule read no option (a parse
     failure, scored 0 and counted, never a guess)."""
     choices = row.choices or []
-    picked = extract_choice(trajectory.last_reply, trajectory.answer, choices, rule)
+    picked = extract_choice(trajectory.last_reply, trajectory.answer, choices, rule, task=row.source)
     if picked is None:
         return {"accuracy": 0.0, "parsed": 0.0}
     return {"accuracy": choice_match(picked, str(row.answer), choices), "parsed": 1.0}

@@ -124,7 +124,8 @@ def metrics_markdown(metrics: dict[str, Any], name: str, card: dict[str, Any] | 
         lines += [f"| {g} | {v['n']} | " + " | ".join(f"{v[c]:.3f}" for c in cols) + " |" for g, v in groups.items()]
         parts.append(f"## By {key[3:]}\n\n" + "\n".join(lines) + "\n")
     failures = [f"{metrics[k]} {what}" for k, what in (("parse_failures", "answers no rule could read (scored 0)"),
-                                                       ("endpoint_failures", "episodes whose requests failed"))
+                                                       ("endpoint_failures", "episodes whose requests failed (scored 0; "
+                                                        "the same command again retries them)"))
                 if metrics.get(k)]  # fmt: skip
     if failures or metrics.get("skipped"):
         failures += [f"{len(metrics['skipped'])} records skipped by the loader"] if metrics.get("skipped") else []

@@ -84,7 +84,8 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
     out_dir.mkdir(parents=True, exist_ok=True)
     _same_limits(out_dir, limits, write=rank == 0)
     log = out_dir / f"samples.rank{rank}.jsonl"
-    done = {(s["id"], s["sample"]) for s in read_samples(log)}
+    # a sample whose requests failed (--endpoint) is asked again: a resume retries it, its new line replaces the old
+    done = {(s["id"], s["sample"]) for s in read_samples(log) if "endpoint_error" not in s}
     mine = [row for i, row in enumerate(rows) if i % world == rank]
     todo = [row for row in mine if any((row.id, k) not in done for k in range(n_samples))]
     by_id = {row.id: row for row in rows}
@@ -98,18 +99,17 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
 
     bar = tqdm(total=len(mine) * n_samples, initial=len(done), desc=label or benchmark.name, disable=not progress,
                dynamic_ncols=True)  # fmt: skip
-    counters = {"sample": 0}
-    with JsonlWriter(out_dir / f"trajectories.rank{rank}.jsonl", extra=lambda t: {"sample": counters["sample"]}) as tw, \
-            open(log, "a") as samples_log:  # fmt: skip
+    with JsonlWriter(out_dir / f"trajectories.rank{rank}.jsonl") as tw, open(log, "a") as samples_log:
         seen: dict[str, int] = {}
 
         def finished(trajectory) -> None:
-            k = seen.get(trajectory.task_id, 0)
-            seen[trajectory.task_id] = k + 1
+            # the sample's own index (its seeds), not the order samples finish in: a short episode finishes first
+            k = trajectory.sample if trajectory.sample is not None else seen.get(trajectory.task_id, 0)
+            seen[trajectory.task_id] = seen.get(trajectory.task_id, 0) + 1
             if (trajectory.task_id, k) in done:  # a finished sample of a partially done row
                 return
             row = by_id[trajectory.task_id]
-            counters["sample"] = k
+            trajectory.sample = k
             tw.write(trajectory)
             record = sample_record(benchmark, row, trajectory, k, extract, parse_fallback)
             samples_log.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -159,14 +159,13 @@ def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample
 
 def fallback_option(row: Row, trajectory: Trajectory, sample: int, extract: str) -> str | None:
     """The option a reply the rule could not read scores under ``--parse-fallback random``, from a generator seeded
-    with the record's id and the sample's index (a rerun draws the same). Under ``lmms-eval`` it is lmms-eval's own
-    fallback: LongVideoBench's parser, then its random option; under the other rules a random option."""
+    with the record's id and the sample's index (a rerun draws the same), as lmms-eval's LongVideoBench task guesses.
+    None for a letter that is no option (scored wrong, as lmms-eval does)."""
     import random
 
     rng = random.Random(f"{row.id}/{sample}")
-    if extract == "lmms-eval":
-        return extract_choice(trajectory.last_reply, trajectory.answer, row.choices or [], extract, fallback=rng)
-    return chr(ord("A") + rng.randrange(len(row.choices or [])))
+    return extract_choice(trajectory.last_reply, trajectory.answer, row.choices or [], extract, task=row.source,
+                          fallback=rng)  # fmt: skip
 
 
 def _same_limits(out_dir: Path, limits: RolloutLimits, write: bool) -> None:
@@ -214,8 +213,8 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     rewards = {(s["id"], s["sample"]): s.get(benchmark.metrics[0]) for s in merged}
     counts: dict[str, int] = {}
     for t in trajectories:  # show the primary metric as the trajectory's score in the viewer
-        k = counts.get(t.task_id, 0)
-        counts[t.task_id] = k + 1
+        k = t.sample if t.sample is not None else counts.get(t.task_id, 0)
+        counts[t.task_id] = counts.get(t.task_id, 0) + 1
         t.reward = rewards.get((t.task_id, k))
     write_html(trajectories, out_dir / "trajectories.html", title=f"{benchmark.name}: {out_dir.name}")
     return metrics

@@ -378,6 +378,7 @@ class _Engine:
             metrics=dict(row.metrics),
             tool_results=row.tool_results,
             frames=row.frames,
+            sample=row.key % self.n_samples,
         )
         if self.progress:
             self.progress(trajectory)
