@@ -114,6 +114,10 @@ def test_intervals_and_smaller_k_by_hand():
     assert 0.0 <= lo < 0.5 < hi <= 1.0
     one = summarize([{"id": str(i), "sample": 0, "acc": float(i < 8)} for i in range(10)], ["acc"])
     assert one["intervals"]["acc"] == wilson(8, 10) and one["intervals"]["acc"][1] < 1.0
+    # ten questions about two videos, all right on one and all wrong on the other: they are two draws, not ten
+    # (Wilson would say [0.24, 0.76]); resampling the videos gives means 0, 0.5 or 1
+    clustered = [{"id": str(i), "sample": 0, "acc": float(i < 5), "cluster": "v1" if i < 5 else "v2"} for i in range(10)]
+    assert summarize(clustered, ["acc"])["intervals"]["acc"] == [0.0, 1.0]
 
 
 def test_card_differences_name_each_field_that_differs():
@@ -152,7 +156,8 @@ def test_mini_o3_protocol_avg_at_4_with_intervals_and_an_exact_rerun(vstar_file,
     }
     assert set(metrics["at_k"]) == {"1", "2", "4"} and "accuracy" in metrics["spread"]
     card = json.loads((out / "protocol.json").read_text())
-    assert card["protocol"]["name"] == "mini-o3" and card["agent"] == "mini-o3" and card["extract"] == "strict"
+    assert card["protocol"] == "mini-o3" and card["agent"] == "mini-o3" and card["extract"] == "strict"
+    assert card["model_weights"] and card["scoring_sha256"] and card["dtype"] == "auto"
     assert card["limits"]["temperature"] == 1.0 and card["samples"] == 4
     assert set(card["overrides"]) == {"samples", "max_new_tokens", "max_turns", "max_total_tokens", "max_pixels",
                                       "min_pixels"}  # fmt: skip
@@ -184,6 +189,8 @@ def test_a_rerun_refuses_a_changed_file_and_a_resume_another_protocol(vstar_file
     assert main(args) == 0
     assert main([*args, "--extract", "strict"]) == 2  # same --out, another protocol
     assert "another protocol (extract differ)" in capsys.readouterr().err
+    assert main(["eval", "--rerun", str(out), "--limit", "2"]) == 2  # a rerun is the run as it was
+    assert "it takes only --out (also given: --limit)" in capsys.readouterr().err
     with open(vstar_file / "vstar.jsonl", "a") as f:
         f.write("\n")
     assert main(["eval", "--rerun", str(out)]) == 2
@@ -210,6 +217,8 @@ def test_a_run_at_k_holds_the_run_at_a_smaller_k_sample_for_sample(vstar_file, p
     four, two = ids(vstar_file / "k4"), ids(vstar_file / "k2")
     assert len(four) == 12 and len(two) == 6
     assert {key: four[key] for key in two} == two
-    assert len({len(v) for v in four.values()}) > 1  # the episodes differ in length: finishing order is not sample order
+    assert (
+        len({len(v) for v in four.values()}) > 1
+    )  # the episodes differ in length: finishing order is not sample order
     samples = [json.loads(line) for line in (vstar_file / "k4" / "samples.jsonl").read_text().splitlines()]
     assert [(s["id"], s["sample"]) for s in samples] == [(r.id, k) for r in rows for k in range(4)]

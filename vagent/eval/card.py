@@ -30,9 +30,9 @@ from typing import Any
 __all__ = ["CARD_NAME", "card_differences", "file_sha256", "protocol_card", "read_card", "write_card"]
 
 CARD_NAME = "protocol.json"
-# what names the run rather than decides its score, or repeats a field above (the command line as parsed): left out
-# of the differences eval-report lists
-_BOOKKEEPING = ("command", "args")
+# what names the run rather than decides its score (where the files are: their hashes are compared), or repeats a
+# field above (the command line as parsed): left out of the differences eval-report lists
+_BOOKKEEPING = ("command", "args", "data", "model")
 
 
 def file_sha256(path: Path) -> str:
@@ -45,6 +45,41 @@ def file_sha256(path: Path) -> str:
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(model_dir: Path) -> str | None:
+    """SHA-256 over a checkpoint's weight files' names and sizes and its safetensors index (hashing the bytes of
+    tens of GB would take minutes): new weights written into the same dir change it."""
+    files = sorted(p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin") or p.name.endswith(".json"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        if path.name.endswith(".index.json"):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def listing_fingerprint(folder: Path) -> str | None:
+    """SHA-256 over the relative paths and sizes of a media folder's files (``--image-root``: videos, subtitles)."""
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+    return digest.hexdigest()
+
+
+def _source_sha256(*modules: Any) -> str:
+    """SHA-256 of the code that reads and scores answers: the loader, the agent profile, the rules, the metrics."""
+    from vagent.eval import extract, metrics
+
+    digest = hashlib.sha256()
+    for module in (*modules, extract, metrics):
+        if module is not None:
+            digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()
 
 
@@ -62,8 +97,8 @@ def _commit() -> str | None:
 
 
 def protocol_card(args: dict[str, Any], *, benchmark: str, loader: Any, limits: dict[str, Any],
-                  pixels: Sequence[int] | None, overrides: dict[str, Any], protocol: dict[str, Any] | None,
-                  judge_prompt: str | None = None) -> dict[str, Any]:  # fmt: skip
+                  pixels: Sequence[int] | None, overrides: dict[str, Any], protocol: str | None,
+                  judge_prompt: str | None = None, agent_module: Any = None) -> dict[str, Any]:  # fmt: skip
     """The card of a run about to start.
 
     Args:
@@ -73,8 +108,9 @@ def protocol_card(args: dict[str, Any], *, benchmark: str, loader: Any, limits: 
         limits: The episode limits and sampling (``RolloutLimits`` as a dict).
         pixels: ``(min_pixels, max_pixels)`` of the images the model is shown, or None (an endpoint).
         overrides: The preset's fields a flag changed: ``{field: {"preset": value, "used": value}}``.
-        protocol: The preset as it was applied (``vagent.eval.protocols``), or None.
+        protocol: The preset's name (``vagent.eval.protocols``), or None; its values are the fields above.
         judge_prompt: The judge's prompt template, when a judge grades the run.
+        agent_module: The agent profile's module (hashed with the scoring code: prompt and answer reading).
     """
     from vagent import __version__
 
@@ -90,6 +126,11 @@ def protocol_card(args: dict[str, Any], *, benchmark: str, loader: Any, limits: 
         "records": {"limit": args.get("limit"), "skip_bad": bool(args.get("skip_bad"))},
         "model": model or args.get("endpoint"),
         "model_config_sha256": file_sha256(config) if config is not None and config.is_file() else None,
+        "model_weights": weights_fingerprint(Path(model)) if model else None,
+        "dtype": args.get("dtype"),
+        "attn": args.get("attn"),
+        "media": listing_fingerprint(Path(args["image_root"])) if args.get("image_root") else None,
+        "scoring_sha256": _source_sha256(loader, agent_module),
         "endpoint_model": args.get("endpoint_model"),
         "backend": "endpoint" if args.get("endpoint") else args.get("backend", "hf"),
         "agent": args.get("agent"),

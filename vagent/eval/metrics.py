@@ -108,8 +108,10 @@ def uncertainty(samples: Sequence[dict[str, Any]], metric_names: Sequence[str], 
     """How far each mean can be trusted, and what smaller ``k`` would have given, from ``k`` samples per record.
 
     * ``intervals[<metric>]``: a 95% interval of the avg@k: Wilson's binomial interval when every record has one
-      sample of a 0/1 metric, else a percentile bootstrap over records (``resamples`` draws of the records with
-      replacement, each record carrying all its samples: the samples of one record are not independent).
+      sample of a 0/1 metric and its own image or video, else a percentile bootstrap over clusters (``resamples``
+      draws with replacement of the samples' ``cluster``, the image or video asked about, each with all its records
+      and their samples: questions about one video, HR-Bench's four cycles of one question, the samples of one
+      record are not independent; lmms-eval clusters Video-MME's standard error by video the same way).
     * ``at_k[j]``: for j in 1, 2, 4, ... and k, ``avg`` and ``pass`` of each metric over each record's first j
       samples. A run asking for j samples draws these very samples (each sample's seed is its index), so these are
       the run at j, not an estimate. ``intervals`` also holds ``pass@k/<metric>``'s bootstrap interval.
@@ -139,20 +141,28 @@ def uncertainty(samples: Sequence[dict[str, Any]], metric_names: Sequence[str], 
             firsts = [[s[name] for s in v[:j]] for v in records]
             out["at_k"][j][f"avg@{j}/{name}"] = sum(sum(f) / j for f in firsts) / len(firsts)
             out["at_k"][j][f"pass@{j}/{name}"] = sum(max(f) for f in firsts) / len(firsts)
-    draws = np.random.default_rng(seed).integers(0, len(records), size=(resamples, len(records)))  # (R, N) records
+    # resample clusters (the records about one image or video: not independent, lmms-eval clusters Video-MME by
+    # video), each with all its records and their samples
+    clusters = list(dict.fromkeys(v[0].get("cluster") or v[0]["id"] for v in records))
+    member = np.array([clusters.index(v[0].get("cluster") or v[0]["id"]) for v in records])  # (N,) record -> cluster
+    counts = np.bincount(member, minlength=len(clusters))  # (C,)
+    draws = []
+
+    def bootstrap(per_record: list[float]) -> list[float]:
+        if not draws:  # only when an interval needs them
+            draws.append(np.random.default_rng(seed).integers(0, len(clusters), size=(resamples, len(clusters))))
+        sums = np.bincount(member, weights=np.asarray(per_record, dtype=float), minlength=len(clusters))  # (C,)
+        return _percentile_interval(sums[draws[0]].sum(axis=1) / counts[draws[0]].sum(axis=1))  # (R,) means
+
     for name in metric_names:
         values = [[s[name] for s in v] for v in records]
         binary = all(x in (0, 1) for v in values for x in v)
-        if binary and all(len(v) == 1 for v in values):
+        if binary and all(len(v) == 1 for v in values) and len(clusters) == len(records):
             out["intervals"][name] = wilson(sum(v[0] for v in values), len(values))
         else:
-            per_record = np.array([sum(v) / len(v) for v in values])  # (N,) each record's avg@k
-            out["intervals"][name] = _percentile_interval(per_record[draws].mean(axis=1))
+            out["intervals"][name] = bootstrap([sum(v) / len(v) for v in values])  # each record's avg@k
         if k > 1:
-            best = [max(v) for v in values]
-            out["intervals"][f"pass@{k}/{name}"] = _percentile_interval(
-                [sum(best[i] for i in d) / len(d) for d in draws]
-            )
+            out["intervals"][f"pass@{k}/{name}"] = bootstrap([max(v) for v in values])
             by_index = [sum(v[i] for v in values) / len(values) for i in range(k)]
             mean = sum(by_index) / k
             out["spread"][name] = {"std": math.sqrt(sum((x - mean) ** 2 for x in by_index) / (k - 1)),

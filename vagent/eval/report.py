@@ -36,7 +36,7 @@ def write_table(runs: Sequence[dict[str, Any]], path: Path | None, names: Sequen
 def card_table(card: dict[str, Any]) -> str:
     """The card's fields that decide a score, as a two-column markdown table."""
     limits, judge = card.get("limits") or {}, card.get("judge")
-    preset = (card.get("protocol") or {}).get("name")
+    preset = card.get("protocol")
     overridden = ", ".join(f"{k} ({v['preset']} -> {v['used']})" for k, v in (card.get("overrides") or {}).items())
     commit = (card.get("vagent") or {}).get("commit") or "not a git checkout"
     rows = [
@@ -98,9 +98,8 @@ def metrics_markdown(metrics: dict[str, Any], name: str, card: dict[str, Any] | 
     intervals = metrics.get("intervals") or {}
     if intervals:
         lines = ["| metric | value | 95% interval |", "|---|---:|---|"]
-        method = (
-            "Wilson (one sample a record)" if metrics.get("samples") == metrics.get("n") else "bootstrap over records"
-        )
+        method = "Wilson's for a 0/1 metric with one sample a record and one record an image or video; else a "
+        method += "bootstrap over the images or videos asked about, each with all its records and samples"
         lines += [
             f"| {k} | {metrics.get(k, float('nan')):.3f} | [{lo:.3f}, {hi:.3f}] |" for k, (lo, hi) in intervals.items()
         ]

@@ -147,6 +147,7 @@ def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample
               "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
               "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
               "type": row.extra.get("type") or [], "groups": row.extra.get("groups") or {},
+              "cluster": (row.videos or row.images or [row.id])[0],  # what the record asks about (its interval)
               **turn_record(trajectory)}  # fmt: skip
     if guess is not None:
         record["guessed"] = guess

@@ -18,7 +18,15 @@ from typing import Any
 
 from vagent.agents import get_profile
 from vagent.eval import BENCHMARKS, BenchmarkError
-from vagent.eval.card import CARD_NAME, card_differences, file_sha256, protocol_card, read_card, write_card
+from vagent.eval.card import (
+    CARD_NAME,
+    card_differences,
+    file_sha256,
+    protocol_card,
+    read_card,
+    weights_fingerprint,
+    write_card,
+)
 from vagent.eval.protocols import FIELDS, PROTOCOLS, resolve
 from vagent.eval.report import write_table
 from vagent.eval.runner import evaluate, read_samples
@@ -109,7 +117,14 @@ def rerun_args(args: argparse.Namespace) -> argparse.Namespace:
     card = read_card(run_dir)
     if card is None:
         raise BenchmarkError(f"{run_dir} holds no {CARD_NAME} (not an eval run dir, or one made before cards)")
-    given = {k: v for k, v in vars(args).items() if k in ("out", "func", "command")}
+    from vagent.cli import build_parser
+
+    bare = vars(build_parser().parse_args(["eval", "--rerun", args.rerun]))  # what a bare --rerun parses to
+    if extra := sorted(k for k, v in vars(args).items() if k not in ("out", "rerun") and not callable(v)
+                       and bare.get(k) != v):  # fmt: skip
+        raise BenchmarkError(f"--rerun repeats {run_dir.name} as it ran; it takes only --out (also given: "
+                             f"{', '.join('--' + k.replace('_', '-') for k in extra)})")  # fmt: skip
+    given = {k: v for k, v in vars(args).items() if k in ("out", "func", "command", "usage_check")}
     replay = argparse.Namespace(**{**card["args"], **given, "rerun": None})
     replay.out = args.out or str(run_dir.resolve()) + "-rerun"
     if Path(replay.out).resolve() == run_dir.resolve():
@@ -119,9 +134,10 @@ def rerun_args(args: argparse.Namespace) -> argparse.Namespace:
         raise BenchmarkError(f"{data} is not the file {run_dir.name} was scored on (missing, or its SHA-256 changed)")
     if card.get("model_config_sha256"):
         config = Path(replay.model) / "config.json"
-        if not config.is_file() or file_sha256(config) != card["model_config_sha256"]:
+        same = config.is_file() and file_sha256(config) == card["model_config_sha256"]
+        if not same or weights_fingerprint(Path(replay.model)) != card.get("model_weights"):
             raise BenchmarkError(f"{replay.model} is not the model {run_dir.name} scored (missing, or its "
-                                 "config.json changed)")  # fmt: skip
+                                 "config.json or weight files changed)")  # fmt: skip
     return replay
 
 
@@ -134,12 +150,12 @@ def _start_card(args: argparse.Namespace, benchmark, limits: RolloutLimits, pixe
     loader = sys.modules[benchmark.load.__module__]
     card = protocol_card(vars(args), benchmark=benchmark.name, loader=loader, limits=dataclasses.asdict(limits),
                          pixels=pixels, overrides=overrides,
-                         protocol=dataclasses.asdict(PROTOCOLS[args.protocol]) if args.protocol else None,
+                         protocol=args.protocol, agent_module=sys.modules[type(get_profile(args.agent)).__module__],
                          judge_prompt=TEMPLATES[args.judge_mode] if args.judge else None)  # fmt: skip
     out = Path(args.out)
     old = read_card(out)
     if old is not None:
-        keep = {"vagent", "judge", "args", "command", "created", "overrides"}  # a resume may differ in these
+        keep = {"vagent", "judge", "args", "command", "overrides"}  # a resume may differ in these
         changed = [k for k in card_differences([{k: v for k, v in old.items() if k not in keep},
                                                 {k: v for k, v in card.items() if k not in keep}])]  # fmt: skip
         if changed:
