@@ -140,3 +140,10 @@ def test_no_tool_baseline_and_eval_report(files, policy, tmp_path):
     table = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| tools |" in table and "| no-tools |" in table
     assert Image.open(tmp_path / "cmp" / "comparison.png").size[0] > 300
+
+
+def test_an_option_keeps_a_letter_of_its_own_unless_every_option_is_lettered():
+    from vagent.eval.benchmarks.vstar import options
+
+    assert options({"options": ["A. red", "B. blue"]}) == ["red", "blue"]
+    assert options({"options": ["A. Lincoln", "Washington"]}) == ["A. Lincoln", "Washington"]  # a name, not a letter

@@ -218,3 +218,13 @@ def test_each_video_benchmark_runs_end_to_end(tmp_path, name, answer, expected):
             assert {g: m[benchmark.metrics[0]] for g, m in metrics[key].items()} == pytest.approx(value), key
         else:
             assert metrics[key] == pytest.approx(value), key
+
+
+def test_video_mme_with_subtitles_refuses_a_dataset_whose_subtitles_were_never_unzipped(tmp_path):
+    data = _mme(tmp_path)
+    for srt in (tmp_path / "subtitle").iterdir():
+        srt.unlink()
+    (tmp_path / "subtitle").rmdir()
+    assert BENCHMARKS["video-mme"].load(data, None)[0]  # without subtitles: fine
+    with pytest.raises(BenchmarkError, match="unzip subtitle.zip"):
+        BENCHMARKS["video-mme-sub"].load(data, None)

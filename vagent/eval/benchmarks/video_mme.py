@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vagent.data import Row
-from vagent.eval.benchmarks import Benchmark, RecordError, require
+from vagent.eval.benchmarks import Benchmark, BenchmarkError, RecordError, require
 from vagent.eval.benchmarks.formats import load_records, parse_srt, read_parquet, with_subtitles
 from vagent.eval.benchmarks.vstar import options, score
 
@@ -82,9 +82,13 @@ def load(path: Path, image_root: Path | None, subtitles: bool = False, name: str
         name: The benchmark name, the rows' ``source``.
 
     Raises:
-        BenchmarkError: The file cannot be read as parquet.
+        BenchmarkError: The file cannot be read as parquet, or ``subtitles`` and no ``subtitle/`` folder (the
+            subtitles were never unzipped: every question would go without them).
     """
     root = image_root or path.resolve().parent.parent
+    if subtitles and not (root / "subtitle").is_dir():
+        raise BenchmarkError(f"{name} reads the subtitles from {root / 'subtitle'}, which does not exist: unzip "
+                             "subtitle.zip there (or evaluate video-mme, without subtitles)")  # fmt: skip
     cache: dict[str, list[tuple[float, str]]] | None = {} if subtitles else None
     return load_records(read_parquet(path), lambda where, r: convert(r, root, cache, name), id_key="question_id")
 

@@ -51,7 +51,10 @@ def options(record: dict[str, Any]) -> list[str]:
     value = require(record, "options" if "options" in record else "choices", list)
     if len(value) < 2 or not all(isinstance(v, str) and v.strip() for v in value):
         raise RecordError("field 'options' must list at least two non-empty strings")
-    return [_PREFIX.sub("", v) for v in value]  # "A. red" -> "red": the prompt adds its own letters
+    # "A. red", "B. blue" -> "red", "blue" (the prompt adds its own letters); only when every option carries its own
+    # letter in order: "A. Lincoln" alone is an option's text
+    lettered = all(re.match(rf"\(?{chr(ord('A') + i)}[.)]\s+", v, flags=re.I) for i, v in enumerate(value))
+    return [_PREFIX.sub("", v) for v in value] if lettered else list(value)
 
 
 def convert(where: str, record: dict[str, Any], root: Path | None, base: Path, media: str) -> Row:
