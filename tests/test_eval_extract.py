@@ -178,3 +178,20 @@ def test_extract_text():
     assert (
         extract_text("  ", None, "vlmevalkit") is None and extract_text("<think>x</think>", None, "lmms-eval") is None
     )
+
+
+@pytest.mark.parametrize(
+    ("answer", "rule", "expected"),
+    [
+        ("[24.3, 30.4]", "vagent", [24.3, 30.4]),
+        ("from 00:24 to 00:30", "vagent", [0.0, 24.0]),  # the first two numbers: vagent's own rule
+        ("from 00:24 to 00:30", "lmms-eval", [24.0, 30.0]),  # lmms-eval reads mm:ss
+        ("1:02:03.5 - 1:02:10", "lmms-eval", [3723.5, 3730.0]),
+        ("[30.4, 24.3]", "lmms-eval", [24.3, 30.4]),  # a reversed span put in order
+        (None, "strict", None),
+    ],
+)
+def test_a_span_is_read_as_each_rule_reads_times(answer, rule, expected):
+    from vagent.eval.extract import extract_span
+
+    assert extract_span("The event happens in 5 - 9 s", answer, rule) == expected

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from vagent.rewards.answer import choice_match, normalize_answer
 
-__all__ = ["EXTRACTORS", "extract_choice", "extract_text"]
+__all__ = ["EXTRACTORS", "extract_choice", "extract_span", "extract_text"]
 
 EXTRACTORS = ("vagent", "strict", "vlmevalkit", "lmms-eval")
 
@@ -268,3 +268,31 @@ def _lmms_longvideobench(text: str, letters: Sequence[str], rng: random.Random |
     if match is None:
         return rng.choice(letters) if letters and rng is not None else None
     return match.group() if match.group() in letters else None
+
+
+_TIME = re.compile(r"(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)|(\d+(?:\.\d+)?)")  # [h:]mm:ss[.f] or seconds
+
+
+def extract_span(reply: str, answer: str | None, rule: str = "vagent") -> list[float] | None:
+    """The ``[start, end]`` in seconds a temporal-grounding sample answered under ``rule``, or None.
+
+    ``vagent`` and ``strict`` read the first two numbers of the profile's answer (``strict``: of the answer tag only,
+    as the profile reads it); ``vlmevalkit`` the same of the answer or the whole reply. ``lmms-eval`` reads times as
+    its Charades-STA scoring does: ``mm:ss`` and ``h:mm:ss`` as well as seconds, in the answer or the reply with its
+    reasoning removed, and a reversed span is put in order.
+
+    >>> extract_span("", "from 00:24 to 00:30.5", "lmms-eval"), extract_span("", "[30.4, 24.3]", "lmms-eval")
+    ([24.0, 30.5], [24.3, 30.4])
+    """
+    if rule not in EXTRACTORS:
+        raise ValueError(f"unknown extraction rule {rule!r}; choose from {', '.join(EXTRACTORS)}")
+    text = answer if answer is not None or rule in ("vagent", "strict") else reply
+    if text is None:
+        return None
+    if rule != "lmms-eval":
+        numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]
+        return numbers[:2] if len(numbers) >= 2 else None
+    times = []
+    for hours, minutes, seconds, plain in _TIME.findall(_strip_reasoning(text)):
+        times.append(float(plain) if plain else int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds))
+    return sorted(times[:2]) if len(times) >= 2 else None
