@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vagent.data import Row
 
-__all__ = ["BENCHMARKS", "Benchmark", "BenchmarkError", "RecordError", "media_path", "read_records", "require"]
+__all__ = [
+    "BENCHMARKS",
+    "Benchmark",
+    "BenchmarkError",
+    "RecordError",
+    "load_records",
+    "load_with",
+    "media_path",
+    "read_records",
+    "require",
+]
 
 
 class BenchmarkError(ValueError):
@@ -95,12 +105,14 @@ def media_path(value: str, root: Path | None, base: Path, field: str) -> str:
     return str(path)
 
 
-def load_with(path: Path, convert: Callable[[str, dict[str, Any]], Row]) -> tuple[list[Row], list[tuple[str, str]]]:
-    """Run ``convert(where, record)`` over the file's records, collecting rows and errors (by id when known)."""
+def load_records(records: Iterable[tuple[str, Any]], convert: Callable[[str, Any], Row], id_key: str = "id"
+                 ) -> tuple[list[Row], list[tuple[str, str]]]:  # fmt: skip
+    """Run ``convert(where, record)`` over ``records`` (a JSON file's through ``load_with``; a parquet's or a TSV's rows): the rows,
+    and ``(label, reason)`` for each record that raised, labelled by its ``id_key`` value when it has one."""
     rows, errors, seen = [], [], set()
-    for where, record in read_records(path):
-        rid = record.get("id") if isinstance(record, dict) else None
-        label = f"id {rid!r} ({where})" if rid is not None else where
+    for where, record in records:
+        rid = record.get(id_key) if isinstance(record, dict) else None
+        label = f"{id_key} {rid!r} ({where})" if rid is not None else where
         try:
             if isinstance(record, RecordError):
                 raise record
@@ -112,6 +124,11 @@ def load_with(path: Path, convert: Callable[[str, dict[str, Any]], Row]) -> tupl
         except (RecordError, ValueError) as e:
             errors.append((label, str(e)))
     return rows, errors
+
+
+def load_with(path: Path, convert: Callable[[str, dict[str, Any]], Row]) -> tuple[list[Row], list[tuple[str, str]]]:
+    """Run ``convert(where, record)`` over the JSON or JSONL file's records, collecting rows and errors (by id)."""
+    return load_records(read_records(path), convert)
 
 
 def _registry() -> dict[str, Benchmark]:

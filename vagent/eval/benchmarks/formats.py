@@ -5,12 +5,11 @@ before its question, and the loader loop over any ``(where, record)`` pairs. No 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vagent.data import Row
-from vagent.eval.benchmarks import BenchmarkError, RecordError
+from vagent.eval.benchmarks import BenchmarkError, load_records
 
 __all__ = ["load_records", "parse_srt", "read_parquet", "with_subtitles"]
 
@@ -54,27 +53,6 @@ def _decimal(value):
     if isinstance(value, list):
         return [_decimal(v) for v in value]
     return None if value is None else float(str(np.float16(value)))
-
-
-def load_records(records: Iterable[tuple[str, Any]], convert: Callable[[str, Any], Row], id_key: str = "id"
-                 ) -> tuple[list[Row], list[tuple[str, str]]]:  # fmt: skip
-    """Run ``convert(where, record)`` over ``records`` (``load_with``'s loop for files that are not JSON): the rows,
-    and ``(label, reason)`` for each record that raised, labelled by its ``id_key`` value when it has one."""
-    rows, errors, seen = [], [], set()
-    for where, record in records:
-        rid = record.get(id_key) if isinstance(record, dict) else None
-        label = f"{id_key} {rid!r} ({where})" if rid is not None else where
-        try:
-            if isinstance(record, RecordError):
-                raise record
-            row = convert(where, record)
-            if row.id in seen:
-                raise RecordError(f"duplicate id {row.id!r}")
-            seen.add(row.id)
-            rows.append(row)
-        except (RecordError, ValueError) as e:
-            errors.append((label, str(e)))
-    return rows, errors
 
 
 def parse_srt(text: str) -> list[tuple[float, float, str]]:
