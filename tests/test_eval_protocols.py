@@ -189,7 +189,8 @@ def test_a_rerun_refuses_a_changed_file_and_a_resume_another_protocol(vstar_file
     assert main(args) == 0
     assert main([*args, "--extract", "strict"]) == 2  # same --out, another protocol
     assert "another protocol (extract differ)" in capsys.readouterr().err
-    assert main(["eval", "--rerun", str(out), "--limit", "2"]) == 2  # a rerun is the run as it was
+    with pytest.raises(SystemExit):  # a rerun is the run as it was: a usage error
+        main(["eval", "--rerun", str(out), "--limit", "2"])
     assert "it takes only --out (also given: --limit)" in capsys.readouterr().err
     with open(vstar_file / "vstar.jsonl", "a") as f:
         f.write("\n")

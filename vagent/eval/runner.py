@@ -202,7 +202,9 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     metrics["tool_error_rate"] = sum(s["tool_errors"] for s in merged) / sum(calls) if sum(calls) else 0.0
     metrics["answered"] = sum(1 for s in merged if s["prediction"] is not None) / len(merged) if merged else 0.0
     metrics["benchmark"] = benchmark.name
-    metrics["tools"] = "none" if tools == [] else ",".join(tools) if tools else ",".join(benchmark.tools) + " (default)"
+    metrics["tools"] = (
+        "none" if tools == [] else ",".join(tools) if tools else (",".join(benchmark.tools) or "none") + " (default)"
+    )
     metrics["agent"] = agent
     metrics["limits"] = dataclasses.asdict(limits) if limits is not None else {}
     metrics["skipped"] = [{"record": r, "reason": why} for r, why in skipped]

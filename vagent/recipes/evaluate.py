@@ -117,13 +117,6 @@ def rerun_args(args: argparse.Namespace) -> argparse.Namespace:
     card = read_card(run_dir)
     if card is None:
         raise BenchmarkError(f"{run_dir} holds no {CARD_NAME} (not an eval run dir, or one made before cards)")
-    from vagent.cli import build_parser
-
-    bare = vars(build_parser().parse_args(["eval", "--rerun", args.rerun]))  # what a bare --rerun parses to
-    if extra := sorted(k for k, v in vars(args).items() if k not in ("out", "rerun") and not callable(v)
-                       and bare.get(k) != v):  # fmt: skip
-        raise BenchmarkError(f"--rerun repeats {run_dir.name} as it ran; it takes only --out (also given: "
-                             f"{', '.join('--' + k.replace('_', '-') for k in extra)})")  # fmt: skip
     given = {k: v for k, v in vars(args).items() if k in ("out", "func", "command", "usage_check")}
     replay = argparse.Namespace(**{**card["args"], **given, "rerun": None})
     replay.out = args.out or str(run_dir.resolve()) + "-rerun"

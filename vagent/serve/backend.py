@@ -178,8 +178,14 @@ def run_agent(
     on ``tool_workers`` threads; ``seed`` fixes the sampling (a vLLM ``engine``: each turn request's own seed)."""
     if engine is not None:
         limits = dataclasses.replace(limits, sampling_seed=seed)
-        return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers,
-                   backend=engine)  # fmt: skip
+        # the engine seeds a turn by its task's id: here each choice's index, not the request's id (new each time),
+        # so the same seeded request samples the same, and its n choices are n different draws
+        numbered = tasks if seed is None else [dataclasses.replace(t, id=f"choice-{i}") for i, t in enumerate(tasks)]
+        out = run(policy, numbered, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers,
+                  backend=engine)  # fmt: skip
+        for trajectory, task in zip(out, tasks, strict=True):
+            trajectory.task_id = task.id
+        return out
     if seed is None:
         return run(policy, tasks, 1, limits, batch_size=batch_size, agent=agent, tool_workers=tool_workers)
     cuda = policy.device.type == "cuda"
