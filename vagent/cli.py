@@ -533,7 +533,12 @@ def _add_eval(sub) -> None:
     _add_loading(p)
 
     def usage_check(args: argparse.Namespace) -> None:
-        if args.rerun:
+        if args.rerun:  # the run as it was: only --out may be given beside it
+            bare = vars(p.parse_args(["--rerun", args.rerun]))
+            if extra := sorted(k for k, v in vars(args).items() if k not in ("out", "rerun", "command")
+                               and not callable(v) and bare.get(k) != v):  # fmt: skip
+                p.error(f"--rerun repeats the run as it ran; it takes only --out (also given: "
+                        f"{', '.join('--' + k.replace('_', '-') for k in extra)})")  # fmt: skip
             return
         missing = [flag for flag, value in (("--benchmark", args.benchmark), ("--data", args.data),
                                             ("--out", args.out), ("--model or --endpoint", args.model or args.endpoint))
