@@ -158,7 +158,7 @@ def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     add_rollout_arguments(parser)
     parser.add_argument("--out", required=True)
     parser.add_argument("--min-reward", type=float, default=1.0)

@@ -35,6 +35,7 @@ def test_only_working_subcommands_are_listed():
         "grpo",
         "make-tiny-model",
         "memory",
+        "merge-lora",
         "quickstart",
         "rollout",
         "serve",
@@ -292,7 +293,7 @@ def test_tools_parse_reads_jsonl_and_reports_error_kinds(monkeypatch, capsys):
 def test_rollout_arguments_parse(capsys):
     base = ["rollout", "--model", "m", "--data", "rows.jsonl", "--out", "t.jsonl"]
     args = build_parser().parse_args(base)
-    assert (args.tools, args.samples, args.batch_size, args.html, args.limit) == (["crop"], 1, 8, None, None)
+    assert (args.tools, args.samples, args.batch_size, args.html, args.limit) == (None, 1, 8, None, None)
     assert args.tool_workers == 8 and build_parser().parse_args([*base, "--tool-workers", "32"]).tool_workers == 32
     args = build_parser().parse_args([*base, "--tools", "none", "--samples", "4", "--max-turns", "3", "--top-p", "0.9"])
     assert args.tools == [] and args.samples == 4 and args.max_turns == 3 and args.top_p == 0.9
@@ -309,6 +310,24 @@ def test_rollout_arguments_parse(capsys):
             build_parser().parse_args([*base, *bad])
         assert exit_info.value.code == 2
     assert "unknown tool(s) ['zoom']" in capsys.readouterr().err
+
+
+def test_rollout_tools_flag_wins_over_the_rows_own_and_says_so(capsys):
+    """`vagent rollout --tools` offers its tools to every row, as `vagent eval --tools` does, with one note counting
+    the rows whose own `tools` it replaced; without it a row keeps its own list and a row without one gets crop."""
+    from vagent.cli import _rollout_tasks
+    from vagent.data import Row
+
+    rows = [Row(id="own", question="q", answer="1", answer_type="exact", tools=["crop"]),
+            Row(id="none", question="q", answer="1", answer_type="exact")]  # fmt: skip
+    assert [t.tools for t in _rollout_tasks(rows, None)] == [["crop"], ["crop"]]
+    assert capsys.readouterr().err == ""
+    assert [t.tools for t in _rollout_tasks(rows, ["crop", "zoom_in"])] == [["crop", "zoom_in"]] * 2
+    assert capsys.readouterr().err == "note: --tools crop,zoom_in replaces the own `tools` of 1 of 2 rows\n"
+    assert [t.tools for t in _rollout_tasks(rows, [])] == [[], []]  # --tools none: the no-tool baseline
+    assert "--tools none replaces" in capsys.readouterr().err
+    _rollout_tasks(rows, ["crop"])  # the same list as the row's own: nothing replaced, nothing said
+    assert capsys.readouterr().err == ""
 
 
 def _rows_file(tmp_path):

@@ -13,7 +13,15 @@ import pytest
 import torch
 from conftest import BOTH_VOCABS
 
-from vagent.algorithms import aggregate, group_advantages, informative_groups, kl_k3, policy_loss, sampled_logprobs
+from vagent.algorithms import (
+    aggregate,
+    group_advantages,
+    informative_groups,
+    kl_k3,
+    loss_normalizer,
+    policy_loss,
+    sampled_logprobs,
+)
 from vagent.config import ConfigError, GRPOConfig, load_config
 from vagent.data import load_rows
 from vagent.data.batching import collate
@@ -28,9 +36,14 @@ CONFIG = ROOT / "configs" / "grpo" / "qwen2_5_vl_tiny_cpu.yaml"
 
 
 def test_group_advantages_by_hand():
-    # group 1: rewards (1, 0): mean 0.5, population std 0.5 -> (+1, -1); group 2 all equal -> 0
+    # group 1: rewards (1, 0): mean 0.5, unbiased std sqrt(0.5) (verl and TRL: torch.std's default) -> +-0.707
+    # (the population std, 0.5, gave +-1); group 2 all equal -> 0
     adv = group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2)
-    assert adv.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+    assert adv.tolist() == pytest.approx([0.5**0.5, -(0.5**0.5), 0.0, 0.0], abs=1e-5)
+    # a group of 8 as verl's compute_grpo_outcome_advantage writes it: (r - mean) / (std + eps)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    expected = (rewards - rewards.mean()) / (torch.std(rewards) + 1e-6)
+    assert group_advantages(rewards, 8).tolist() == pytest.approx(expected.tolist(), abs=1e-6)
     # Dr. GRPO: no std scaling: (3, 1, 2) -> mean 2 -> (1, -1, 0)
     assert group_advantages(torch.tensor([3.0, 1.0, 2.0]), 3, scale_by_std=False).tolist() == [1.0, -1.0, 0.0]
     assert informative_groups(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2).tolist() == [True, False]
@@ -39,12 +52,12 @@ def test_group_advantages_by_hand():
 
 
 def test_negative_scale_weights_only_the_losers():
-    # group (1, 0, 0, 0): mean 0.25, std sqrt(0.1875) -> (+1.732, -0.577 x 3); the losers' share is scaled
+    # group (1, 0, 0, 0): mean 0.25, unbiased std sqrt(0.75 / 3) = 0.5 -> (+1.5, -0.5 x 3); the losers' share is scaled
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     full = group_advantages(rewards, 4)
     half = group_advantages(rewards, 4, negative_scale=0.5)
     winners = group_advantages(rewards, 4, negative_scale=0.0)
-    assert half[0] == full[0] == winners[0] == pytest.approx(3**0.5, abs=1e-4)
+    assert half[0] == full[0] == winners[0] == pytest.approx(1.5, abs=1e-4)
     assert half[1:4].tolist() == pytest.approx((full[1:4] / 2).tolist())
     assert winners[1:].tolist() == [0.0] * 7  # a solved group stays at 0 either way
     for bad in (-0.1, 1.5):
@@ -86,6 +99,65 @@ def test_aggregation_and_k3():
     # k3 at ref - lp = log 2: 2 - log 2 - 1
     kl = kl_k3(torch.zeros(1, 2), torch.full((1, 2), math.log(2)), torch.tensor([[0, 1]]))
     assert kl[0].tolist() == pytest.approx([0.0, 1 - math.log(2)])
+
+
+def test_sequence_aggregation_leaves_a_fully_masked_trajectory_out_of_its_denominator():
+    # one trajectory over-turn masking took out (mask all 0), one kept with token losses 2 and 4: the mini-batch's
+    # loss is the kept one's own mean, 3 (its denominator counted the masked one too: 1.5, half of it)
+    per_token = torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 4.0]])
+    mask = torch.tensor([[0, 0, 0], [0, 1, 1]])
+    trained = [int(m.sum()) for m in mask]
+    assert float(aggregate(per_token, mask, "sequence", loss_normalizer(trained, "sequence"))) == pytest.approx(3.0)
+    assert float(aggregate(per_token[1:], mask[1:], "sequence", loss_normalizer(trained[1:], "sequence"))) == 3.0
+    assert loss_normalizer([0, 0], "sequence") == 0.0  # the caller floors the all-rank sum at 1: the loss is 0
+    assert loss_normalizer(trained, "token") == 2.0
+
+
+def test_dr_grpo_divides_the_summed_token_loss_by_a_constant():
+    # TRL's loss_type="dr_grpo": sum / (sequences x max completion length), whatever the sequences' lengths: two
+    # sequences of 1 and 2 trained tokens, at most 8 each -> (2 + 4 + 6) / 16; a masked one still counts in the batch
+    per_token = torch.tensor([[0.0, 2.0, 4.0], [0.0, 6.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    normalizer = loss_normalizer([2, 1], "dr_grpo", max_tokens=8)
+    assert normalizer == 16.0 and float(aggregate(per_token, mask, "dr_grpo", normalizer)) == pytest.approx(12 / 16)
+    assert loss_normalizer([2, 0], "dr_grpo", max_tokens=8) == 16.0
+    with pytest.raises(ValueError, match="max_tokens"):
+        loss_normalizer([2, 1], "dr_grpo")
+    assert load_config(GRPOConfig, CONFIG, ["grpo.aggregation=dr_grpo"]).grpo.aggregation == "dr_grpo"
+    with pytest.raises(ConfigError, match="aggregation"):
+        load_config(GRPOConfig, CONFIG, ["grpo.aggregation=seq_mean"])
+
+
+def _hand_written_warmup_cosine(step, warmup_steps, total_steps, min_ratio):
+    # training/backend.py's schedule before it was built on transformers', kept as the reference for its values
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def test_the_lr_schedule_is_transformers_cosine_with_min_lr_at_the_values_it_had(monkeypatch):
+    """Every recipe's schedule (SFT, DPO, and GRPO over its optimizer steps) comes from transformers'
+    get_cosine_with_min_lr_schedule_with_warmup and gives the hand-written one's values at every step, past the end
+    included, with and without warmup (a warmup as long as the run too)."""
+    import transformers
+
+    from vagent.training import backend
+
+    built = []
+    real = transformers.get_cosine_with_min_lr_schedule_with_warmup
+    monkeypatch.setattr(backend, "get_cosine_with_min_lr_schedule_with_warmup",
+                        lambda *a, **kw: built.append(kw) or real(*a, **kw))  # fmt: skip
+    for warmup, total, floor in [(0, 10, 0.0), (2, 6, 0.0), (3, 20, 0.1), (10, 40, 0.05), (5, 5, 0.1), (4, 2, 0.0)]:
+        weight = torch.nn.Parameter(torch.zeros(1))
+        optimizer = torch.optim.SGD([weight], lr=2.0)
+        scheduler = backend.warmup_cosine(optimizer, warmup_steps=warmup, total_steps=total, min_ratio=floor)
+        assert built.pop() == {"num_warmup_steps": warmup, "num_training_steps": total, "min_lr_rate": floor}
+        for step in range(total + 5):
+            expected = 2.0 * _hand_written_warmup_cosine(step, warmup, total, floor)
+            assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, abs=1e-12), (warmup, total, step)
+            optimizer.step()
+            scheduler.step()
 
 
 def _plain_ppo_clip(lp, old, adv, mask, clip_low, clip_high):
@@ -645,6 +717,48 @@ def test_over_turn_masking_trains_nothing_on_episodes_cut_by_a_cap(tmp_path, tin
         assert (record["masked_share"], record["loss"], changed == 0) == (
             (1.0, 0.0, True) if masked else (0.0, record["loss"], False)
         )
+
+
+def test_the_sampler_checks_compare_the_tokens_of_episodes_over_turn_masking_keeps_out_of_the_loss(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
+    """Every episode is cut by max_tokens and masked (grpo.mask_truncated): the update trains on no token, yet the
+    sampler gap and the ratio check compare every sampled token and log how many. A synthetic gap with a known
+    answer: the engine "recorded" log-probs log 4 below those it drew from, and the old log-probs are raised by 0.1
+    after scoring (two mini-batches: the ratio is checked, not 1 by construction). The gap is log 4 and the first
+    update's ratio deviates by 1 - e^-0.1 (both were logged as 0.0 over no tokens); with the health check on, the run
+    stops before it trains."""
+    import vagent.rewards as rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "even_tokens", _even_tokens)
+    rollout, score = grpo.run, grpo._score_old_logprobs
+
+    def gapped(*args, **kwargs):
+        out = rollout(*args, **kwargs)
+        for t in out:
+            t.logprobs = [lp - math.log(4) if m else lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True)]
+        return out
+
+    def stale(ctx, groups, step, timer):
+        out = score(ctx, groups, step, timer)  # the gap is measured here, against the unshifted old log-probs
+        out.old = [old + 0.1 for old in out.old]
+        return out
+
+    monkeypatch.setattr(grpo, "run", gapped)
+    monkeypatch.setattr(grpo, "_score_old_logprobs", stale)
+    base = [*_overrides(tmp_path, tiny_qwen25, zoom_rows_file(16, 1000)), "train.max_steps=1", "rollout.max_turns=1",
+            "rollout.max_new_tokens=6", "rewards.weights={even_tokens: 1.0}", "rewards.options={}",
+            "grpo.dynamic_sampling=false", "grpo.mask_truncated=true", "grpo.mini_batches=2"]  # fmt: skip
+    grpo.train(load_config(GRPOConfig, CONFIG, [*base, "grpo.max_sampler_gap=0"]))
+    [record] = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["stop/max_tokens"] == 1.0 and record["masked_share"] == 1.0 and record["loss"] == 0.0
+    trajectories = 2 * 4  # prompts_per_step x group_size, none dropped
+    assert record["sampler_logprob_gap_tokens"] == record["response_len"] * trajectories > 0
+    assert record["sampler_logprob_gap"] == pytest.approx(math.log(4), rel=1e-4)
+    assert record["ratio_check_tokens"] == record["response_len"] * trajectories / 2  # the first mini-batch's
+    assert record["ratio_check"] == pytest.approx(1 - math.exp(-0.1), rel=1e-3)
+    with pytest.raises(grpo.SamplerMismatch, match="differ from the trainer's by 1.39"):
+        grpo.train(load_config(GRPOConfig, CONFIG, [*base, f"out_dir={tmp_path / 'checked'}"]))
 
 
 def _half_informative(trajectories, rows):

@@ -45,7 +45,28 @@ def test_agent_mode_runs_a_crop_and_returns_the_trajectory(client):
     assert "crop" in trajectory["messages"][0]["content"][0]["text"]  # the offered tools are in the system prompt
     # The forced turn is not counted as sampled; the model's own turns are.
     assert response.usage.completion_tokens == sum(trajectory["loss_mask"]) >= 1
-    assert isinstance(choice.message.content, str)
+    assert choice.message.content == (trajectory["answer"] or "")  # the answer, never the last turn's raw text
+
+
+def test_an_episode_without_an_answer_has_empty_content_and_says_why():
+    """``content`` is the final answer; an episode that ended without one (the model stopped without acting, or a
+    cap cut it) gives "" rather than its last turn's text, with the stop reason in the trajectory and
+    ``finish_reason`` "length" for a cap, as an OpenAI client reads it."""
+    from vagent.serve.app import _agent_choice
+    from vagent.types import Message, Trajectory
+
+    def episode(last: str, answer: str | None, stop: str) -> Trajectory:
+        return Trajectory("t", [Message.text("user", "q?"), Message.text("assistant", last)], answer=answer,
+                          stop_reason=stop)  # fmt: skip
+
+    answered = _agent_choice(0, episode("<think>a 7</think><answer>7</answer>", "7", "answered"))
+    assert answered["message"]["content"] == "7" and answered["finish_reason"] == "stop"
+    for last, stop, finish in (("I am not sure what", "no_action", "stop"), ('<tool_call>{"name": "cr', "max_tokens",
+                                                                               "length")):  # fmt: skip
+        choice = _agent_choice(0, episode(last, None, stop))
+        assert choice["message"]["content"] == "" and choice["finish_reason"] == finish
+        assert choice["trajectory"]["stop_reason"] == stop
+        assert choice["trajectory"]["messages"][-1]["content"][0]["text"] == last  # the raw turn is still there
 
 
 def test_agent_mode_refuses_what_it_cannot_do(client):
@@ -146,3 +167,36 @@ def test_a_request_picks_its_own_turn_budget_up_to_the_servers(policy):
     with TestClient(create_app(policy, ServerOptions(model_name="m"))) as http:
         response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_turns"
+
+
+def test_agent_requests_batched_together_keep_their_own_turn_budgets(policy):
+    """Two agent requests that arrive together with the same sampling settings run as one batch only if their limits
+    match too: one asks for 1 turn, the other for 8 with 3 forced crops. Each episode runs under its own budget (the
+    batch used to run both with the first request's: the second stopped after 1 turn)."""
+    from vagent.serve.app import ServerOptions, _agent_job
+    from vagent.serve.request import parse_chat_request
+    from vagent.serve.scheduler import Scheduler
+
+    options = ServerOptions(model_name="m", agent=True, max_turns=8)
+    crop = '<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 56, 56]}}</tool_call>'
+    image = Image.new("RGB", (112, 84), (200, 100, 50))
+    events: dict[int, list] = {1: [], 8: []}
+
+    def job(max_turns, forced):
+        body = {"model": "m", "max_tokens": 4, "max_turns": max_turns,
+                "messages": [_question(image)] + [{"role": "assistant", "content": crop}] * forced}  # fmt: skip
+        request = parse_chat_request(json.dumps(body).encode(), model_name="m", allowed_roots=[],
+                                     max_image_pixels=10**7, tools_in_prompt=False)  # fmt: skip
+        return _agent_job(request, options, sink=events[max_turns].append)
+
+    short, long = job(1, forced=0), job(8, forced=3)
+    assert short.sampling == long.sampling  # what the batch used to be grouped by alone
+    scheduler = Scheduler(policy, agent_batch_size=4)
+    try:
+        scheduler._run_agents([short, long])  # the model thread's call for jobs that arrived in one loop
+    finally:
+        scheduler.close()
+    [(kind, [one], _)], [(kind_long, [eight], _)] = events[1], events[8]
+    assert kind == kind_long == "trajectories"
+    assert one.metrics["turns"] == 1
+    assert eight.metrics["turns"] >= 4  # its 3 forced crops and at least one sampled turn

@@ -81,5 +81,7 @@ def test_a_seeded_request_samples_the_same_tokens_again(clients):
 def test_agent_mode_runs_its_episodes_on_the_engine(clients):
     first = _ask(clients["agent"], seed=3, temperature=1.0, max_tokens=16)
     again = _ask(clients["agent"], seed=3, temperature=1.0, max_tokens=16)
-    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.choices[0].message.content == again.choices[0].message.content  # the answer, or "" without one
+    episodes = [r.choices[0].model_extra["trajectory"] for r in (first, again)]
+    assert episodes[0]["token_ids"] == episodes[1]["token_ids"]  # the same episode, whether it answered or not
     assert first.usage.completion_tokens >= 1

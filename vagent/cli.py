@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from vagent.tiny_model import PRESETS, TINY_FAMILIES  # cheap: transformers is imported only when building
 
 if TYPE_CHECKING:
+    from vagent.data import Row
+    from vagent.rollout import Task
     from vagent.toolbox import ToolServices
 
 __all__ = ["main"]
@@ -72,6 +74,18 @@ def _serve(args: argparse.Namespace) -> int:
     from vagent.serve import main as serve_main
 
     return serve_main(args)
+
+
+def _merge_lora(args: argparse.Namespace) -> int:
+    from vagent.training.merge import MergeError, merge_lora
+
+    try:
+        out = merge_lora(args.checkpoint, args.out, base=args.base)
+    except MergeError as e:
+        print(f"vagent merge-lora: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote the merged model to {out}")
+    return 0
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -295,6 +309,24 @@ def _positive(text: str) -> int:
     return value
 
 
+def _rollout_tasks(rows: list[Row], tools: list[str] | None) -> list[Task]:
+    """The episodes of ``vagent rollout``: ``--tools`` (``tools``), when given, is offered to every row, replacing a
+    row's own ``tools`` as ``vagent eval --tools`` does, and a note says how many rows it overrode; without it each
+    row keeps its own list, and a row without one gets ``crop``."""
+    from vagent.rollout import Task
+
+    tasks = [Task.from_row(row, ["crop"] if tools is None else tools) for row in rows]
+    if tools is None:
+        return tasks
+    overridden = sum(1 for row in rows if row.tools is not None and list(row.tools) != tools)
+    if overridden:
+        print(f"note: --tools {','.join(tools) or 'none'} replaces the own `tools` of {overridden} of {len(rows)} "
+              "rows", file=sys.stderr)  # fmt: skip
+    for task in tasks:
+        task.tools = list(tools)
+    return tasks
+
+
 def _rollout(args: argparse.Namespace) -> int:
     from collections import Counter
 
@@ -304,12 +336,12 @@ def _rollout(args: argparse.Namespace) -> int:
     from vagent.data import load_rows
     from vagent.model import load_policy
     from vagent.recipes.evaluate import episode_backend, episode_limits
-    from vagent.rollout import Task, run
+    from vagent.rollout import run
     from vagent.rollout.export import write_html, write_jsonl
     from vagent.toolbox import TOOLS
 
     rows = load_rows(args.data, known_tools=TOOLS)[: args.limit]
-    tasks = [Task.from_row(row, args.tools) for row in rows]
+    tasks = _rollout_tasks(rows, args.tools)
     services = _tool_services(args)
     if services.search is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
@@ -348,12 +380,15 @@ def _rollout(args: argparse.Namespace) -> int:
     # The gold answer and sample number ride along in each JSONL record, so scoring needs only this file.
     rows_by_id = {row.id: row for row in rows}
     seen: Counter[str] = Counter()
-    info = {}
-    for trajectory in trajectories:
+    for trajectory in trajectories:  # the engine numbers its samples; a trajectory it did not, in finishing order
+        trajectory.sample = seen[trajectory.task_id] if trajectory.sample is None else trajectory.sample
+        seen[trajectory.task_id] += 1
+
+    def gold(trajectory) -> dict:
         row = rows_by_id[trajectory.task_id]
-        info[id(trajectory)] = {"gold": row.answer, "answer_type": row.answer_type, "sample": seen[row.id]}
-        seen[row.id] += 1
-    out = write_jsonl(trajectories, args.out, extra=lambda t: info[id(t)])
+        return {"gold": row.answer, "answer_type": row.answer_type}
+
+    out = write_jsonl(trajectories, args.out, extra=gold)
     html = write_html(trajectories, args.html) if args.html else None
 
     stops = Counter(t.stop_reason for t in trajectories)
@@ -388,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory", help="Per-rank memory plan of an SFT, GRPO or DPO config (no model is loaded).")
     memory.build_parser(p).set_defaults(func=memory.run)
+    p = sub.add_parser("merge-lora", help="Merge a LoRA checkpoint's adapter into its base: a plain HF model dir "
+                       "(on the CPU, one weight at a time).")  # fmt: skip
+    p.add_argument("checkpoint", help="A LoRA checkpoint dir (checkpoints/step-N, holding adapter/) or an adapter dir.")
+    p.add_argument("--out", required=True, help="The merged model dir to write (replaced if it exists).")
+    p.add_argument("--base", help="The base checkpoint dir. Default: the one the adapter names.")
+    p.set_defaults(func=_merge_lora)
     _add_stage(sub, "sft", "SFT cold start on gold trajectories (one process, or under torchrun).", "SFTConfig", _sft)
     _add_stage(sub, "grpo", "GRPO with verifiable rewards (one process, or under torchrun).", "GRPOConfig", _grpo)
     _add_stage(sub, "dpo", "DPO on preference pairs of trajectories (one process, or under torchrun).", "DPOConfig",
@@ -557,8 +598,9 @@ def _add_rollout(sub) -> None:
     p.add_argument("--html", help="Also write an HTML viewer of the trajectories here.")
     p.add_argument("--samples", type=_positive, default=1, help="Trajectories per row.")
     p.add_argument("--limit", type=_positive, help="Only the first K rows.")
-    p.add_argument("--tools", type=_tool_names, default=["crop"],
-                   help="Comma-separated tools offered to rows without their own `tools`, or 'none'. Default: crop.")  # fmt: skip
+    p.add_argument("--tools", type=_tool_names, default=None,
+                   help="Comma-separated tools offered to every row, replacing a row's own `tools` (a note says how "
+                   "many), or 'none'. Default: each row's own `tools`, else crop.")  # fmt: skip
     _add_episode(p, max_new_tokens=256, temperature=1.0)
     _add_loading(p)
     p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool.")

@@ -477,15 +477,30 @@ class LoraConfig:
     enabled: bool = option(False, "Train LoRA adapters (peft) on the language model instead of all weights.")
     r: int = option(16, "LoRA rank.")
     alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = option(0.05, "Dropout on the LoRA input.")
+    dropout: float | None = option(
+        None,
+        "Dropout on the LoRA input; null = 0.05 in SFT, 0 in GRPO and DPO, which refuse any other (they compare the "
+        "log-probs of separate passes, and turn every dropout of the model off).",
+    )
     target_modules: list[str] = option(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Linear layers of the language model that get adapters (the vision tower never does).",
     )
 
     def validate(self) -> None:
-        if self.r <= 0 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.target_modules:
+        if self.r <= 0 or self.alpha <= 0 or not 0 <= (self.dropout or 0.0) < 1 or not self.target_modules:
             raise ValueError("lora needs r > 0, alpha > 0, dropout in [0, 1) and target_modules")
+
+
+def refuse_dropout(lora: LoraConfig, stage: str) -> None:
+    """GRPO and DPO compare the log-probs of separate passes over the same tokens: dropout would make them differ.
+
+    Raises:
+        ValueError: ``train.lora.dropout`` > 0.
+    """
+    if lora.dropout:
+        raise ValueError(f"train.lora.dropout={lora.dropout:g}: {stage} trains without dropout (its log-probs are "
+                         "compared between passes); set it to 0 or leave it unset")  # fmt: skip
 
 
 @dataclass
@@ -637,7 +652,11 @@ class GRPOAlgoConfig:
         "trajectory apart (fewer only when the batch holds fewer trajectories).",
     )
     micro_batch_size: int = option(4, "Trajectories per forward pass.")
-    scale_by_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO, mean-centering only).")
+    scale_by_std: bool = option(
+        True,
+        "Divide advantages by the group's unbiased std (n - 1, as verl and TRL); false: Dr. GRPO's advantages, "
+        "mean-centering only (its loss normalizer is grpo.aggregation=dr_grpo).",
+    )
     negative_scale: float = option(
         1.0,
         "Multiplies negative advantages: 1 = GRPO; < 1 leans on the samples that beat their group; 0 = winners only.",
@@ -649,8 +668,12 @@ class GRPOAlgoConfig:
         "Dual-clip bound c (> 1) for negative advantages: a token's loss is at most c |A| (verl's clip_ratio_c); "
         "null = off.",
     )
-    aggregation: Literal["token", "sequence"] = option(
-        "token", "token: mean over all sampled tokens of the mini-batch (DAPO); sequence: mean of sequence means."
+    aggregation: Literal["token", "sequence", "dr_grpo"] = option(
+        "token",
+        "token: mean over all trained tokens of the mini-batch (DAPO); sequence: mean of the sequence means, over "
+        "the sequences with a trained token (verl's agg_loss); dr_grpo: the summed token loss / (sequences x the most "
+        "tokens an episode may sample, min(rollout.max_turns x max_new_tokens, max_total_tokens)), Dr. GRPO's "
+        "constant (TRL's loss_type=dr_grpo; pair with scale_by_std=false for the whole of Dr. GRPO).",
     )
     kl_coef: float = option(0.0, "Weight of the k3 KL to the frozen initial policy; 0 = no reference model.")
     dynamic_sampling: bool = option(True, "Drop groups whose rewards are all equal and roll out more prompts (DAPO).")
@@ -840,6 +863,7 @@ class GRPOConfig:
             )
         if self.train.lm_head_kernel == "liger":
             raise ValueError("train.lm_head_kernel=liger is for SFT's loss; GRPO's per-token log-probs use chunked")
+        refuse_dropout(self.train.lora, "GRPO")
         if self.rollout.temperature <= 0:
             raise ValueError(
                 "rollout.temperature must be > 0 for GRPO: greedy rollouts give every sample of a group the same "
@@ -934,6 +958,7 @@ class DPOConfig:
             )
         if self.train.lm_head_kernel == "liger":
             raise ValueError("train.lm_head_kernel=liger is for SFT's loss; DPO's sequence log-probs use chunked")
+        refuse_dropout(self.train.lora, "DPO")
 
 
 # configs/<stage>/*.yaml is loaded with CONFIGS[stage]; a test loads every file that way.

@@ -85,10 +85,12 @@ def question_rows(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 56,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="Output dir: judgments.jsonl, questions.jsonl, images/.")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
+    parser.add_argument("--out", required=True, help="Output dir: judgments.jsonl, images/, questions.jsonl.")
     parser.add_argument("--rows", type=int, default=200, help="Judgment rows.")
-    parser.add_argument("--questions", type=int, default=0, help="Plain tile questions for a policy.")
+    parser.add_argument(
+        "--questions", type=int, default=0, help="Tile questions for a policy (questions.jsonl; 0: none)."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=int, default=56, help="Tile side in pixels.")
     parser.add_argument("--no-reference", action="store_true", help="Do not show the judge the true digit.")

@@ -198,7 +198,7 @@ def _crop_then_answer(image, box, rng, words, crop_path, margin, min_pixels, max
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     parser.add_argument("--out", required=True, help="output dir (rows.jsonl + images/)")
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

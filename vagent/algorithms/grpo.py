@@ -5,9 +5,10 @@ B x T token tensors where position t holds the log-prob of token t given the tok
 mask is 1 on tokens the policy sampled (0 on prompt, tool output, padding).
 
 Loss aggregation over a step that spans micro-batches and ranks: ``policy_loss`` returns per-token terms
-and ``aggregate`` divides their sum by a normalizer the caller computes over the whole mini-batch (all
-ranks): the number of sampled tokens (``"token"``: every token weighs the same, DAPO) or, for
-``"sequence"``, the number of sequences after a per-sequence token mean (GRPO's original form).
+and ``aggregate`` divides their sum by a normalizer the caller adds up over the whole mini-batch (all ranks)
+from each rank's ``loss_normalizer``: the number of trained tokens (``"token"``: every token weighs the same,
+DAPO), the number of sequences with a trained token after a per-sequence token mean (``"sequence"``, GRPO's
+original form), or a constant, the sequences times the most tokens an episode may sample (``"dr_grpo"``).
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ __all__ = [
     "group_advantages",
     "informative_groups",
     "kl_k3",
+    "loss_normalizer",
     "policy_loss",
     "rollout_correction",
     "sampled_logprobs",
 ]
 
-Aggregation = Literal["token", "sequence"]
+Aggregation = Literal["token", "sequence", "dr_grpo"]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
                      negative_scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
     """A_i = (r_i - mean(group)) / (std(group) + eps); without ``scale_by_std`` only the mean is removed
-    (Dr. GRPO: dividing by the std up-weights groups that are nearly solved or nearly failed).
+    (Dr. GRPO: dividing by the std up-weights groups that are nearly solved or nearly failed). The std is the
+    unbiased one (``torch.std``'s default, n - 1 in the denominator), as verl's ``compute_grpo_outcome_advantage``
+    and TRL's GRPOTrainer compute it.
 
     Args:
         rewards: (N,) with N = n_groups * group_size, groups consecutive.
@@ -44,20 +48,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bo
     Returns:
         (N,) advantages; a group whose rewards are all equal gets 0 everywhere.
 
-    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4)  # mean 0.25, std sqrt(0.1875)
-    tensor([ 1.7320, -0.5773, -0.5773, -0.5773])
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4)  # mean 0.25, std sqrt(0.75 / 3) = 0.5
+    tensor([ 1.5000, -0.5000, -0.5000, -0.5000])
     >>> group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, scale_by_std=False)
     tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
-    >>> group_advantages(torch.tensor([1.0, 0.0]), 2, negative_scale=0.25)
-    tensor([ 1.0000, -0.2500])
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, negative_scale=0.5)
+    tensor([ 1.5000, -0.2500, -0.2500, -0.2500])
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be (n_groups * {group_size},), got {tuple(rewards.shape)}")
     grouped = rewards.view(-1, group_size).float()  # (G, n)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std:
-        # population std (unbiased=False): a group of 2 with rewards {1, 0} gives advantages +-1
-        centered = centered / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+        # unbiased std, as verl and TRL: a group of 2 with rewards {1, 0} gives +-0.707 (the population std, +-1,
+        # steps sqrt(n / (n - 1)) further: 7% at n = 8)
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
     if negative_scale != 1.0:
         centered = torch.where(centered < 0, centered * negative_scale, centered)
     return centered.view(-1)
@@ -223,22 +228,47 @@ def rollout_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
     return weights, stats
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normalizer: float) -> torch.Tensor:
-    """Reduce (B, T) per-token terms to this micro-batch's share of the mini-batch loss.
+def loss_normalizer(trained_tokens: list[int], mode: Aggregation, max_tokens: int = 0) -> float:
+    """This rank's share of ``aggregate``'s normalizer for a mini-batch whose trajectories train ``trained_tokens``
+    tokens each (0: fully masked, e.g. by over-turn masking); the caller adds the shares over ranks.
 
-    ``"token"``: sum over sampled tokens / ``normalizer`` (the mini-batch's sampled tokens, all ranks).
-    ``"sequence"``: sum over sequences of each sequence's token mean / ``normalizer`` (its sequences).
+    ``"token"``: the trained tokens. ``"sequence"``: the sequences with a trained token; a fully masked one adds no
+    loss and stays out of the denominator too (verl's ``agg_loss``), else every kept sequence would be scaled down
+    by the step's share of masked ones. ``"dr_grpo"``: a constant, every sequence x ``max_tokens`` (the most tokens
+    one may sample), TRL's ``loss_type="dr_grpo"`` (batch x ``max_completion_length``), so that neither a
+    sequence's length nor the batch's contents change a token's weight.
+
+    >>> [loss_normalizer([0, 2, 3], mode, max_tokens=8) for mode in ("token", "sequence", "dr_grpo")]
+    [5.0, 2.0, 24.0]
+    """
+    if mode == "token":
+        return float(sum(trained_tokens))
+    if mode == "sequence":
+        return float(sum(n > 0 for n in trained_tokens))
+    if mode == "dr_grpo":
+        if max_tokens <= 0:
+            raise ValueError(f"dr_grpo needs max_tokens > 0, got {max_tokens}")
+        return float(len(trained_tokens) * max_tokens)
+    raise ValueError(f"aggregation must be 'token', 'sequence' or 'dr_grpo', got {mode!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normalizer: float) -> torch.Tensor:
+    """Reduce (B, T) per-token terms to this micro-batch's share of the mini-batch loss (``normalizer``: the sum of
+    every rank's ``loss_normalizer``).
+
+    ``"token"`` and ``"dr_grpo"``: sum over sampled tokens / ``normalizer``.
+    ``"sequence"``: sum over sequences of each sequence's token mean / ``normalizer``.
 
     >>> t = torch.tensor([[1.0, 1.0, 0.0], [3.0, 0.0, 0.0]]); m = torch.tensor([[1, 1, 0], [1, 0, 0]])
     >>> round(float(aggregate(t, m, "token", 3)), 4), float(aggregate(t, m, "sequence", 2))
     (1.6667, 2.0)
     """
-    if mode == "token":
+    if mode in ("token", "dr_grpo"):
         return per_token.sum() / normalizer
     if mode == "sequence":
-        counts = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # (B,)
+        counts = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # (B,) a fully masked row adds 0
         return (per_token.sum(dim=1) / counts).sum() / normalizer
-    raise ValueError(f"aggregation must be 'token' or 'sequence', got {mode!r}")
+    raise ValueError(f"aggregation must be 'token', 'sequence' or 'dr_grpo', got {mode!r}")
 
 
 def sampled_logprobs(

@@ -20,10 +20,11 @@ from vagent.config import ModelConfig, OptimConfig, ToolboxConfig, TrainConfig, 
 from vagent.model import Policy, load_policy
 from vagent.toolbox import ToolServices
 from vagent.training import checkpoint as ckpt
-from vagent.training.adapters import apply_lora, freeze_vision, touch_vision_every_forward
+from vagent.training.adapters import apply_lora, disable_dropout, freeze_vision, touch_vision_every_forward
 from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, build_optimizer, warmup_cosine
 from vagent.training.distributed import DistEnv, barrier, broadcast_object
 from vagent.training.fsdp import FSDPBackend, load_sharded, shard_model
+from vagent.training.merge import ADAPTER_DIR, merge_lora
 
 __all__ = [
     "FREE_KEYS",
@@ -50,6 +51,8 @@ __all__ = [
 FREE_KEYS = {"out_dir", "train.resume", "train.allow_changes", "train.log_every", "train.eval_every",
              "train.save_every", "train.keep_last", "train.tensorboard", "train.wandb_project",
              "data.num_workers", "model.device", "train.lm_head_chunk", "train.lm_head_kernel"}  # fmt: skip
+# LoRA's dropout in SFT when train.lora.dropout is unset (GRPO and DPO train without dropout)
+SFT_LORA_DROPOUT = 0.05
 
 
 def tool_services(cfg: ToolboxConfig) -> ToolServices:
@@ -138,11 +141,13 @@ def uses_bf16(cfg: TrainConfig, env: DistEnv) -> bool:
 
 
 def load_trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, out: Path, env: DistEnv, resume_from: Path | None,
-                   seed: int) -> tuple[Policy, torch.nn.Module, Path]:  # fmt: skip
-    """The policy to train, in fp32 master weights on ``env.device``: the configured checkpoint, or on a full-weights
-    resume the checkpoint's own model dir; then frozen, checkpointed and
-    LoRA-wrapped as configured (``prepare_model``). Under ``train.sharding=fsdp`` the model comes back already
-    sharded (``load_sharded``: built on the meta device, rank 0's checkpoint broadcast into the shards).
+                   seed: int, no_dropout: bool = False) -> tuple[Policy, torch.nn.Module, Path]:  # fmt: skip
+    """The policy to train on ``env.device``: the configured checkpoint, or on a full-weights resume the checkpoint's
+    own model dir; then frozen, checkpointed and LoRA-wrapped as configured (``prepare_model``). Weights are fp32
+    masters, except that LoRA under bf16 keeps its frozen base in bf16 (the adapters train in fp32: peft's and TRL's
+    layout), half the base's memory and no per-forward cast of it. Under ``train.sharding=fsdp`` the model comes back
+    already sharded (``load_sharded``: built on the meta device, rank 0's checkpoint broadcast into the shards).
+    ``no_dropout`` (GRPO, DPO: they compare log-probs of separate passes) sets every dropout to 0 and says so once.
     Returns (policy, the trained module, the starting model dir)."""
     model_path = Path(model_cfg.path)  # required by the config (require_paths): never a toy fallback
     # LoRA resumes its adapter onto the base; DeepSpeed restores the weights from its own checkpoint
@@ -156,11 +161,17 @@ def load_trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, out: Path, en
                               attn_implementation=model_cfg.attn_implementation,
                               prepare=lambda model: freeze_and_checkpoint(train_cfg, model, env))  # fmt: skip
     else:
-        policy = load_policy(model_dir, device=env.device, dtype="float32",
+        bf16_base = train_cfg.lora.enabled and uses_bf16(train_cfg, env)  # nothing of the base trains
+        policy = load_policy(model_dir, device=env.device, dtype="bfloat16" if bf16_base else "float32",
                              attn_implementation=model_cfg.attn_implementation)  # fmt: skip
     torch.manual_seed(seed)  # LoRA init, dropout: the same on every rank
     policy.model.config.use_cache = False
-    return policy, policy.model if fsdp else prepare_model(train_cfg, policy, resume_from, env), model_path
+    model = policy.model if fsdp else prepare_model(train_cfg, policy, resume_from, env, no_dropout=no_dropout)
+    if no_dropout:
+        turned_off = disable_dropout(model)
+        say(env, f"dropout off in every module ({turned_off} were on): the log-probs of two passes of the same "
+                 "weights must agree")  # fmt: skip
+    return policy, model, model_path
 
 
 def resume_training(resume_from: Path | None, backend: TrainBackend, fingerprint: dict[str, Any],
@@ -179,19 +190,22 @@ def resume_training(resume_from: Path | None, backend: TrainBackend, fingerprint
     return state
 
 
-def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, env: DistEnv) -> torch.nn.Module:
+def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, env: DistEnv,
+                  no_dropout: bool = False) -> torch.nn.Module:  # fmt: skip
     """Freeze the vision tower, turn on gradient checkpointing, wrap with LoRA (restoring a resumed adapter)
-    as configured. ``policy.model`` becomes the trained module (the peft model with LoRA)."""
+    as configured. ``policy.model`` becomes the trained module (the peft model with LoRA). LoRA's dropout is
+    ``train.lora.dropout``, unset: 0.05, or 0 with ``no_dropout``."""
     model = policy.model
     freeze_and_checkpoint(cfg, model, env)
     if cfg.lora.enabled:
         lora = cfg.lora
-        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+        dropout = lora.dropout if lora.dropout is not None else 0.0 if no_dropout else SFT_LORA_DROPOUT
+        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=dropout, target_modules=lora.target_modules)
         if resume_from is not None and not cfg.deepspeed:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            set_peft_model_state_dict(model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors")))
+            set_peft_model_state_dict(model, load_file(str(resume_from / ADAPTER_DIR / "adapter_model.safetensors")))
         policy.model = model
     return model
 
@@ -238,7 +252,10 @@ def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module
 
 def gathered_state_dict(backend: TrainBackend) -> dict[str, torch.Tensor] | None:
     """The whole model's weights gathered from the shards onto rank 0 (FSDP, DeepSpeed; a collective every rank
-    calls), or None where ``backend.model`` holds them whole (DDP: ``save_pretrained`` reads the model itself)."""
+    calls), or None where ``backend.model`` holds them whole (DDP: ``save_pretrained`` reads the model itself) or
+    the save needs no whole model (LoRA: every rank holds the whole adapters, which are all a LoRA save writes)."""
+    if hasattr(backend.model, "peft_config"):
+        return None
     if isinstance(backend, (DeepSpeedBackend, FSDPBackend)):
         return backend.full_state_dict()
     return None
@@ -272,12 +289,17 @@ def saved(model_dir: Path | None) -> str:
 
 
 def publish_model(checkpoint: Path, out: Path, env: DistEnv) -> Path:
-    """Copy the final checkpoint's HF model dir to ``out/model``, replacing an older one atomically."""
+    """The run's final model at ``out/model``, replacing an older one atomically: the checkpoint's HF model dir copied,
+    or a LoRA checkpoint's adapter merged into its base (rank 0, on the CPU, one weight at a time:
+    ``vagent.training.merge``; the only merged copy a LoRA run writes)."""
     model_dir = out / "model"
     if env.is_main:
         tmp = out / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(checkpoint / "model", tmp)
+        if (checkpoint / "model").is_dir():
+            shutil.copytree(checkpoint / "model", tmp)
+        else:
+            merge_lora(checkpoint / ADAPTER_DIR, tmp)
         shutil.rmtree(model_dir, ignore_errors=True)
         tmp.rename(model_dir)
     barrier()

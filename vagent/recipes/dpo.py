@@ -112,7 +112,7 @@ def _train(cfg: DPOConfig, env: DistEnv, out: Path) -> Path | None:
     bf16 = uses_bf16(cfg.train, env)
 
     # -- model, pairs -------------------------------------------------------------------------------------------
-    policy, model, model_path = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed)
+    policy, model, model_path = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed, no_dropout=True)
     sets, fingerprint = _setup_data(cfg, env, policy)
     train_set, val_set = sets["train"], sets.get("val")
     accum, world = cfg.optim.grad_accum, env.world_size

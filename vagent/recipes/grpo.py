@@ -68,6 +68,7 @@ from vagent.algorithms import (
     group_advantages,
     informative_groups,
     kl_k3,
+    loss_normalizer,
     policy_loss,
     rollout_correction,
     sampled_logprobs,
@@ -243,16 +244,19 @@ class _Scored:
     Attributes:
         trajectories: The kept trajectories (``_Groups.trajectories``).
         encoded: Each kept trajectory re-encoded (its token ids, loss mask 1 = sampled, media).
+        trained: (N,) bool: the trajectory adds to the loss (false: over-turn masking took it out; its sampled tokens
+            are still scored, so the sampler check and the ratio check see them).
         advantages: (N,) group-normalized advantages.
         old: Per trajectory, (T_i,) log-probs of the weights that sampled (filled by the update when on-policy).
         ref: Per trajectory, (T_i,) log-probs of the frozen reference (``old`` without a KL term).
         on_policy: One pass, one mini-batch, no KL: the update's own detached log-probs are the old ones.
-        sampler_gap: Summed |old - sampler| log-prob over sampled tokens (scored so far).
+        sampler_gap: Summed |old - sampler| log-prob over sampled tokens (scored so far), trained or masked.
         sampled: Sampled tokens that sum covers.
     """
 
     trajectories: list[Trajectory]
     encoded: list[Encoded]
+    trained: torch.Tensor
     advantages: torch.Tensor
     old: list[torch.Tensor]
     ref: list[torch.Tensor]
@@ -322,7 +326,7 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
     resume checks."""
     bf16 = uses_bf16(cfg.train, env)
     algo = cfg.grpo
-    policy, model, model_path = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed)
+    policy, model, model_path = load_trainable(cfg.model, cfg.train, out, env, resume_from, cfg.seed, no_dropout=True)
     if env.rank:  # every rank seeded alike for LoRA's init; sampling noise must differ between ranks
         torch.manual_seed(cfg.seed + 1_000_003 * env.rank)
     fsdp = cfg.train.sharding == "fsdp"
@@ -531,22 +535,24 @@ def _score_old_logprobs(ctx: _Run, groups: _Groups, step: int, timer: dict[str, 
     advantages = group_advantages(torch.tensor(groups.rewards), algo.group_size, scale_by_std=algo.scale_by_std,
                                   negative_scale=algo.negative_scale)  # (N,)  # fmt: skip
     min_pixels, max_pixels = policy.pixel_budget
-    encoded = []
+    encoded, trained = [], []
     for t in groups.trajectories:
         # each image part's patches as the engine made them, by reference: no image is processed again or held twice
         enc = encode_messages(t.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
                               factor=policy.image_factor)  # fmt: skip
         if enc.input_ids.tolist() != t.token_ids:  # the one-encoder contract; a bug if it ever fires
             raise RuntimeError(f"re-encoding trajectory {t.task_id} did not give back its sampled ids")
-        if algo.mask_truncated and t.stop_reason in CAPS:  # over-turn masking: its reward counted, no loss from it
-            enc = dataclasses.replace(enc, loss_mask=torch.zeros_like(enc.loss_mask))
+        # over-turn masking: its reward counted, no loss from it; its loss mask stays (1 = sampled): its tokens are
+        # still scored and compared with the sampler's (early in a run most episodes are capped)
+        trained.append(not (algo.mask_truncated and t.stop_reason in CAPS))
         encoded.append(enc)
     timer["adv"] = time.perf_counter() - t0
     on_policy = algo.inner_updates == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
     n = len(encoded)
     head = _head_args(ctx)  # how _scored_logprobs runs the LM head, at the sampler's temperature and top_p
-    scored = _Scored(trajectories=groups.trajectories, encoded=encoded, advantages=advantages,
-                     old=[torch.empty(0)] * n, ref=[torch.empty(0)] * n, on_policy=on_policy)  # fmt: skip
+    scored = _Scored(trajectories=groups.trajectories, encoded=encoded, trained=torch.tensor(trained, dtype=torch.bool),
+                     advantages=advantages, old=[torch.empty(0)] * n, ref=[torch.empty(0)] * n,
+                     on_policy=on_policy)  # fmt: skip
     policy.model.train()
     t0 = time.perf_counter()
     with torch.no_grad(), ctx.backend.accumulating(last=True):  # the update's precision: autocast or FSDP's policy
@@ -574,8 +580,11 @@ def _self_critic(ctx: _Run, scored: _Scored, step: int) -> SelfCritic | None:
     algo, critic, trajectories = ctx.cfg.grpo, ctx.cfg.grpo.self_critic, scored.trajectories
     if not critic.enabled or (step + 1) % critic.every:
         return None
+    # as the update trains them: a masked trajectory's loss mask all 0 (it is on neither side of a pair)
+    encoded = [e if keep else dataclasses.replace(e, loss_mask=torch.zeros_like(e.loss_mask))
+               for e, keep in zip(scored.encoded, scored.trained.tolist(), strict=True)]  # fmt: skip
     return SelfCritic(
-        scored.encoded, [t.reward or 0.0 for t in trajectories], [t.stop_reason in CAPS for t in trajectories],
+        encoded, [t.reward or 0.0 for t in trajectories], [t.stop_reason in CAPS for t in trajectories],
         group_size=algo.group_size, margin=critic.margin, max_pairs=critic.max_pairs,
         capped_chosen=critic.capped_chosen, coef=critic.coef, beta=critic.beta, loss_type=critic.loss_type,
         pairs_per_micro=max(1, algo.micro_batch_size // 2), pad_id=ctx.policy.tokenizer.pad_token_id or 0,
@@ -630,9 +639,8 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
         parts = min(algo.mini_batches, n)  # as even as can be: every pass makes the steps the LR schedule counts
         for m in range(parts):
             members = order[m * n // parts : (m + 1) * n // parts]
-            local = (
-                sum(int(encoded[i].loss_mask.sum()) for i in members) if algo.aggregation == "token" else len(members)
-            )
+            trained = [int(encoded[i].loss_mask.sum()) if scored.trained[i] else 0 for i in members]
+            local = loss_normalizer(trained, algo.aggregation, max_tokens=_max_sampled(ctx.limits))
             normalizer = max(float(all_reduce_sum(torch.tensor([float(local)], device=env.device))), 1.0)
             dpo = critic if critic and critic.pairs and inner == algo.inner_updates - 1 and m == parts - 1 else None
             # collated one at a time: a list of them would hold every image of the mini-batch again, on the device
@@ -642,6 +650,7 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
                     ctx.backend.backward(loss)
                 if inner == 0 and m == 0:  # weights still those that scored `old`: the ratio must be 1
                     stats["ratio_check"] = max(stats["ratio_check"], ratio_dev)
+                    stats["ratio_tokens"] += sum(int(encoded[i].loss_mask.sum()) for i in idx)
             if scored.on_policy:  # one mini-batch of every trajectory: the update's log-probs are the old ones
                 for i in range(n):
                     _add_sampler_gap(scored, i, env.device)
@@ -653,9 +662,13 @@ def _update_policy(ctx: _Run, scored: _Scored, step: int, timer: dict[str, float
     timer["update"] = time.perf_counter() - t0
     stats["sampler_gap"], stats["sampled"] = scored.sampler_gap, scored.sampled
     stats["trajectories"] = n
-    stats["masked"] = sum(not bool(e.loss_mask.any()) and t.stop_reason in CAPS
-                          for e, t in zip(encoded, scored.trajectories, strict=True))  # fmt: skip
+    stats["masked"] = int((~scored.trained).sum())
     return _reduce_stats(stats, env)
+
+
+def _max_sampled(limits: RolloutLimits) -> int:
+    """The most tokens one episode can sample (Dr. GRPO's constant: TRL's ``max_completion_length``)."""
+    return min(limits.max_turns * limits.max_new_tokens, limits.max_total_tokens)
 
 
 def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[str, torch.Tensor], normalizer: float,
@@ -663,9 +676,11 @@ def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[st
     """The micro-batch's share of its mini-batch's loss (PPO-clip, plus the k3 KL); its statistics are added to
     ``stats``. Returns (the loss, its largest |ratio - 1|)."""
     algo = ctx.cfg.grpo
-    mask = batch["loss_mask"]  # (B, T) 1 = sampled
+    sampled = batch["loss_mask"]  # (B, T) 1 = sampled
+    # (B, T) 1 = trained: sampled, in a trajectory over-turn masking kept
+    mask = sampled * scored.trained[idx].to(sampled.device, sampled.dtype).unsqueeze(1)
     width = mask.shape[1]
-    lp, entropy = _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx))  # (B, T)
+    lp, entropy = _scored_logprobs(ctx.backend.module, batch, *_head_args(ctx))  # (B, T) every sampled token
     if scored.on_policy:
         for row, i in enumerate(idx):
             scored.old[i] = lp[row, : len(scored.encoded[i].input_ids)].detach()
@@ -688,12 +703,23 @@ def _micro_batch_loss(ctx: _Run, scored: _Scored, idx: list[int], batch: dict[st
         stats["kl"] += float(kl.detach().sum())
     loss = aggregate(per_token, mask, algo.aggregation, normalizer)
     stats["loss"] += float(loss.detach())
-    stats["entropy"] += float(entropy)
+    stats["entropy"] += float(entropy)  # over every sampled token, masked trajectories' too
+    stats["scored_tokens"] += float(sampled[:, 1:].sum())
     stats["clip_frac"] += float(st["clip_frac"])
     stats["dual_clip_frac"] += float(st["dual_clip_frac"])
     stats["approx_kl"] += float(st["approx_kl"])
     stats["tokens"] += float(mask[:, 1:].sum())
-    return loss, float(st["ratio_max_dev"])
+    return loss, _ratio_deviation(lp, old_lp, sampled)
+
+
+def _ratio_deviation(lp: torch.Tensor, old_lp: torch.Tensor, sampled: torch.Tensor) -> float:
+    """The largest |pi / pi_old - 1| over every sampled token (``(B, T)`` each), trained or masked: the ratio check
+    must see the tokens over-turn masking keeps out of the loss. 0 when nothing was sampled."""
+    picked = sampled.bool()
+    if not picked.any():
+        return 0.0
+    log_ratio = (lp.detach() - old_lp)[picked].clamp(-20.0, 20.0)  # a stale token: a large finite deviation
+    return float((log_ratio.exp() - 1).abs().max())
 
 
 # Update statistics that are sums over trajectories: added over ranks for the log (the grad norm is global already).
@@ -705,8 +731,10 @@ _SUMMED = (
     "approx_kl",
     "kl",
     "tokens",
+    "scored_tokens",
     "sampler_gap",
     "sampled",
+    "ratio_tokens",
     "is_ratio",
     "is_clipped",
     "sampler_kl",
@@ -750,14 +778,19 @@ def _metrics(groups: _Groups, update: dict[str, float], timer: dict[str, float],
     record["refill_rounds"] = groups.rounds - 1
     if update:
         tokens = max(update["tokens"], 1.0)
-        for key in ("entropy", "clip_frac", "dual_clip_frac", "approx_kl", "kl"):
+        for key in ("clip_frac", "dual_clip_frac", "approx_kl", "kl"):
             if key in update:
                 record[key] = update[key] / tokens
+        record["entropy"] = update["entropy"] / max(update["scored_tokens"], 1.0)
         steps = max(update["optimizer_steps"], 1.0)
         record["loss"] = update["loss"] / steps  # the mean mini-batch objective
         record["grad_norm"] = update["grad_norm"] / steps
-        record["ratio_check"] = update["ratio_check"]
-        record["sampler_logprob_gap"] = update["sampler_gap"] / max(update["sampled"], 1.0)
+        # the health checks over every sampled token, trained or masked, with how many they compared: none compared
+        # is no measurement (NaN), never a gap of 0
+        record["ratio_check"] = update["ratio_check"] if update["ratio_tokens"] else math.nan
+        record["ratio_check_tokens"] = update["ratio_tokens"]
+        record["sampler_logprob_gap"] = update["sampler_gap"] / update["sampled"] if update["sampled"] else math.nan
+        record["sampler_logprob_gap_tokens"] = update["sampled"]
         record["masked_share"] = update["masked"] / max(update["trajectories"], 1.0)  # capped, trained on nothing
         # the engine/trainer gap over every update pass (verl's rollout_corr): KL(sampler || trainer) by k3, the
         # importance ratio pi_old / pi_sampler, and the share of tokens whose ratio passed the cap

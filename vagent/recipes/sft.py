@@ -93,9 +93,12 @@ def _train(cfg: SFTConfig, env: DistEnv, out: Path, before_step: Callable[[int, 
                            wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
 
     # -- loop ---------------------------------------------------------------------------------------------
+    # its own generator: iterating a DataLoader draws a seed, which from the global RNG would shift a resumed run's
+    # dropout masks (LoRA's) off the uninterrupted run's
     loader = torch.utils.data.DataLoader(
         train_set, batch_size=None, num_workers=cfg.data.num_workers,
         sampler=list(rank_micro_batches(start_step, total_steps, env.rank, world, accum)),
+        generator=torch.Generator().manual_seed(cfg.seed),
     )  # fmt: skip
     batches = iter(loader)
     bar = tqdm(total=total_steps, initial=start_step, desc="sft", disable=not env.is_main, dynamic_ncols=True)

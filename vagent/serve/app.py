@@ -298,10 +298,13 @@ async def _complete(policy: Policy, request: ChatRequest, job: Job, events: asyn
 
 
 def _agent_choice(index: int, trajectory: Trajectory) -> dict[str, Any]:
-    last = next((m.plain_text for m in reversed(trajectory.messages) if m.role == "assistant"), "")
+    """An agent episode as an OpenAI choice: ``content`` is the final answer, or "" when the episode ended without
+    one (a client that reads ``content`` as the answer must not take the last turn's reasoning or a half-written
+    tool call for it); why it ended is ``trajectory.stop_reason``, and ``finish_reason`` is ``length`` when a cap
+    ended it. The last turn's text stays in ``trajectory.messages``."""
     finish = "length" if trajectory.stop_reason in ("max_tokens", "max_turns", "max_images", "max_calls") else "stop"
     record = trajectory.to_dict(save_image=_data_url)
-    return {"index": index, "message": {"role": "assistant", "content": trajectory.answer or last},
+    return {"index": index, "message": {"role": "assistant", "content": trajectory.answer or ""},
             "finish_reason": finish, "logprobs": None, "trajectory": record}  # fmt: skip
 
 

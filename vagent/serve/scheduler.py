@@ -166,10 +166,12 @@ class Scheduler:
                 del self._running[job.id]
 
     def _run_agents(self, jobs: list[Job]) -> None:
-        """Agent jobs that share sampling settings run as one batch; a seeded job runs alone (reproducible)."""
+        """Agent jobs that share sampling settings and limits run as one batch (``run`` takes one ``RolloutLimits``:
+        each request keeps its own ``max_turns``, token and image budgets); a seeded job runs alone (reproducible)."""
         groups: dict[tuple, list[Job]] = defaultdict(list)
         for job in jobs:
-            groups[(job.sampling, job.limits.max_new_tokens)].append(job)  # a seeded job's Sampling is its own
+            # a seeded job's Sampling is its own; RolloutLimits is unhashable (mutable), its repr names every field
+            groups[(job.sampling, repr(job.limits))].append(job)
         for group in groups.values():
             seed = group[0].seed
             tasks = [task for job in group for task in job.tasks]

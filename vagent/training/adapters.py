@@ -1,5 +1,6 @@
-"""What a training run changes about the model before it trains: a frozen vision tower, LoRA adapters (peft), and a
-vision tower that runs in every training forward (``touch_vision_every_forward``)."""
+"""What a training run changes about the model before it trains: a frozen vision tower, LoRA adapters (peft, fp32
+over a frozen base in any dtype), no dropout where log-probs are compared (``disable_dropout``), and a vision tower
+that runs in every training forward (``touch_vision_every_forward``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from vagent.model import is_vision_tower, unwrap_model
 
-__all__ = ["apply_lora", "freeze_vision", "touch_vision_every_forward"]
+__all__ = ["apply_lora", "disable_dropout", "freeze_vision", "touch_vision_every_forward"]
 
 
 def freeze_vision(model: torch.nn.Module) -> int:
@@ -31,8 +32,10 @@ def apply_lora(
     """Wrap ``model`` with peft LoRA adapters on the language model's ``target_modules`` (by short name).
 
     The vision tower has layers with the same short names (its MLP's ``gate_proj``...), so the targets are
-    matched by a regex that excludes ``visual``. Only the adapters train; ``merge_and_unload`` on a copy
-    gives a plain HF model for saving.
+    matched by a regex that excludes ``visual``. Only the adapters train, in fp32 whatever the base's dtype (peft's
+    ``autocast_adapter_dtype``, as TRL and peft load a bf16 base): AdamW's updates of a bf16 adapter would round
+    away. Any other trainable parameter is made fp32 too. The base is never merged in place (see
+    ``vagent.training.merge`` for the merged model dir).
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -40,7 +43,33 @@ def apply_lora(
         raise ImportError("LoRA needs peft: pip install 'peft>=0.13'") from None
     pattern = rf"^(?!.*visual).*\.({'|'.join(target_modules)})$"
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=pattern, bias="none")
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return model
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout of ``model`` to 0: its ``nn.Dropout`` modules (LoRA's ``lora_dropout``, any in the language
+    model or the vision tower) and the attention-dropout rates its attention modules read in train mode (Qwen-VL's
+    ``attention_dropout``, text and vision). Returns how many were non-zero.
+
+    Why: GRPO compares the log-probs of separate passes over the same tokens (old, updated, reference, sampler) and
+    DPO the policy's with the reference's; dropout in train mode makes two passes of the same weights disagree (TRL's
+    ``disable_dropout``, verl scores in eval mode). Module flags are changed, not the model's config, so a saved
+    config keeps what the checkpoint said.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
+            module.p = 0.0
+            changed += 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate:
+            module.attention_dropout = 0.0
+            changed += 1
+    return changed
 
 
 def touch_vision_every_forward(model: torch.nn.Module, *, always: bool) -> bool:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from vagent.model import is_vision_tower
 from vagent.training.distributed import DistEnv
@@ -87,21 +87,26 @@ def warmup_cosine(
     optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_ratio: float
 ) -> LambdaLR:
     """Linear warmup to the peak lr over ``warmup_steps``, then cosine decay to ``peak * min_ratio`` at
-    ``total_steps``. The factor for step s (0-based, the step about to run) is:
+    ``total_steps``: transformers' ``get_cosine_with_min_lr_schedule_with_warmup`` (HF Trainer's
+    ``cosine_with_min_lr``), with two choices of vagent's own. The warmup counts from 1: step s < ``warmup_steps``
+    runs at (s + 1) / ``warmup_steps`` of the peak (transformers' first step runs at 0, an optimizer step that moves
+    nothing but Adam's moments). Past ``total_steps`` the rate stays at the floor (transformers' cosine climbs again:
+    a resumed run given more steps would warm back up). The factor for step s (0-based, the step about to run) is:
 
     >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     >>> sched = warmup_cosine(opt, warmup_steps=2, total_steps=6, min_ratio=0.0)
-    >>> [round(sched.lr_lambdas[0](s), 3) for s in range(6)]
-    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
+    >>> [round(sched.lr_lambdas[0](s), 3) for s in range(8)]
+    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0, 0.0]
     """
+    cosine = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps, min_lr_rate=min_ratio
+    ).lr_lambdas[0]
+    end = max(total_steps, warmup_steps + 1)  # where the cosine reaches the floor (at once when there is no decay)
 
     def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return float(cosine(step + 1 if step < warmup_steps else min(step, end)))  # transformers' floor is int 0
 
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, factor)  # replaces transformers' own: the optimizer's base rates are untouched
 
 
 class TrainBackend(Protocol):

@@ -3,8 +3,9 @@
 Layout under ``<out_dir>/checkpoints/``::
 
     step-00000040/                complete checkpoints only (renamed into place as a whole)
-        model/                    HF model dir (+ processor): loadable by transformers and load_policy
-        adapter/                  LoRA runs: the peft adapter (model/ holds the merged weights)
+        model/                    full fine-tuning: HF model dir (+ processor), loadable by transformers and load_policy
+        adapter/                  LoRA runs, instead of model/: the peft adapter alone (the run's final model/ and
+                                  ``vagent merge-lora`` merge it into the base on the CPU: vagent.training.merge)
         optimizer.pt | deepspeed/ | optimizer/ + scheduler.pt
                                   optimizer + schedule (DDP: rank 0; DeepSpeed: every rank's shard; FSDP: a
                                   torch distributed checkpoint of every rank's shard, and the schedule)
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from vagent.training.distributed import DistEnv, barrier
+from vagent.training.merge import ADAPTER_DIR
 
 __all__ = [
     "STATE_FILE",
@@ -45,6 +47,7 @@ __all__ = [
     "find_resume",
     "load_rng",
     "read_state",
+    "save_adapter",
     "save_model",
     "save_rng",
 ]
@@ -119,19 +122,29 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 def save_model(
     model: torch.nn.Module, processor: Any, directory: Path, state_dict: dict[str, Any] | None = None
 ) -> None:
-    """Write an HF model dir. A peft model writes its adapter to ``directory/../adapter`` and a merged
-    copy (adapters folded into the weights) as the plain HF model, so ``model/`` loads without peft."""
-    if hasattr(model, "peft_config"):
-        import copy
+    """Write an HF model dir; a peft (LoRA) model writes its adapter only, to ``directory/../adapter``.
 
-        model.save_pretrained(directory.parent / "adapter")
-        merged = copy.deepcopy(model).merge_and_unload()  # a copy: merging in place would perturb training
-        merged.save_pretrained(directory)
-        del merged
-    else:
-        model.save_pretrained(directory, state_dict=state_dict)
+    No copy of the model is made for a LoRA save (merging a copy on the device doubled the model at every save):
+    the adapter is what trains, and ``vagent.training.merge.merge_lora`` builds the merged model dir from it and the
+    base checkpoint on the CPU (at the end of training, and ``vagent merge-lora``)."""
+    if hasattr(model, "peft_config"):
+        save_adapter(model, directory.parent / ADAPTER_DIR)
+        return
+    model.save_pretrained(directory, state_dict=state_dict)
     if processor is not None:
         processor.save_pretrained(directory)
+
+
+def save_adapter(model: torch.nn.Module, directory: Path) -> None:
+    """The peft model's adapter in peft's format (``PeftModel.from_pretrained(base, directory)`` loads it), its
+    ``base_model_name_or_path`` made absolute when it is a local dir, so a merge from any working dir finds it."""
+    model.save_pretrained(directory)
+    config_path = directory / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    base = config.get("base_model_name_or_path")
+    if base and Path(base).is_dir():
+        config["base_model_name_or_path"] = str(Path(base).resolve())
+        _write_json(config_path, config)
 
 
 def save_rng(directory: Path, rank: int) -> None:

@@ -26,6 +26,7 @@ What it counts, per parameter (P all, T trainable, N ranks):
 | sharding | weights | gradients | AdamW | working set |
 |---|---|---|---|---|
 | ddp   | 4P fp32 (+2T bf16 autocast copies) | 4T (+4T DDP buckets, N > 1) | 8T | - |
+| ddp, LoRA, bf16 | 2(P-T) bf16 frozen base + 4T fp32 adapters + 2T autocast copies | as ddp | 8T | - |
 | zero2 | 2P bf16 + 4T/N fp32 masters | 4T/N (+ reduce buckets) | 8T/N | - |
 | zero3 | 2P/N bf16 + 4T/N fp32 masters | 4T/N | 8T/N | bf16 unit gathers |
 | fsdp  | 4P/N fp32 shards | 4T/N | 8T/N | bf16 unit gathers, fp32 unit gradients |
@@ -221,7 +222,11 @@ def _state(shape: ModelShape, s: Setup, p: MemoryPlan) -> tuple[int, int]:
     else:
         tower = shape.vision_params() - shape.merger_params()  # freeze_vision leaves the merger training
         trainable = total - (tower if s.freeze_vision else 0)
-    if s.sharding == "ddp":
+    if s.sharding == "ddp" and s.lora_rank and s.bf16:  # the frozen base loads in bf16, the adapters train in fp32
+        weights = 2 * (total - trainable) + 4 * trainable + 2 * trainable  # + autocast's bf16 copy of the adapters
+        grads = 4 * trainable + (4 * trainable if n > 1 else 0)
+        how = "bf16 frozen base + fp32 adapters + their bf16 autocast copies"
+    elif s.sharding == "ddp":
         weights = 4 * total + (2 * trainable if s.bf16 else 0)  # autocast caches a bf16 copy of trained weights
         grads = 4 * trainable + (4 * trainable if n > 1 else 0)  # DDP's reduce buckets hold a second copy
         how = "fp32 masters" + (" + bf16 autocast copies" if s.bf16 else "")

@@ -54,11 +54,14 @@ def _merged(base: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[
         if ".base_layer." in name:
             owner, _, leaf = name.rpartition(".base_layer.")
             layer = lora_layers[owner]
-            tensor = _whole(param, None)  # merged in the trained dtype, then cast
+            tensor = _whole(param, None)
             if leaf == "weight" and not layer.disable_adapters:
+                # merged in fp32 (a bf16 base and fp32 adapters: one rounding, not two), back in the base's dtype
+                merged = tensor.float()
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
-                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+                        merged = merged + layer.get_delta_weight(adapter).float()
+                tensor = merged.to(tensor.dtype)
             yield f"{owner}.{leaf}", tensor.to(dtype) if dtype is not None else tensor
             continue
         yield name, _whole(param, dtype)
