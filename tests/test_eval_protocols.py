@@ -116,7 +116,9 @@ def test_intervals_and_smaller_k_by_hand():
     assert one["intervals"]["acc"] == wilson(8, 10) and one["intervals"]["acc"][1] < 1.0
     # ten questions about two videos, all right on one and all wrong on the other: they are two draws, not ten
     # (Wilson would say [0.24, 0.76]); resampling the videos gives means 0, 0.5 or 1
-    clustered = [{"id": str(i), "sample": 0, "acc": float(i < 5), "cluster": "v1" if i < 5 else "v2"} for i in range(10)]
+    clustered = [
+        {"id": str(i), "sample": 0, "acc": float(i < 5), "cluster": "v1" if i < 5 else "v2"} for i in range(10)
+    ]
     assert summarize(clustered, ["acc"])["intervals"]["acc"] == [0.0, 1.0]
 
 
