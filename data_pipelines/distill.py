@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rewards", default="accuracy=1.0", help="name=weight,... from vagent.rewards.REWARDS")
     parser.add_argument("--reward-options", default="", help="Keyword arguments of the rewards, name.key=value,... "
                         "(as rewards.options), e.g. judgment.format_weight=0 to score a judge's verdicts alone.")  # fmt: skip
-    parser.add_argument("--tools", default="crop", help="Tools of rows without their own list; 'none' for none.")
+    parser.add_argument("--tools", default=None, help="Comma-separated tools offered to every row, replacing a row's own "
+                        "list (a note says how many), as vagent rollout/eval --tools do; 'none' for none. Default: "
+                        "each row's own list, else crop.")  # fmt: skip
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -146,12 +149,17 @@ def roll_out(args: argparse.Namespace) -> tuple[list[Row], list[Trajectory], lis
     except (KeyError, TypeError) as e:
         raise SystemExit(f"--rewards/--reward-options: {e.args[0]}") from None
     rows = load_rows(args.data, known_tools=TOOLS)
-    tools = [] if args.tools == "none" else args.tools.split(",")
+    tools = None if args.tools is None else [] if args.tools == "none" else args.tools.split(",")
+    tasks = [Task.from_row(r, ["crop"] if tools is None else tools) for r in rows]
+    if tools is not None:  # the flag wins over the rows' own lists, as vagent rollout's and eval's --tools
+        if overridden := sum(1 for r in rows if r.tools is not None and list(r.tools) != tools):
+            print(f"note: --tools {args.tools} replaces the tools of {overridden} of {len(rows)} rows", file=sys.stderr)
+        for task in tasks:
+            task.tools = list(tools)
     policy = load_policy(args.model)
     torch.manual_seed(args.seed)
     limits = RolloutLimits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    trajectories = run(policy, [Task.from_row(r, tools) for r in rows], args.samples, limits,
-                       batch_size=args.batch_size)  # fmt: skip
+    trajectories = run(policy, tasks, args.samples, limits, batch_size=args.batch_size)
     per_sample = [row for row in rows for _ in range(args.samples)]
     totals, _ = combine(trajectories, per_sample, weights, options)
     return rows, trajectories, totals

@@ -323,7 +323,7 @@ def test_rollout_tools_flag_wins_over_the_rows_own_and_says_so(capsys):
     assert [t.tools for t in _rollout_tasks(rows, None)] == [["crop"], ["crop"]]
     assert capsys.readouterr().err == ""
     assert [t.tools for t in _rollout_tasks(rows, ["crop", "zoom_in"])] == [["crop", "zoom_in"]] * 2
-    assert capsys.readouterr().err == "note: --tools crop,zoom_in replaces the own `tools` of 1 of 2 rows\n"
+    assert capsys.readouterr().err == "note: --tools crop,zoom_in replaces the tools of 1 of 2 rows\n"
     assert [t.tools for t in _rollout_tasks(rows, [])] == [[], []]  # --tools none: the no-tool baseline
     assert "--tools none replaces" in capsys.readouterr().err
     _rollout_tasks(rows, ["crop"])  # the same list as the row's own: nothing replaced, nothing said

@@ -185,3 +185,27 @@ def test_synthetic_zoom_gold_think_text_names_the_quarter_the_tile_is_in(tmp_pat
         assert "stripes is" not in said  # "the stripes ... are unreadable", "the stripes are rising"
         named.add(where)
     assert len(named) == 4  # every quarter drawn, so a constant word would fail
+
+
+def test_distill_tools_flag_wins_over_the_rows_own_and_says_so(tmp_path, policy, monkeypatch, capsys):
+    """distill's --tools, as vagent rollout's and eval's: offered to every row, replacing a row's own list, with a
+    note; without it each row keeps its own (docs/guide/data.md)."""
+    import argparse
+
+    import data_pipelines.distill as distill
+    from vagent.data import Row, write_rows
+
+    rows = [Row(id="a", question="?", answer="x", answer_type="exact", tools=["crop"]),
+            Row(id="b", question="?", answer="x", answer_type="exact")]  # fmt: skip
+    data = write_rows(rows, tmp_path / "rows.jsonl")
+    seen = []
+    monkeypatch.setattr("vagent.rollout.run", lambda policy, tasks, *a, **k: seen.append(tasks) or [])
+    monkeypatch.setattr("vagent.model.load_policy", lambda path: policy)
+    monkeypatch.setattr(distill, "combine", lambda *a, **k: ([], None))
+    parser = argparse.ArgumentParser()
+    distill.add_rollout_arguments(parser)
+    distill.roll_out(parser.parse_args(["--model", "m", "--data", str(data), "--tools", "crop,zoom_in"]))
+    assert [t.tools for t in seen[0]] == [["crop", "zoom_in"]] * 2
+    assert "replaces the tools of 1 of 2 rows" in capsys.readouterr().err
+    distill.roll_out(parser.parse_args(["--model", "m", "--data", str(data)]))
+    assert [t.tools for t in seen[1]] == [["crop"], ["crop"]]

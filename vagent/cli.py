@@ -320,7 +320,7 @@ def _rollout_tasks(rows: list[Row], tools: list[str] | None) -> list[Task]:
         return tasks
     overridden = sum(1 for row in rows if row.tools is not None and list(row.tools) != tools)
     if overridden:
-        print(f"note: --tools {','.join(tools) or 'none'} replaces the own `tools` of {overridden} of {len(rows)} "
+        print(f"note: --tools {','.join(tools) or 'none'} replaces the tools of {overridden} of {len(rows)} "
               "rows", file=sys.stderr)  # fmt: skip
     for task in tasks:
         task.tools = list(tools)
