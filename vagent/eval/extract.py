@@ -28,7 +28,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from vagent.rewards.answer import choice_match, normalize_answer
+from vagent.rewards.answer import choice_match, normalize_answer, parse_span
 
 __all__ = ["EXTRACTORS", "extract_choice", "extract_span", "extract_text"]
 
@@ -290,8 +290,7 @@ def extract_span(reply: str, answer: str | None, rule: str = "vagent") -> list[f
     if text is None:
         return None
     if rule != "lmms-eval":
-        numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]
-        return numbers[:2] if len(numbers) >= 2 else None
+        return parse_span(text)
     times = []
     for hours, minutes, seconds, plain in _TIME.findall(_strip_reasoning(text)):
         times.append(float(plain) if plain else int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds))

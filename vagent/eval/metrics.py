@@ -18,6 +18,7 @@ __all__ = [
     "choice_metrics",
     "choice_score",
     "f1_em_metrics",
+    "span_metrics",
     "summarize",
     "temporal_metrics",
     "uncertainty",
@@ -61,7 +62,15 @@ def temporal_metrics(prediction: str | None, gold: Sequence[float]) -> dict[str,
     >>> temporal_metrics("from 2 to 6 s", [4.0, 8.0])  # intersection 2, union 6
     {'iou': 0.3333333333333333, 'r@0.3': 1.0, 'r@0.5': 0.0, 'r@0.7': 0.0}
     """
-    span = parse_span(prediction) if prediction else None
+    return span_metrics(parse_span(prediction) if prediction else None, gold)
+
+
+def span_metrics(span: Sequence[float] | None, gold: Sequence[float]) -> dict[str, float]:
+    """``temporal_metrics`` of a span already read off the answer (``vagent.eval.extract.extract_span``).
+
+    >>> span_metrics([2.0, 6.0], [4.0, 8.0])["iou"], span_metrics(None, [4.0, 8.0])["iou"]
+    (0.3333333333333333, 0.0)
+    """
     value = span_iou(span, gold) if span is not None and span[1] > span[0] else 0.0
     return {"iou": value, **{f"r@{k}": float(value >= k) for k in RECALL_AT}}
 
@@ -143,8 +152,9 @@ def uncertainty(samples: Sequence[dict[str, Any]], metric_names: Sequence[str], 
             out["at_k"][j][f"pass@{j}/{name}"] = sum(max(f) for f in firsts) / len(firsts)
     # resample clusters (the records about one image or video: not independent, lmms-eval clusters Video-MME by
     # video), each with all its records and their samples
-    clusters = list(dict.fromkeys(v[0].get("cluster") or v[0]["id"] for v in records))
-    member = np.array([clusters.index(v[0].get("cluster") or v[0]["id"]) for v in records])  # (N,) record -> cluster
+    keys = [v[0].get("cluster") or v[0]["id"] for v in records]
+    clusters = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # a dict: list.index made this O(N x C)
+    member = np.array([clusters[key] for key in keys])  # (N,) record -> cluster
     counts = np.bincount(member, minlength=len(clusters))  # (C,)
     draws = []
 

@@ -28,7 +28,7 @@ from vagent.data import Evidence, Row
 from vagent.eval.benchmarks import Benchmark, BenchmarkError, RecordError, load_with, media_path, require
 from vagent.eval.benchmarks.formats import load_records, read_parquet
 from vagent.eval.extract import extract_span
-from vagent.eval.metrics import RECALL_AT, temporal_metrics
+from vagent.eval.metrics import RECALL_AT, span_metrics
 from vagent.types import Trajectory
 
 PROMPT = 'When does this happen in the video: "{query}"? Answer with the start and end time in seconds as [start, end].'
@@ -125,7 +125,7 @@ def load(path: Path, image_root: Path | None) -> tuple[list[Row], list[tuple[str
 
 def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
     span = extract_span(trajectory.last_reply, trajectory.answer, rule)  # the rule's reading (lmms-eval: mm:ss)
-    return temporal_metrics(None if span is None else f"[{span[0]}, {span[1]}]", row.answer)
+    return span_metrics(span, row.answer)
 
 
 BENCHMARK = Benchmark("temporal-grounding", load, score, ("iou", *(f"r@{k}" for k in RECALL_AT)),
