@@ -403,11 +403,13 @@ def _torchrun(ranks, args):
 
 
 @pytest.mark.slow
-def test_two_fsdp_ranks_give_the_dpo_losses_of_one_rank(tmp_path, tiny_qwen25, pairs_file):
+@pytest.mark.parametrize("lora", [[], ["train.lora.enabled=true", "optim.lr=1e-2"]], ids=["full", "lora"])
+def test_two_fsdp_ranks_give_the_dpo_losses_of_one_rank(tmp_path, tiny_qwen25, pairs_file, lora):
     """One unsharded rank with 2 micro-batches of 1 pair a step against 2 FSDP ranks with 1 each: the same pairs a
-    step; the frozen reference is loaded into shards like the policy."""
+    step; the frozen reference is loaded into shards like the policy, or with LoRA is the sharded policy with its
+    adapters off."""
     val = f"data.val={pairs_file.with_name('val.jsonl')}"
-    common = ["data.micro_batch_size=1", "train.max_steps=4", "train.eval_every=2"]
+    common = ["data.micro_batch_size=1", "train.max_steps=4", "train.eval_every=2", *lora]
     one, two = tmp_path / "one", tmp_path / "two"
     result = _torchrun(1, [*_args(one, tiny_qwen25, pairs_file, val, *common), "optim.grad_accum=2"])
     assert result.returncode == 0, result.stderr[-3000:]

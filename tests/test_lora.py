@@ -191,6 +191,43 @@ def test_under_bf16_the_base_is_bf16_and_the_adapters_train_in_fp32(tiny_qwen25)
     assert all(not torch.equal(before[n], p) for n, p in trainable.items() if "lora_A" in n)
 
 
+def test_under_fsdp_the_bf16_base_and_fp32_adapters_are_sharded_and_a_bf16_step_trains_the_adapters(tiny_qwen25):
+    """``train.sharding=fsdp`` with LoRA under bf16 (torchtune's layout): the model is built on the meta device and
+    wrapped before sharding; every base weight is a bf16 shard loaded from the checkpoint, every adapter an fp32 shard
+    (``lora_B`` zero, ``lora_A`` as the unsharded path starts it); a step under FSDP's bf16 policy moves the adapters."""
+    from torch.distributed.tensor import DTensor
+
+    from vagent.recipes.common import build_backend
+    from vagent.training.adapters import lora_init
+    from vagent.training.distributed import shutdown
+
+    cfg = load_config(SFTConfig, None, ["model.path=x", "data.train=x", *LORA, "train.precision=bf16",
+                                        "train.sharding=fsdp"])  # fmt: skip
+    try:
+        policy, model, _ = load_trainable(ModelConfig(path=str(tiny_qwen25), device="cpu"), cfg.train,
+                                          Path("unused"), CPU, None, seed=3)  # fmt: skip
+        params = dict(model.named_parameters())
+        assert all(isinstance(p, DTensor) for p in params.values())
+        trainable = {n: p for n, p in params.items() if p.requires_grad}
+        assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+        assert all(p.dtype == torch.bfloat16 for n, p in params.items() if n not in trainable)
+        start = load_policy(tiny_qwen25, device="cpu", dtype="bfloat16").model.state_dict()
+        name = next(n for n in params if n.endswith("q_proj.base_layer.weight"))
+        assert torch.equal(params[name].full_tensor(), start[name.removeprefix("base_model.model.").replace(
+            ".base_layer.", ".")])  # fmt: skip
+        lora_a = next(n for n in trainable if "lora_A" in n)
+        assert torch.equal(trainable[lora_a].full_tensor(), lora_init(lora_a, tuple(trainable[lora_a].shape), 3))
+        backend = build_backend(cfg.train, cfg.optim, model, CPU, total_steps=2, micro_batch_size=1, grad_accum=1,
+                                bf16=True, find_unused=False)  # fmt: skip
+        before = {n: p.full_tensor().clone() for n, p in trainable.items()}
+        ids = _ids(policy)
+        backend.backward(backend.module(input_ids=ids, labels=ids).loss)
+        backend.step()
+        assert all(not torch.equal(before[n], p.full_tensor()) for n, p in trainable.items() if "lora_B" in n)
+    finally:
+        shutdown()
+
+
 def test_the_memory_plan_counts_a_bf16_base_under_lora():
     """``vagent memory``: under bf16 LoRA's base is 2 bytes a parameter, its adapters 4 (+ 2 for autocast's copy)."""
     shape = SHAPES["qwen2.5-vl-7b"]
@@ -272,7 +309,7 @@ def test_a_grpo_or_dpo_config_that_asks_for_dropout_is_refused_naming_the_key(cl
 
 def test_sft_keeps_loras_dropout_by_default(tiny_qwen25):
     policy = load_policy(tiny_qwen25, device="cpu")
-    model = prepare_model(_train_cfg(*LORA), policy, None, CPU)
+    model = prepare_model(_train_cfg(*LORA), policy, None, CPU, 0)
     assert {m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n} == {0.05}
 
 

@@ -563,11 +563,6 @@ class TrainConfig:
             raise ValueError("log_every and keep_last must be positive; eval_every and save_every >= 0")
         if self.sharding == "fsdp" and self.deepspeed:
             raise ValueError("train.sharding=fsdp and train.deepspeed shard the same states twice; pick one")
-        if self.sharding == "fsdp" and self.lora.enabled:
-            raise ValueError(
-                "train.sharding=fsdp shards full fine-tuning; LoRA's optimizer state is already small: "
-                "use train.sharding=ddp with LoRA (or train.deepspeed with ZeRO-2 for SFT)"
-            )
         if self.lm_head_chunk < 0:
             raise ValueError(f"lm_head_chunk must be >= 0 (0 = whole logits), got {self.lm_head_chunk}")
         if self.lora.enabled and self.deepspeed and "zero3" in Path(self.deepspeed).name:

@@ -155,18 +155,21 @@ def load_trainable(model_cfg: ModelConfig, train_cfg: TrainConfig, out: Path, en
     # bf16 comes from autocast (DDP), FSDP's mixed-precision policy or DeepSpeed's bf16 mode, over fp32 master weights;
     # FSDP resumes from the consolidated model/ too
     model_dir = resume_from / "model" if full_weights else model_path
-    fsdp = train_cfg.sharding == "fsdp"  # no LoRA with it (the config refuses it)
+    fsdp = train_cfg.sharding == "fsdp"
+    bf16_base = train_cfg.lora.enabled and uses_bf16(train_cfg, env)  # nothing of the base trains
+    torch.manual_seed(seed)  # dropout: the same on every rank
     if fsdp:  # straight into the shards: no rank holds the whole fp32 model, as loading whole and sharding did
+        adapter = resume_from / ADAPTER_DIR if resume_from is not None and train_cfg.lora.enabled else None
         policy = load_sharded(model_dir, env, bf16=uses_bf16(train_cfg, env),
                               attn_implementation=model_cfg.attn_implementation,
-                              prepare=lambda model: freeze_and_checkpoint(train_cfg, model, env))  # fmt: skip
+                              prepare=lambda model: wrap_model(train_cfg, model, env, seed, no_dropout),
+                              base_dtype=torch.bfloat16 if bf16_base else torch.float32, adapter=adapter,
+                              seed=seed)  # fmt: skip
     else:
-        bf16_base = train_cfg.lora.enabled and uses_bf16(train_cfg, env)  # nothing of the base trains
         policy = load_policy(model_dir, device=env.device, dtype="bfloat16" if bf16_base else "float32",
                              attn_implementation=model_cfg.attn_implementation)  # fmt: skip
-    torch.manual_seed(seed)  # LoRA init, dropout: the same on every rank
     policy.model.config.use_cache = False
-    model = policy.model if fsdp else prepare_model(train_cfg, policy, resume_from, env, no_dropout=no_dropout)
+    model = policy.model if fsdp else prepare_model(train_cfg, policy, resume_from, env, seed, no_dropout=no_dropout)
     if no_dropout:
         turned_off = disable_dropout(model)
         say(env, f"dropout off in every module ({turned_off} were on): the log-probs of two passes of the same "
@@ -190,17 +193,12 @@ def resume_training(resume_from: Path | None, backend: TrainBackend, fingerprint
     return state
 
 
-def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, env: DistEnv,
+def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, env: DistEnv, seed: int,
                   no_dropout: bool = False) -> torch.nn.Module:  # fmt: skip
-    """Freeze the vision tower, turn on gradient checkpointing, wrap with LoRA (restoring a resumed adapter)
-    as configured. ``policy.model`` becomes the trained module (the peft model with LoRA). LoRA's dropout is
-    ``train.lora.dropout``, unset: 0.05, or 0 with ``no_dropout``."""
-    model = policy.model
-    freeze_and_checkpoint(cfg, model, env)
+    """Freeze, checkpoint and wrap ``policy.model`` as configured (``wrap_model``), restoring a resumed adapter;
+    ``policy.model`` becomes the trained module (the peft model with LoRA)."""
+    model = wrap_model(cfg, policy.model, env, seed, no_dropout)
     if cfg.lora.enabled:
-        lora = cfg.lora
-        dropout = lora.dropout if lora.dropout is not None else 0.0 if no_dropout else SFT_LORA_DROPOUT
-        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=dropout, target_modules=lora.target_modules)
         if resume_from is not None and not cfg.deepspeed:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
@@ -210,9 +208,22 @@ def prepare_model(cfg: TrainConfig, policy: Policy, resume_from: Path | None, en
     return model
 
 
+def wrap_model(cfg: TrainConfig, model: torch.nn.Module, env: DistEnv, seed: int, no_dropout: bool) -> torch.nn.Module:
+    """Freeze the vision tower, turn on activation checkpointing and wrap with LoRA as configured (``load_sharded``
+    runs it on the meta model before sharding). Returns the trained module: ``model``, or peft's wrapper of it.
+    LoRA's dropout is ``train.lora.dropout``, unset: 0.05, or 0 with ``no_dropout``; its adapters start from
+    ``lora_init`` with ``seed``."""
+    freeze_and_checkpoint(cfg, model, env)
+    if not cfg.lora.enabled:
+        return model
+    lora = cfg.lora
+    dropout = lora.dropout if lora.dropout is not None else 0.0 if no_dropout else SFT_LORA_DROPOUT
+    return apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=dropout, target_modules=lora.target_modules,
+                      seed=seed)  # fmt: skip
+
+
 def freeze_and_checkpoint(cfg: TrainConfig, model: torch.nn.Module, env: DistEnv) -> None:
-    """Freeze the vision tower and turn on activation checkpointing as configured: the part of ``prepare_model`` that
-    ``load_sharded`` runs on the meta model before sharding it."""
+    """Freeze the vision tower and turn on activation checkpointing as configured."""
     if cfg.freeze_vision:
         frozen = freeze_vision(model)
         say(env, f"froze {frozen:,} vision tower parameters")
@@ -251,11 +262,12 @@ def build_backend(train: TrainConfig, optim: OptimConfig, model: torch.nn.Module
 
 
 def gathered_state_dict(backend: TrainBackend) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights gathered from the shards onto rank 0 (FSDP, DeepSpeed; a collective every rank
-    calls), or None where ``backend.model`` holds them whole (DDP: ``save_pretrained`` reads the model itself) or
-    the save needs no whole model (LoRA: every rank holds the whole adapters, which are all a LoRA save writes)."""
+    """The weights a save writes, gathered from the shards onto rank 0 (FSDP, DeepSpeed; a collective every rank
+    calls): the whole model's, or with LoRA the trainable adapters' alone (all a LoRA save writes; the frozen base
+    is never gathered). None where ``backend.model`` holds them whole (DDP: ``save_pretrained`` reads the model).
+    """
     if hasattr(backend.model, "peft_config"):
-        return None
+        return backend.adapter_state_dict() if isinstance(backend, FSDPBackend) else None
     if isinstance(backend, (DeepSpeedBackend, FSDPBackend)):
         return backend.full_state_dict()
     return None

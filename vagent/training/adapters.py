@@ -4,13 +4,15 @@ that runs in every training forward (``touch_vision_every_forward``)."""
 
 from __future__ import annotations
 
+import math
+import zlib
 from typing import Any
 
 import torch
 
 from vagent.model import is_vision_tower, unwrap_model
 
-__all__ = ["apply_lora", "disable_dropout", "freeze_vision", "touch_vision_every_forward"]
+__all__ = ["apply_lora", "disable_dropout", "freeze_vision", "lora_init", "touch_vision_every_forward"]
 
 
 def freeze_vision(model: torch.nn.Module) -> int:
@@ -27,7 +29,7 @@ def freeze_vision(model: torch.nn.Module) -> int:
 
 
 def apply_lora(
-    model: torch.nn.Module, *, r: int, alpha: int, dropout: float, target_modules: list[str]
+    model: torch.nn.Module, *, r: int, alpha: int, dropout: float, target_modules: list[str], seed: int = 0
 ) -> torch.nn.Module:
     """Wrap ``model`` with peft LoRA adapters on the language model's ``target_modules`` (by short name).
 
@@ -36,6 +38,10 @@ def apply_lora(
     ``autocast_adapter_dtype``, as TRL and peft load a bf16 base): AdamW's updates of a bf16 adapter would round
     away. Any other trainable parameter is made fp32 too. The base is never merged in place (see
     ``vagent.training.merge`` for the merged model dir).
+
+    The adapters start from ``lora_init(name, shape, seed)`` (peft's distribution, drawn per parameter name), so a
+    run starts from the same adapters on any number of ranks, sharded or not. A model on the meta device (FSDP2's
+    loader) is wrapped without values; its loader fills them from ``lora_init``.
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -44,10 +50,27 @@ def apply_lora(
     pattern = rf"^(?!.*visual).*\.({'|'.join(target_modules)})$"
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=pattern, bias="none")
     model = get_peft_model(model, config, autocast_adapter_dtype=True)
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
+        if ".lora_" in name and not param.is_meta:
+            with torch.no_grad():
+                param.copy_(lora_init(name, tuple(param.shape), seed))
     return model
+
+
+def lora_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The starting value of the LoRA parameter ``name`` (fp32, CPU): ``lora_A`` as peft draws it (Kaiming-uniform
+    with ``a = sqrt(5)``) from a generator seeded with ``seed`` and the name, ``lora_B`` zeros (so the adapted model
+    starts as the base). One value per name: the DDP path, the FSDP2 loader and a resume on another world size agree.
+
+    >>> lora_init("x.lora_B.default.weight", (2, 3), 0).abs().sum().item()
+    0.0
+    """
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=generator)
 
 
 def disable_dropout(model: torch.nn.Module) -> int:

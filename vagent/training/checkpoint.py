@@ -128,17 +128,18 @@ def save_model(
     the adapter is what trains, and ``vagent.training.merge.merge_lora`` builds the merged model dir from it and the
     base checkpoint on the CPU (at the end of training, and ``vagent merge-lora``)."""
     if hasattr(model, "peft_config"):
-        save_adapter(model, directory.parent / ADAPTER_DIR)
+        save_adapter(model, directory.parent / ADAPTER_DIR, state_dict)
         return
     model.save_pretrained(directory, state_dict=state_dict)
     if processor is not None:
         processor.save_pretrained(directory)
 
 
-def save_adapter(model: torch.nn.Module, directory: Path) -> None:
+def save_adapter(model: torch.nn.Module, directory: Path, state_dict: dict[str, Any] | None = None) -> None:
     """The peft model's adapter in peft's format (``PeftModel.from_pretrained(base, directory)`` loads it), its
-    ``base_model_name_or_path`` made absolute when it is a local dir, so a merge from any working dir finds it."""
-    model.save_pretrained(directory)
+    ``base_model_name_or_path`` made absolute when it is a local dir, so a merge from any working dir finds it.
+    ``state_dict``: the adapters' whole weights when the model holds shards of them (FSDP2)."""
+    model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
     config_path = directory / "adapter_config.json"
     config = json.loads(config_path.read_text())
     base = config.get("base_model_name_or_path")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,7 @@ from vagent.model import (
 from vagent.training.adapters import touch_vision_every_forward
 from vagent.training.backend import clip_and_step
 from vagent.training.distributed import DistEnv, broadcast_object
+from vagent.training.weight_sync import generation_weights
 
 __all__ = ["FSDPBackend", "InferenceCopy", "load_sharded", "shard_model"]
 
@@ -81,7 +83,8 @@ def shard_model(model: torch.nn.Module, env: DistEnv, *, bf16: bool) -> torch.nn
     """Shard ``model`` in place: one FSDP unit per decoder layer and per vision block, the root unit for the rest.
 
     Args:
-        model: An HF Qwen-VL model (fp32 weights on ``env.device``); LoRA-wrapped models are not supported.
+        model: An HF Qwen-VL model (fp32 weights on ``env.device``), or peft's LoRA wrapper of one (a frozen base in
+            any dtype, fp32 adapters: each unit shards both, and gathers them in the compute dtype).
         env: This process's rank and device.
         bf16: Gather weights as bf16 for compute, reduce gradients in fp32.
 
@@ -110,7 +113,9 @@ def shard_model(model: torch.nn.Module, env: DistEnv, *, bf16: bool) -> torch.nn
 
 
 def load_sharded(path: str | Path, env: DistEnv, *, bf16: bool, attn_implementation: str | None = None,
-                 prepare: Callable[[torch.nn.Module], object] | None = None) -> Policy:  # fmt: skip
+                 prepare: Callable[[torch.nn.Module], torch.nn.Module | None] | None = None,
+                 base_dtype: torch.dtype = torch.float32, adapter: Path | None = None,
+                 seed: int = 0) -> Policy:  # fmt: skip
     """Load the checkpoint dir ``path`` straight into FSDP shards: what ``load_policy`` then ``shard_model`` give
     (fp32 master weights, the same values, buffers and ties), without any rank holding the whole fp32 model.
 
@@ -129,7 +134,13 @@ def load_sharded(path: str | Path, env: DistEnv, *, bf16: bool, attn_implementat
         env: This process's rank and device.
         bf16: As for ``shard_model``.
         attn_implementation: As for ``load_policy``.
-        prepare: Called on the whole (meta) model before sharding: freezing, activation checkpointing.
+        prepare: Called on the whole (meta) model before sharding: freezing, activation checkpointing, LoRA. When
+            it returns a module (peft's wrapper), that module is the one sharded and returned.
+        base_dtype: The dtype of the checkpoint's weights in the shards: fp32 masters, or bf16 for a frozen LoRA base
+            (the adapters stay fp32; FSDP gathers both in the compute dtype).
+        adapter: LoRA: a peft adapter dir whose weights the adapters resume from; None = the adapters start from
+            ``lora_init(name, shape, seed)``, the values the unsharded path starts from.
+        seed: As for ``lora_init``.
 
     Returns:
         A ``Policy`` whose model is an ``FSDPModule`` in eval mode; the processor comes from ``path`` as in
@@ -149,13 +160,15 @@ def load_sharded(path: str | Path, env: DistEnv, *, bf16: bool, attn_implementat
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise PolicyLoadError(f"could not load {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        model = AutoModelForImageTextToText.from_config(config, dtype=base_dtype, attn_implementation=attn)
     if (path / "generation_config.json").is_file():  # from_pretrained reads it (EOS ids, pad id); from_config not
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     patch_embeds_as_matmul(model)
     if prepare is not None:
-        prepare(model)
+        model = prepare(model) or model
+    # the names and shapes set_model_state_dict expects (peft's, with LoRA)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     shard_model(model, env, bf16=bf16)
     model.to_empty(device=env.device)
     _rebuild_non_persistent_buffers(model)
@@ -166,6 +179,8 @@ def load_sharded(path: str | Path, env: DistEnv, *, bf16: bool, attn_implementat
     if dist.get_rank() == 0:
         try:
             full = _checkpoint_state_dict(path)
+            if any(".lora_" in name for name in shapes):
+                full = _with_adapters(full, shapes, adapter, seed)
         except PolicyLoadError as e:
             error = str(e)
     if (error := broadcast_object(error)) is not None:  # not the others left waiting in the broadcast
@@ -187,6 +202,39 @@ def _checkpoint_state_dict(path: Path) -> dict[str, torch.Tensor]:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise PolicyLoadError(f"could not load {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     return model.state_dict()
+
+
+def _with_adapters(base: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], adapter: Path | None,
+                   seed: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The state dict of a peft-wrapped model from its base checkpoint's (``base``, HF names) and its adapters' values:
+    each name of ``shapes`` (peft's: ``base_model.model.<HF name>``, an adapted layer's weight under ``.base_layer.``) from
+    the base, each LoRA factor from ``adapter`` (peft's file names the factors without the adapter's name) or, on a
+    fresh start, ``lora_init``.
+
+    Raises:
+        PolicyLoadError: a name neither the base nor the adapter holds.
+    """
+    from safetensors.torch import load_file
+
+    from vagent.training.adapters import lora_init
+
+    saved = load_file(str(adapter / "adapter_model.safetensors")) if adapter is not None else None
+    full: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        if ".lora_" in name:
+            if saved is None:
+                full[name] = lora_init(name, shape, seed)
+                continue
+            key = re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", name)  # ...lora_A.default.weight -> ...lora_A.weight
+            if key not in saved:
+                raise PolicyLoadError(f"{adapter}/adapter_model.safetensors has no {key}")
+            full[name] = saved[key]
+            continue
+        hf = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if hf not in base:
+            raise PolicyLoadError(f"the checkpoint has no weight for {hf}")
+        full[name] = base[hf]
+    return full
 
 
 @torch.no_grad()
@@ -229,28 +277,33 @@ class InferenceCopy:
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """Allocate an uninitialized copy of ``model`` (sharded or not) in ``dtype`` on the model's device."""
+        """Allocate an uninitialized copy of ``model`` (sharded or not; peft's LoRA wrapper: of its base model) in
+        ``dtype`` on the model's device."""
         device = next(model.parameters()).device  # a shard's (DTensor) device is its rank's
-        hf_class = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses it
+        base = model.get_base_model() if hasattr(model, "peft_config") else model
+        hf_class = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses it
         with torch.device("meta"):
-            copy = hf_class._from_config(model.config, dtype=dtype)
+            copy = hf_class._from_config(base.config, dtype=dtype)
         copy.to_empty(device=device)
         # to_empty gives every parameter its own storage, tied ones too (Qwen2.5-VL-3B ties its LM head to the
         # input embedding): tie them again, or the head would keep whatever the allocator left there, since the
         # sharded model lists a tied pair once and refresh() writes it once
         copy.tie_weights()
-        copy.generation_config = model.generation_config
+        copy.generation_config = base.generation_config
         copy.requires_grad_(False).eval()
         self.model = copy
         self.dtype = dtype
 
     @torch.no_grad()
     def refresh(self, sharded: torch.nn.Module) -> torch.nn.Module:
-        """Copy the current weights of ``sharded`` in (a collective: every rank calls it); returns the copy."""
+        """Copy the current weights of ``sharded`` in (a collective: every rank calls it); returns the copy. With LoRA
+        the copy gets each adapted layer's merged weight (``generation_weights``): it generates as the trained model
+        does, without adapters of its own."""
         params = dict(self.model.named_parameters())
         written = set()
-        for name, param in sharded.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+        for name, full in generation_weights(sharded, self.dtype):
+            if name not in params:
+                raise RuntimeError(f"the trained model's {name} has no place in the inference copy")
             params[name].copy_(full)
             written.add(name)
             del full
@@ -258,7 +311,8 @@ class InferenceCopy:
             raise RuntimeError(f"the inference copy's parameters {sorted(set(params) ^ written)[:4]} do not match "
                                "the trained model's (a tie the copy lacks, or a wrapper that renames them)")  # fmt: skip
         buffers = dict(self.model.named_buffers())
-        for name, buffer in sharded.named_buffers():  # buffers are not sharded (RoPE inverse frequencies)
+        base = sharded.get_base_model() if hasattr(sharded, "peft_config") else sharded
+        for name, buffer in base.named_buffers():  # buffers are not sharded (RoPE inverse frequencies)
             buffers[name].copy_(buffer)
         return self.model
 
@@ -301,6 +355,17 @@ class FSDPBackend:
         """The whole model's fp32 weights on rank 0's CPU (gathered from every rank; a collective), None elsewhere."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
+        return state if self.env.is_main else None
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The trainable parameters (LoRA's adapters), whole, on rank 0's CPU under the model's state-dict names, None
+        elsewhere: one gathered parameter at a time (a collective), never the frozen base."""
+        state = {}
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                whole = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+                if self.env.is_main:
+                    state[name] = whole.cpu()
         return state if self.env.is_main else None
 
     def save(self, directory: Path) -> None:

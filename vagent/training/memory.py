@@ -30,6 +30,7 @@ What it counts, per parameter (P all, T trainable, N ranks):
 | zero2 | 2P bf16 + 4T/N fp32 masters | 4T/N (+ reduce buckets) | 8T/N | - |
 | zero3 | 2P/N bf16 + 4T/N fp32 masters | 4T/N | 8T/N | bf16 unit gathers |
 | fsdp  | 4P/N fp32 shards | 4T/N | 8T/N | bf16 unit gathers, fp32 unit gradients |
+| fsdp, LoRA | 2(P-T)/N bf16 frozen base (4 without bf16) + 4T/N fp32 adapters | 4T/N | 8T/N | bf16 unit gathers, one layer's adapter gradients |
 
 FSDP2 (``fully_shard`` per decoder layer and vision block, the rest in the root unit) gathers the root unit for
 the whole forward/backward and two layer units at a time (the current one and the prefetched next); a unit's
@@ -230,6 +231,10 @@ def _state(shape: ModelShape, s: Setup, p: MemoryPlan) -> tuple[int, int]:
         weights = 4 * total + (2 * trainable if s.bf16 else 0)  # autocast caches a bf16 copy of trained weights
         grads = 4 * trainable + (4 * trainable if n > 1 else 0)  # DDP's reduce buckets hold a second copy
         how = "fp32 masters" + (" + bf16 autocast copies" if s.bf16 else "")
+    elif s.sharding == "fsdp" and s.lora_rank:  # the frozen base sharded in its load dtype, the adapters fp32
+        base = 2 if s.bf16 else 4
+        weights, grads = (base * (total - trainable) + 4 * trainable) / n, 4 * trainable / n
+        how = f"{'bf16' if s.bf16 else 'fp32'} frozen base + fp32 adapters, shards (1/{n})"
     elif s.sharding == "fsdp":
         weights, grads, how = 4 * total / n, 4 * trainable / n, f"fp32 shards (1/{n})"
     elif s.sharding == "zero2":
@@ -249,7 +254,9 @@ def _state(shape: ModelShape, s: Setup, p: MemoryPlan) -> tuple[int, int]:
     if s.sharding in ("fsdp", "zero3"):
         root = _root_params(shape)
         unit = max(shape.layer_params(), shape.vision_block_params())
-        gathered = 2 * (root + 2 * unit) + 4 * min(trainable, root + unit)  # bf16 gathers, fp32 unsharded grads
+        # bf16 gathers, fp32 unsharded grads of one unit (with LoRA: one layer's adapters)
+        unit_grads = trainable / shape.layers if s.lora_rank else min(trainable, root + unit)
+        gathered = 2 * (root + 2 * unit) + 4 * unit_grads
         p.lines.append(("gathered units", gathered, "bf16 root + 2 layers, fp32 grads of one unit before reduce"))
         p.update += gathered
     return total, trainable

@@ -6,8 +6,8 @@ new ones into it. ``generation_weights`` walks the trained model in parameter or
 
 * FSDP2: each parameter's ``full_tensor()``, an all-gather, so every rank must walk the whole stream at the same
   point (each rank's engine takes its copy); one whole parameter exists at a time besides the shards.
-* LoRA (peft): each adapted linear layer's merged weight, ``W + scale * B @ A``, under the base layer's name; the
-  adapters themselves are not sent (verl and TRL merge, push, and keep training the adapters). The trained model
+* LoRA (peft): each adapted linear layer's merged weight, ``W + scale * B @ A`` (under FSDP2 from the gathered
+  factors), under the base layer's name; the adapters themselves are not sent (verl and TRL merge, push, and keep training the adapters). The trained model
   is not modified: nothing is merged in place.
 * A tied LM head is one parameter (the input embedding): the engine ties its head to it, as the checkpoint says.
 * DDP and plain models: the parameters themselves, by reference.
@@ -60,7 +60,9 @@ def _merged(base: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[
                 merged = tensor.float()
                 for adapter in layer.active_adapters:
                     if adapter in layer.lora_A:
-                        merged = merged + layer.get_delta_weight(adapter).float()
+                        a = _whole(layer.lora_A[adapter].weight, torch.float32)  # (r, in)
+                        b = _whole(layer.lora_B[adapter].weight, torch.float32)  # (out, r)
+                        merged = merged + layer.scaling[adapter] * (b @ a)
                 tensor = merged.to(tensor.dtype)
             yield f"{owner}.{leaf}", tensor.to(dtype) if dtype is not None else tensor
             continue
