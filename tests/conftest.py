@@ -47,6 +47,8 @@ def tiny_qwen2(tmp_path_factory):
 # Integration tests that must also hold on Qwen's real vocabulary (151,936 rows, the real special-token ids) take
 # `@pytest.mark.parametrize("policy", BOTH_VOCABS, indirect=True)` (or the same on `checkpoint`).
 BOTH_VOCABS = ["trained_vocab", "qwen_vocab"]
+# The same where the Qwen-vocabulary run takes tens of seconds (its 151,936-row head): that one is marked slow.
+BOTH_VOCABS_QWEN_SLOW = ["trained_vocab", pytest.param("qwen_vocab", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="session")
@@ -117,6 +119,26 @@ def like_3b(tmp_path_factory):
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "like_3b", family="qwen2_5_vl", vocab="qwen",
                                  preset=miniature("qwen2.5-vl-3b"), tie_embeddings=SHAPES["qwen2.5-vl-3b"].tied)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def like_32b(tmp_path_factory):
+    """Qwen2.5-VL-32B in miniature: untied LM head, GQA 5:1, Qwen's vocabulary."""
+    from vagent.training.memory import SHAPES
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "like_32b", family="qwen2_5_vl", vocab="qwen",
+                                 preset=miniature("qwen2.5-vl-32b"), tie_embeddings=SHAPES["qwen2.5-vl-32b"].tied)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def like_qwen3_8b(tmp_path_factory):
+    """Qwen3-VL-8B in miniature: Qwen3-VL's structure (16-pixel patches, a learned position table, DeepStack mergers,
+    interleaved mRoPE, q/k norms, 0-1000 box coordinates), its untied head and GQA 4:1, Qwen's vocabulary."""
+    from vagent.training.memory import SHAPES
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "like_qwen3_8b", family="qwen3_vl", vocab="qwen",
+                                 preset=miniature("qwen3-vl-8b"), tie_embeddings=SHAPES["qwen3-vl-8b"].tied,
+                                 min_pixels=32 * 32 * 4)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert reading and [m.trained for m in gold_conversation(reading[0], [])][-3:] == [False, True, True]
 
 
+@pytest.mark.slow
 def test_a_job_beside_the_quickstart_returns_its_result_or_a_clear_error(tmp_path):
     import torch
 

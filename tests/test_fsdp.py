@@ -464,6 +464,28 @@ def test_lora_grpo_under_fsdp_samples_from_the_merged_weights_and_matches_one_ra
     assert (two / "checkpoints" / "step-00000003" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [(), LORA], ids=["full", "lora"])
+def test_a_sigkilled_qwen3_vl_fsdp_run_resumes_to_the_same_losses(like_qwen3_8b, tmp_path, lora):
+    """configs/sft/qwen3_vl_8b_fsdp.yaml's structure (Qwen3-VL in miniature: DeepStack, its 32-pixel grid and 0-1000
+    boxes, Qwen's vocabulary) under FSDP on 2 ranks, full fine-tuning and LoRA: killed at a checkpoint, resumed to
+    the uninterrupted run's losses bit for bit."""
+    frame = load_policy(like_qwen3_8b, device="cpu").frame
+    data = tmp_path / "data"
+    write_rows(zoom_rows(data, 8, seed=0, size=SIZE, clutter=20, **frame), data / "train.jsonl")
+    write_rows(zoom_rows(data, 2, seed=1, size=SIZE, clutter=20, **frame), data / "val.jsonl")
+    runs = {name: tmp_path / name for name in ("full", "killed")}
+    args = {name: _sft_args(out, like_qwen3_8b, data / "train.jsonl", "optim.grad_accum=1", "train.sharding=fsdp",
+                            *lora) for name, out in runs.items()}  # fmt: skip
+    full = _launch(tmp_path, "sft", 2, args["full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _launch(tmp_path, "sft", 2, args["killed"], fault=("checkpoint", 4))
+    assert killed.returncode != 0 and not (runs["killed"] / "checkpoints" / "step-00000004").exists()
+    resumed = _launch(tmp_path, "sft", 2, args["killed"])
+    assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr[-3000:]
+    assert len(_curve(runs["full"], "loss")) == 6 and _curve(runs["killed"], "loss") == _curve(runs["full"], "loss")
+
+
 def _grpo_args(out_dir, model, rows, prompts_per_step, *extra):
     return ["--config", str(GRPO_CONFIG), f"out_dir={out_dir}", f"model.path={model}", "train.max_steps=3",
             "train.save_every=1", "train.tensorboard=false", f"data.train={rows}", "rollout.max_turns=1",

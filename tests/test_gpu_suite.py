@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_runs_every_part_on_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--device", "cpu", "--size",
                            "tiny", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)  # fmt: skip

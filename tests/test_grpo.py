@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BOTH_VOCABS
+from conftest import BOTH_VOCABS_QWEN_SLOW
 
 from vagent.algorithms import (
     aggregate,
@@ -278,7 +278,7 @@ def _overrides(out_dir, model, rows):
             "train.tensorboard=false", f"data.train={rows}"]  # fmt: skip
 
 
-@pytest.mark.parametrize("checkpoint", BOTH_VOCABS, indirect=True)
+@pytest.mark.parametrize("checkpoint", BOTH_VOCABS_QWEN_SLOW, indirect=True)
 def test_grpo_steps_change_the_policy_and_log_every_stage(tmp_path, checkpoint, zoom_rows_file, monkeypatch):
     before = {k: v.clone() for k, v in load_policy(checkpoint, device="cpu").model.state_dict().items()}
     # The config's rewards are all 0 for a random policy, whose groups are then uninformative (Qwen's vocabulary
@@ -439,6 +439,7 @@ grpo.main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow
 def test_a_killed_grpo_run_resumes_to_the_same_rewards(tmp_path, tiny_qwen25, zoom_rows_file):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     val = [f"val.rows={_val_rows(tmp_path)}", "val.every=2", "val.keep_best=true"]

@@ -145,6 +145,7 @@ def test_the_saved_adapter_and_the_merged_model_give_the_trained_models_logits(t
     assert changed and all(k.endswith("proj.weight") and "visual" not in k for k in changed), sorted(changed)
 
 
+@pytest.mark.slow
 def test_a_killed_lora_run_resumes_from_its_adapter_checkpoint_to_the_same_losses(tmp_path, tiny_qwen25, rows_file):
     """A LoRA checkpoint (adapter + trainer state, no model) resumes exactly: killed after step 5, the run resumes
     from step 4 to the uninterrupted run's losses bit for bit on CPU, LoRA's dropout (SFT's 0.05) included."""

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # every YAML `vagent memory` plans: the training stages' (configs/quickstart/ is a pipeline, configs/tiny/ a model)
 PLANNED = sorted(f"configs/{stage}/{p.name}" for stage in STAGES for p in (ROOT / "configs" / stage).glob("*.yaml"))
 # the 3B/7B configs the memory guide's table lists at 8 GPUs (the DeepSpeed ones are SFT's variants)
-PRODUCTION = [c for c in PLANNED if re.search(r"_[37]b", c) and "zero" not in c]
+PRODUCTION = [c for c in PLANNED if "tiny" not in c and "zero" not in c]
 GUIDE = ROOT / "docs" / "guide" / "memory.md"
 CONFIG_TINY_GRPO = ROOT / "configs" / "grpo" / "qwen2_5_vl_tiny_cpu.yaml"
 
@@ -46,10 +46,16 @@ def _peak(stdout: str) -> float:
     return float(last.split()[3])
 
 
-def test_the_shape_counts_every_parameter_of_a_real_checkpoint(tiny_qwen25, tiny_qwen25_qwen_vocab):
+def test_the_shape_counts_every_parameter_of_a_real_checkpoint(tiny_qwen25, tiny_qwen25_qwen_vocab, tmp_path):
+    """Qwen2.5-VL's layout and Qwen3-VL's (no decoder biases, q/k norms, LayerNorm vision blocks, a position table,
+    DeepStack mergers; tied and untied)."""
     from transformers import AutoModelForImageTextToText
 
-    for path in (tiny_qwen25, tiny_qwen25_qwen_vocab):
+    from vagent.tiny_model import build_tiny_checkpoint
+
+    qwen3 = [build_tiny_checkpoint(tmp_path / f"q3-{tied}", family="qwen3_vl", size="nano", tie_embeddings=tied)
+             for tied in (False, True)]  # fmt: skip
+    for path in (tiny_qwen25, tiny_qwen25_qwen_vocab, *qwen3):
         model = AutoModelForImageTextToText.from_pretrained(path)
         shape = shape_from_config_json(path)
         assert shape.params() == sum(p.numel() for p in model.parameters())
@@ -59,6 +65,10 @@ def test_the_shape_counts_every_parameter_of_a_real_checkpoint(tiny_qwen25, tiny
 def test_the_released_shapes_have_their_published_sizes():
     assert SHAPES["qwen2.5-vl-7b"].params() == pytest.approx(8.29e9, rel=0.002)  # "8.29B params" on the model card
     assert SHAPES["qwen2.5-vl-3b"].params() == pytest.approx(3.75e9, rel=0.002)
+    # exact totals: Qwen3-VL-8B's safetensors hold 8,767,123,696 parameters (750 tensors); Qwen2.5-VL-32B's derivative
+    # Lingshu-32B, of the same shape, 33,452,718,336 (its vision MLP is 3,456 wide, the 3B's and 7B's 3,420)
+    assert SHAPES["qwen3-vl-8b"].params() == 8_767_123_696 and SHAPES["qwen2.5-vl-32b"].params() == 33_452_718_336
+    assert SHAPES["qwen2.5-vl-7b"].params() == 8_292_166_656
 
 
 def _lines(stdout: str) -> dict[str, float]:
@@ -77,17 +87,20 @@ def test_every_training_stage_is_planned_and_every_other_config_folder_is_named(
 
 @pytest.mark.parametrize("config", PLANNED, ids=lambda c: c[len("configs/") : -len(".yaml")])
 def test_every_shipped_training_config_is_planned(config, tiny_qwen25, capsys, monkeypatch):
-    """Each YAML under configs/sft/, grpo/ and dpo/ (a new one too) plans at its launch line's ranks: a 3B/7B one at
-    its model's released shape fits 80 GiB per GPU, a tiny one plans on CPU at the tiny checkpoint's own shape."""
+    """Each YAML under configs/sft/, grpo/ and dpo/ (a new one too) plans at its launch line's ranks: a released
+    model's config at that model's shape (the ``--shape`` of its own ``vagent memory`` line) fits 80 GiB per GPU, a
+    tiny one plans on CPU at the tiny checkpoint's own shape."""
     monkeypatch.chdir(ROOT)
-    stage, launch = config.split("/")[1], (ROOT / config).read_text().splitlines()[0]
-    model = re.search(r"_(3b|7b|tiny)", config)
-    assert model, f"{config}: name it after its model (3b, 7b or tiny) so that it is planned at that shape"
+    text = (ROOT / config).read_text()
+    stage, launch = config.split("/")[1], text.splitlines()[0]
     ranks = int(re.search(r"--nproc_per_node (\d+)", launch)[1]) if launch.startswith("# Launch: torchrun") else 1
-    if model[1] == "tiny":
+    if "tiny" in config:
         where = ["--device", "cpu", f"model.path={tiny_qwen25}"]
     else:
-        where = ["--shape", f"qwen2.5-vl-{model[1]}", "--gpu-memory", 80]
+        shape = re.search(r"vagent memory --config \S+ .*--shape (\S+)", text)
+        assert shape and shape[1] in SHAPES, f"{config}: its header's vagent memory line names no shape of SHAPES"
+        assert shape[1].replace(".", "_").replace("-", "_") in config, f"{config} is not named after {shape[1]}"
+        where = ["--shape", shape[1], "--gpu-memory", 80]
     done = _memory("--config", config, "--world-size", ranks, *where, capsys=capsys)
     train = load_config(CONFIGS[stage], config).train
     sharding = train.sharding if train.sharding == "fsdp" else Path(train.deepspeed or "ddp").stem
@@ -96,7 +109,7 @@ def test_every_shipped_training_config_is_planned(config, tiny_qwen25, capsys, m
     assert 0 < _peak(done.stdout) <= 80
 
 
-def test_the_memory_guide_lists_every_3b_and_7b_config_with_what_its_memory_line_prints(capsys, monkeypatch):
+def test_the_memory_guide_lists_every_released_models_config_with_what_its_memory_line_prints(capsys, monkeypatch):
     """docs/guide/memory.md's table: one row per config, each the peak (and GRPO's host memory) that the `vagent
     memory` line in the config's own header prints now."""
     monkeypatch.chdir(ROOT)

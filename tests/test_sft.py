@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BOTH_VOCABS
+from conftest import BOTH_VOCABS_QWEN_SLOW
 
 from data_pipelines.synthetic.zoom import zoom_rows
 from vagent.algorithms import token_nll_sum
@@ -50,7 +50,7 @@ def _losses(out_dir):
     return [r["loss"] for r in read_metrics(Path(out_dir) / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.parametrize("checkpoint", BOTH_VOCABS, indirect=True)
+@pytest.mark.parametrize("checkpoint", BOTH_VOCABS_QWEN_SLOW, indirect=True)
 def test_loss_decreases_and_parameters_change(tmp_path, checkpoint, rows_file):
     before = {k: v.clone() for k, v in load_policy(checkpoint, device="cpu").model.state_dict().items()}
     model_dir = sft.train(load_config(SFTConfig, None, _overrides(tmp_path, checkpoint, rows_file)))
@@ -161,13 +161,8 @@ def test_lora_trains_only_adapters_and_saves_a_merged_model(tmp_path, tiny_qwen2
     assert (tmp_path / "checkpoints" / "step-00000002" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_deepspeed_without_the_package_says_how_to_get_it(tmp_path, tiny_qwen25, rows_file):
-    try:
-        import deepspeed  # noqa: F401
-
-        pytest.skip("deepspeed is installed")
-    except ImportError:
-        pass
+def test_deepspeed_without_the_package_says_how_to_get_it(tmp_path, tiny_qwen25, rows_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # the test environment has it: import it as if it had not
     args = _overrides(tmp_path, tiny_qwen25, rows_file, f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json")
     with pytest.raises(ImportError, match=r"vagent\[gpu\]"):
         sft.train(load_config(SFTConfig, None, args))
@@ -237,17 +232,38 @@ def test_the_shared_prefix_changes_no_loss(tmp_path, tiny_qwen25, rows_file, uni
     assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_zero_on_two_cpu_ranks_gives_the_same_loss_curve(tmp_path, tiny_qwen25, rows_file, uninterrupted,
                                                                     stage):  # fmt: skip
-    """Runs where DeepSpeed is installed (the `gpu` extra; it also runs on CPU over gloo); skipped in CI."""
-    pytest.importorskip("deepspeed")
+    """DeepSpeed runs on CPU over gloo (the test environment installs it, as the `gpu` extra does)."""
     args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.save_every=2",
                       f"train.deepspeed={ROOT}/configs/deepspeed/{stage}.json")  # fmt: skip
     result = _torchrun(args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(tmp_path) == pytest.approx(uninterrupted, rel=1e-5, abs=1e-6)
     load_policy(tmp_path / "model", device="cpu")  # ZeRO-3 shards were gathered into a loadable HF dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_under_bf16_a_zero_checkpoint_holds_deepspeeds_fp32_masters(tmp_path, tiny_qwen25, rows_file, stage):
+    """DeepSpeed computes with a bf16 copy of the module and keeps fp32 masters in its optimizer: the checkpoint's
+    model/ holds the masters (trained weights that bf16 cannot represent), as DDP's and FSDP's do, and the published
+    model/ is the fp32 of the checkpoint the run started from."""
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.precision=bf16",
+                      "train.max_steps=2", "train.save_every=2", f"train.deepspeed={ROOT}/configs/deepspeed/{stage}.json")  # fmt: skip
+    result = _torchrun(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "checkpoints" / "step-00000002" / "model" / "model.safetensors"))
+    start = load_file(str(tiny_qwen25 / "model.safetensors"))
+    trained = [k for k in saved if not torch.equal(saved[k], start[k])]
+    assert trained and all(saved[k].dtype == torch.float32 for k in saved)
+    assert any(not torch.equal(saved[k].bfloat16().float(), saved[k]) for k in trained)  # not the bf16 module's
+    published = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert all(torch.equal(published[k], saved[k]) for k in saved)  # fp32 source: published as the masters
 
 
 @pytest.mark.parametrize("fault", [("step", 5), ("checkpoint", 4)], ids=["mid-training", "mid-checkpoint"])

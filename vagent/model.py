@@ -581,8 +581,15 @@ def liger_token_nll_sum(model: torch.nn.Module, batch: dict[str, Any], mask: tor
 
 def is_vision_tower(name: str) -> bool:
     """Whether parameter ``name`` is in the vision tower's patch embedding or ViT blocks (not the merger, the
-    projector into the language model): what ``freeze_vision`` freezes and ``optim.vision_lr_scale`` scales."""
-    return ".visual." in f".{name}" and ".merger." not in name
+    projector into the language model, nor Qwen3-VL's DeepStack mergers, which project intermediate ViT features
+    into it: Qwen's own fine-tuning code trains them with the merger, ``tune_mm_mlp``): what ``freeze_vision``
+    freezes and ``optim.vision_lr_scale`` scales.
+
+    >>> [is_vision_tower(n) for n in ("model.visual.blocks.0.mlp.linear_fc1.weight", "model.visual.merger.norm.weight",
+    ...                               "model.visual.deepstack_merger_list.0.norm.weight")]
+    [True, False, False]
+    """
+    return ".visual." in f".{name}" and ".merger." not in name and ".deepstack_merger_list." not in name
 
 
 def load_policy(

@@ -300,16 +300,22 @@ def saved(model_dir: Path | None) -> str:
     return f"model at {model_dir}" if model_dir else "no checkpoint saved (train.save_final=false)"
 
 
-def publish_model(checkpoint: Path, out: Path, env: DistEnv) -> Path:
-    """The run's final model at ``out/model``, replacing an older one atomically: the checkpoint's HF model dir copied,
-    or a LoRA checkpoint's adapter merged into its base (rank 0, on the CPU, one weight at a time:
-    ``vagent.training.merge``; the only merged copy a LoRA run writes)."""
+def publish_model(checkpoint: Path, out: Path, env: DistEnv, source: Path) -> Path:
+    """The run's final model at ``out/model``, replacing an older one atomically, in the dtype of the ``source``
+    checkpoint the run started from (its config.json; whatever the backend trained in: the checkpoints hold fp32
+    masters for an exact resume, a bf16 release is published in bf16): the checkpoint's HF model dir, or a LoRA
+    checkpoint's adapter merged into its base (rank 0, on the CPU, one weight at a time: ``vagent.training.merge``;
+    the only merged copy a LoRA run writes, in the base files' own dtype)."""
     model_dir = out / "model"
     if env.is_main:
         tmp = out / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
         if (checkpoint / "model").is_dir():
-            shutil.copytree(checkpoint / "model", tmp)
+            dtype = ckpt.checkpoint_dtype(source)
+            if dtype is None or dtype == ckpt.checkpoint_dtype(checkpoint / "model"):
+                shutil.copytree(checkpoint / "model", tmp)
+            else:
+                ckpt.write_model_as(checkpoint / "model", tmp, dtype)
         else:
             merge_lora(checkpoint / ADAPTER_DIR, tmp)
         shutil.rmtree(model_dir, ignore_errors=True)

@@ -163,7 +163,9 @@ def _train(cfg: DPOConfig, env: DistEnv, out: Path) -> Path | None:
     if cfg.train.save_final:
         final = save_checkpoint(backend, policy.processor, root, total_steps, fingerprint, env, cfg.train.keep_last)
     logger.close()
-    model_dir = publish_model(final, out, env) if final else None  # the final model at a stable path
+    model_dir = (
+        publish_model(final, out, env, Path(cfg.model.path)) if final else None
+    )  # the final model at a stable path
     say(env, f"done: {total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
     return model_dir
 

@@ -314,7 +314,9 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
             final = val.directory(val.best["step"])
             say(env, f"keeping step {val.best['step']} (val accuracy {val.best['accuracy']:.3f}; the last step "
                      f"{val.last_accuracy:.3f})")  # fmt: skip
-        model_dir = publish_model(final, out, env) if final else None  # the final (or the best) model at a stable path
+        model_dir = (
+            publish_model(final, out, env, Path(cfg.model.path)) if final else None
+        )  # the final (or the best) model at a stable path
         say(env, f"done: {ctx.total_steps} steps in {time.perf_counter() - t_start:.0f}s; {saved(model_dir)}")
         return model_dir
     finally:

@@ -229,12 +229,30 @@ class DeepSpeedBackend:
         self.module.load_checkpoint(str(directory / "deepspeed"), tag="state")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0 (gathered from the shards under ZeRO-3), None elsewhere."""
-        if self.zero_stage == 3:
-            state = self.module._zero3_consolidated_16bit_state_dict()
-        else:
-            state = self.model.state_dict()
-        return state if self.env.is_main else None
+        """The whole model's weights on rank 0's CPU, None elsewhere (a collective: every rank walks every parameter).
+
+        The trained weights come from DeepSpeed's fp32 masters (``safe_get_full_fp32_param``, reduced from every
+        rank's partition), not from the module it computes with, which is bf16 under bf16 compute: a checkpoint holds
+        the masters as under DDP and FSDP. Frozen weights have no master: the module's (gathered under ZeRO-3),
+        which are the loaded values themselves whenever the checkpoint's dtype is the compute dtype or wider-exact
+        (a bf16 release under bf16 compute, anything in fp32)."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        whole: dict[int, torch.Tensor] = {}
+        for param in self.model.parameters():
+            full = safe_get_full_fp32_param(param) if param.requires_grad else None
+            if full is None:
+                with deepspeed.zero.GatheredParameters([param], enabled=self.zero_stage == 3):
+                    full = param.detach().clone()
+            if self.env.is_main:
+                whole[id(param)] = full.cpu()
+            del full
+        if not self.env.is_main:
+            return None
+        # the state dict's names, a tied head's too (the embedding's tensor under both names), and its buffers
+        return {name: whole[id(value)] if id(value) in whole else value.detach().cpu()
+                for name, value in self.model.state_dict(keep_vars=True).items()}  # fmt: skip
 
 
 def load_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum: int, world_size: int,

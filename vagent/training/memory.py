@@ -57,7 +57,16 @@ Sharding = Literal["ddp", "fsdp", "zero2", "zero3"]
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes the plan needs (Qwen2.5-VL layout: GQA decoder with q/k/v biases, SwiGLU MLPs, 2x2 patch merger)."""
+    """The sizes the plan needs, in one of two layouts (``layout``):
+
+    * ``qwen2.5-vl`` (Qwen2-VL too): GQA decoder with q/k/v biases, SwiGLU MLPs; a vision tower of RMSNorm blocks with
+      gated MLPs and a 2x2 patch merger.
+    * ``qwen3-vl``: the decoder without biases, with q/k RMSNorms and its own ``head_dim``; a vision tower of LayerNorm
+      blocks with plain two-layer MLPs, learned position embeddings, a biased patch embedding, the merger, and one
+      DeepStack merger per ``deepstack_visual_indexes`` entry (Qwen3-VL's intermediate ViT features fed to the first
+      decoder layers). Counted from transformers' ``modeling_qwen3_vl.py``: 8,767,123,696 for Qwen3-VL-8B, its
+      weights' own count.
+    """
 
     vocab: int
     hidden: int
@@ -74,27 +83,49 @@ class ModelShape:
     temporal_patch: int = 2
     merge: int = 2
     source: str = ""
+    layout: Literal["qwen2.5-vl", "qwen3-vl"] = "qwen2.5-vl"
+    head_dim: int = 0  # 0 = hidden // heads (Qwen2.5-VL); Qwen3-VL sets it (128)
+    position_embeddings: int = 0  # qwen3-vl: the vision tower's learned position table
+    deepstack: int = 0  # qwen3-vl: DeepStack mergers
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
+        return self.kv_heads * self.head_size
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_size
 
     def layer_params(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        return h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * self.intermediate + 2 * h
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        if self.layout == "qwen3-vl":  # no biases; q_norm and k_norm of head_dim
+            return h * (q + 2 * kv) + q * h + 2 * self.head_size + 3 * h * i + 2 * h
+        return h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * i + 2 * h
 
     def vision_block_params(self) -> int:
         v, i = self.vision_hidden, self.vision_intermediate
+        if self.layout == "qwen3-vl":  # 2 LayerNorms (weight + bias), qkv + proj, fc1 + fc2, all biased
+            return 4 * v + (3 * v * v + 3 * v) + (v * v + v) + (v * i + i) + (i * v + v)
         return 2 * v + (3 * v * v + 3 * v) + (v * v + v) + 2 * (v * i + i) + (i * v + v)
 
     def merger_params(self) -> int:
-        """The 2x2 patch merger: the projection into the language model (it trains even with a frozen tower)."""
+        """The 2x2 patch merger(s): the projection into the language model (it trains even with a frozen tower);
+        Qwen3-VL's DeepStack mergers too."""
         merged = self.vision_hidden * self.merge**2
-        return self.vision_hidden + (merged * merged + merged) + (merged * self.hidden + self.hidden)
+        mlp = (merged * merged + merged) + (merged * self.hidden + self.hidden)
+        if self.layout == "qwen3-vl":  # LayerNorm over the vision width, and per DeepStack merger over the merged one
+            return 2 * self.vision_hidden + mlp + self.deepstack * (2 * merged + mlp)
+        return self.vision_hidden + mlp
 
     def vision_params(self) -> int:
-        """Patch embedding, blocks and the merger."""
+        """Patch embedding (and position table), blocks and the merger(s)."""
         patch = 3 * self.temporal_patch * self.patch**2 * self.vision_hidden
+        if self.layout == "qwen3-vl":
+            patch += self.vision_hidden + self.position_embeddings * self.vision_hidden  # its bias; the table
         return patch + self.vision_depth * self.vision_block_params() + self.merger_params()
 
     def text_params(self) -> int:
@@ -105,7 +136,8 @@ class ModelShape:
         return self.text_params() + self.vision_params()
 
 
-# The released checkpoints' config.json (huggingface.co/Qwen/Qwen2.5-VL-{3B,7B}-Instruct): text and vision_config.
+# The released checkpoints' config.json (huggingface.co/Qwen/...): text and vision_config. Qwen2.5-VL-32B's vision
+# intermediate size (3456, not the 3B/7B's 3420) gives its published total, 33,452,718,336 parameters.
 SHAPES: dict[str, ModelShape] = {
     "qwen2.5-vl-3b": ModelShape(vocab=151936, hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
                                 tied=True, vision_hidden=1280, vision_depth=32, vision_intermediate=3420,
@@ -113,6 +145,17 @@ SHAPES: dict[str, ModelShape] = {
     "qwen2.5-vl-7b": ModelShape(vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944,
                                 tied=False, vision_hidden=1280, vision_depth=32, vision_intermediate=3420,
                                 vision_heads=16, source="Qwen/Qwen2.5-VL-7B-Instruct config.json"),
+    "qwen2.5-vl-32b": ModelShape(vocab=152064, hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648,
+                                 tied=False, vision_hidden=1280, vision_depth=32, vision_intermediate=3456,
+                                 vision_heads=16, source="Qwen/Qwen2.5-VL-32B-Instruct config.json"),
+    "qwen3-vl-4b": ModelShape(vocab=151936, hidden=2560, layers=36, heads=32, kv_heads=8, intermediate=9728,
+                              tied=True, vision_hidden=1024, vision_depth=24, vision_intermediate=4096, vision_heads=16,
+                              patch=16, layout="qwen3-vl", head_dim=128, position_embeddings=2304, deepstack=3,
+                              source="Qwen/Qwen3-VL-4B-Instruct config.json"),
+    "qwen3-vl-8b": ModelShape(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, intermediate=12288,
+                              tied=False, vision_hidden=1152, vision_depth=27, vision_intermediate=4304, vision_heads=16,
+                              patch=16, layout="qwen3-vl", head_dim=128, position_embeddings=2304, deepstack=3,
+                              source="Qwen/Qwen3-VL-8B-Instruct config.json"),
 }  # fmt: skip
 
 
@@ -129,6 +172,7 @@ def shape_from_config_json(path: str | Path) -> ModelShape:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {file}: {e}") from None
     text, vision = cfg.get("text_config") or cfg, cfg.get("vision_config") or {}
+    qwen3 = "deepstack_visual_indexes" in vision
     try:
         vision_hidden = vision.get("embed_dim") or vision["hidden_size"]  # Qwen2-VL names it embed_dim
         return ModelShape(
@@ -140,7 +184,10 @@ def shape_from_config_json(path: str | Path) -> ModelShape:
             vision_intermediate=vision.get("intermediate_size") or vision_hidden * vision.get("mlp_ratio", 4),
             vision_heads=vision["num_heads"], patch=vision.get("patch_size", 14),
             temporal_patch=vision.get("temporal_patch_size", 2), merge=vision.get("spatial_merge_size", 2),
-            source=str(file),
+            source=str(file), layout="qwen3-vl" if qwen3 else "qwen2.5-vl",
+            head_dim=text.get("head_dim", 0) if qwen3 else 0,
+            position_embeddings=vision.get("num_position_embeddings", 0) if qwen3 else 0,
+            deepstack=len(vision.get("deepstack_visual_indexes") or []),
         )  # fmt: skip
     except KeyError as e:
         raise ValueError(f"{file} has no {e.args[0]!r}: not a Qwen-VL config") from None
@@ -208,8 +255,8 @@ class MemoryPlan:
 
 
 def _lora_params(shape: ModelShape, setup: Setup) -> int:
-    h, kv, i, r = shape.hidden, shape.kv_dim, shape.intermediate, setup.lora_rank
-    sizes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+    h, q, kv, i, r = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, setup.lora_rank
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
     return shape.layers * sum(r * (a + b) for name, (a, b) in sizes.items() if name in setup.lora_targets)
 
