@@ -551,6 +551,26 @@ def test_a_sigkilled_fsdp_grpo_run_resumes_to_the_same_rewards_and_losses(
 
 
 @pytest.mark.slow
+def test_a_sigkilled_lora_fsdp_grpo_run_resumes_from_its_adapter_to_the_same_rewards_and_losses(
+    tiny_qwen25, zoom_rows_file, tmp_path
+):
+    """configs/grpo/qwen2_5_vl_7b_lora_fsdp.yaml's structure: the adapter checkpoint and the sharded optimizer are all a
+    resume has; the resumed run samples from the same merged weights and trains to the same numbers."""
+    rows = zoom_rows_file(16, 1000)
+    runs = {name: tmp_path / name for name in ("full", "killed")}
+    args = {name: _grpo_args(out, tiny_qwen25, rows, 2, "train.sharding=fsdp", "train.lora.enabled=true")
+            for name, out in runs.items()}  # fmt: skip
+    full = _launch(tmp_path, "grpo", 2, args["full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _launch(tmp_path, "grpo", 2, args["killed"], fault=("checkpoint", 2))
+    assert killed.returncode != 0 and not (runs["killed"] / "checkpoints" / "step-00000002").exists()
+    resumed = _launch(tmp_path, "grpo", 2, args["killed"])
+    assert resumed.returncode == 0 and "at step 1" in resumed.stdout, resumed.stderr[-3000:]
+    for key in GRPO_KEYS:
+        assert _curve(runs["killed"], key) == _curve(runs["full"], key), key  # bit for bit on CPU
+
+
+@pytest.mark.slow
 def test_sharded_optimizer_state_resumes_on_another_world_size(sft_runs, tiny_qwen25, sft_rows, tmp_path):
     """torch.distributed.checkpoint reshards: the 2-rank run's step-4 checkpoint resumed on 1 FSDP rank (2 micro-batches
     a step: the same global batch) continues with the 2-rank run's losses."""
@@ -645,16 +665,22 @@ def test_two_nodes_of_one_rank_train_grpo_as_one_node_of_two(grpo_runs, tiny_qwe
         assert _curve(out, key) == pytest.approx(_curve(two, key), rel=1e-4, abs=1e-6), key
 
 
-def test_a_text_only_forward_gives_the_trained_merger_a_gradient(tiny_qwen25):
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen25", "like_qwen3_8b"])
+def test_a_text_only_forward_gives_every_trained_vision_parameter_a_gradient(request, checkpoint):
     """touch_vision_every_forward feeds the tower's merged output (transformers 5 returns it as the pooler output; the
-    last hidden state skips the merger): under DDP the merger, which trains under freeze_vision, must get a gradient
-    from a micro-batch without images, or the second step raises "Expected to have finished reduction"."""
+    last hidden state skips the merger) and Qwen3-VL's DeepStack features: every vision parameter that trains under
+    freeze_vision (the merger; Qwen3-VL's DeepStack mergers too) must get a gradient from a micro-batch without images.
+    Else DDP's second step raises "Expected to have finished reduction", and FSDP2 reduce-scatters fewer gradients on
+    that rank than on one with images (gloo: "Received data size doesn't match"; NCCL: a hang)."""
+    from vagent.model import is_vision_tower
     from vagent.training.adapters import freeze_vision, touch_vision_every_forward
 
-    policy = load_policy(tiny_qwen25, device="cpu")
+    policy = load_policy(request.getfixturevalue(checkpoint), device="cpu")
     freeze_vision(policy.model)
     assert touch_vision_every_forward(policy.model, always=False)
     ids = torch.tensor([policy.tokenizer.encode("a question without any image")])
     policy_logits(policy.model.train(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}).sum().backward()
-    merger = {n: p.grad for n, p in policy.model.named_parameters() if ".merger." in n}
-    assert merger and all(g is not None for g in merger.values())
+    trained = {n: p.grad for n, p in policy.model.named_parameters() if ".visual." in n and not is_vision_tower(n)}
+    assert trained and all(g is not None for g in trained.values()), [n for n, g in trained.items() if g is None]
+    if checkpoint == "like_qwen3_8b":
+        assert any("deepstack_merger_list" in n for n in trained)

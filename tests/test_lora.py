@@ -339,3 +339,13 @@ def test_on_cuda_a_lora_save_allocates_no_device_memory(tmp_path, tiny_qwen25):
     extra = torch.cuda.max_memory_allocated() - before
     assert base_bytes > 400e6 and extra < 0.05 * base_bytes, (extra, base_bytes)
     assert (tmp_path / "step" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_lora_target_that_is_not_a_linear_layer_is_refused_naming_it(tiny_qwen25):
+    """peft would adapt an embedding too (``lora_embedding_A/B``), which the FSDP loader, the CPU merge and the weight
+    sync do not handle: refused at wrap time, with the layer type named."""
+    from vagent.training.adapters import apply_lora
+
+    model = load_policy(tiny_qwen25, device="cpu").model
+    with pytest.raises(ValueError, match=r"\['Embedding'\] layers: vagent's LoRA adapts linear layers only"):
+        apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "embed_tokens"])

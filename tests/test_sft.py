@@ -246,24 +246,36 @@ def test_deepspeed_zero_on_two_cpu_ranks_gives_the_same_loss_curve(tmp_path, tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_under_bf16_a_zero_checkpoint_holds_deepspeeds_fp32_masters(tmp_path, tiny_qwen25, rows_file, stage):
-    """DeepSpeed computes with a bf16 copy of the module and keeps fp32 masters in its optimizer: the checkpoint's
-    model/ holds the masters (trained weights that bf16 cannot represent), as DDP's and FSDP's do, and the published
-    model/ is the fp32 of the checkpoint the run started from."""
-    args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.precision=bf16",
-                      "train.max_steps=2", "train.save_every=2", f"train.deepspeed={ROOT}/configs/deepspeed/{stage}.json")  # fmt: skip
-    result = _torchrun(args)
-    assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.parametrize(("stage", "lora"), [("zero2", False), ("zero3", False), ("zero2", True)],
+                         ids=["zero2", "zero3", "zero2-lora"])  # fmt: skip
+def test_under_bf16_a_zero_checkpoint_holds_deepspeeds_fp32_masters(tmp_path, tiny_qwen25, rows_file, stage, lora):
+    """DeepSpeed computes with a bf16 copy of the module (the adapters too) and keeps fp32 masters in its optimizer:
+    the checkpoint's model/ (or adapter/) holds the masters, trained values that bf16 cannot represent, as DDP's and
+    FSDP's do; the published model/ is in the dtype of the checkpoint the run started from (here fp32)."""
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "checkpoints" / "step-00000002" / "model" / "model.safetensors"))
-    start = load_file(str(tiny_qwen25 / "model.safetensors"))
-    trained = [k for k in saved if not torch.equal(saved[k], start[k])]
+    from vagent.training.publish import weights_dtype
+
+    extra = ["train.lora.enabled=true", "train.lora.dropout=0"] if lora else []
+    args = _overrides(tmp_path, tiny_qwen25, rows_file, "optim.grad_accum=1", "train.precision=bf16",
+                      "train.max_steps=2", "train.save_every=2", f"train.deepspeed={ROOT}/configs/deepspeed/{stage}.json",
+                      *extra)  # fmt: skip
+    result = _torchrun(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    if lora:
+        saved = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+        trained = [k for k in saved if ".lora_B." in k]  # zero at the start: every value is the update's
+    else:
+        saved = load_file(str(checkpoint / "model" / "model.safetensors"))
+        start = load_file(str(tiny_qwen25 / "model.safetensors"))
+        trained = [k for k in saved if not torch.equal(saved[k], start[k])]
+        assert weights_dtype(checkpoint / "model") == torch.float32
+        published = load_file(str(tmp_path / "model" / "model.safetensors"))
+        assert all(torch.equal(published[k], saved[k]) for k in saved)  # an fp32 source: published as the masters
     assert trained and all(saved[k].dtype == torch.float32 for k in saved)
     assert any(not torch.equal(saved[k].bfloat16().float(), saved[k]) for k in trained)  # not the bf16 module's
-    published = load_file(str(tmp_path / "model" / "model.safetensors"))
-    assert all(torch.equal(published[k], saved[k]) for k in saved)  # fp32 source: published as the masters
+    assert weights_dtype(tmp_path / "model") == torch.float32
 
 
 @pytest.mark.parametrize("fault", [("step", 5), ("checkpoint", 4)], ids=["mid-training", "mid-checkpoint"])

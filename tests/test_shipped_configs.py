@@ -29,9 +29,9 @@ from data_pipelines.synthetic.zoom import zoom_rows
 from vagent.config import DPOConfig, GRPOConfig, SFTConfig, load_config
 from vagent.data import load_rows, write_rows
 from vagent.model import is_vision_tower, load_policy
-from vagent.training.checkpoint import checkpoint_dtype, write_model_as
 from vagent.training.memory import SHAPES, shape_from_config_json
 from vagent.training.metrics import read_metrics
+from vagent.training.publish import weights_dtype, write_model_as
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -75,7 +75,8 @@ TEXT_ONLY = Variant("text-only", rows="text")
 # trajectory is chosen only with capped_chosen); the second step samples from the weights that update moved
 SELF_CRITIC = Variant("self-critic", ("grpo.self_critic.enabled=true", "grpo.self_critic.capped_chosen=true"), steps=2)
 MATRIX: dict[str, tuple[Variant, ...]] = {
-    "sft/qwen2_5_vl_3b_fsdp.yaml": (SHIPPED_AS_IS, TEXT_ONLY),
+    # its DDP alternative too: bf16 autocast over fp32 masters from a bf16 checkpoint, the frozen tower kept bit for bit
+    "sft/qwen2_5_vl_3b_fsdp.yaml": (SHIPPED_AS_IS, TEXT_ONLY, Variant("ddp", ("train.sharding=ddp",))),
     "sft/qwen2_5_vl_3b_lora.yaml": (SHIPPED_AS_IS,),
     "sft/qwen2_5_vl_3b_zero2.yaml": (SHIPPED_AS_IS,),
     "sft/qwen2_5_vl_3b_zero3.yaml": (SHIPPED_AS_IS,),
@@ -342,7 +343,14 @@ def _check_model(out: Path, start: Path, shipped, steps: int) -> None:
     """``model/`` loads, trained, in the starting checkpoint's dtype whatever the backend (DDP, FSDP, ZeRO-2/3, LoRA);
     the frozen ViT blocks are unchanged bit for bit; a tied head is still tied; a LoRA run's adapter on the base gives
     ``model/`` (up to the rounding of a bf16 base)."""
-    assert checkpoint_dtype(out / "model") == checkpoint_dtype(start)
+    # the weights themselves (their safetensors headers), not what config.json says: one dtype, the start's
+    assert weights_dtype(out / "model") == weights_dtype(start) and weights_dtype(start) is not None
+    assert weights_dtype(out / "model") == getattr(
+        torch, json.loads((out / "model" / "config.json").read_text())["dtype"]
+    )
+    saved = out / "checkpoints" / f"step-{steps:08d}" / "model"
+    if saved.is_dir():  # a checkpoint keeps the fp32 masters (DeepSpeed's too, not its bf16 module)
+        assert weights_dtype(saved) == torch.float32
     policy = load_policy(out / "model", device="cpu", dtype="float32")
     after, before = policy.model.state_dict(), _state(start)
     assert after.keys() == before.keys()
@@ -361,7 +369,7 @@ def _check_model(out: Path, start: Path, shipped, steps: int) -> None:
         adapter = out / "checkpoints" / f"step-{steps:08d}" / "adapter"
         base = load_policy(start, device="cpu", dtype="float32").model
         merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
-        dtype = checkpoint_dtype(start)  # the merge is rounded to the base's dtype once
+        dtype = weights_dtype(start)  # the merge is rounded to the base's dtype once
         for key, value in after.items():
             assert torch.allclose(
                 merged[key].to(dtype).float(), value, atol=1e-6 if dtype == torch.float32 else 1e-2

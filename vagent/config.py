@@ -536,7 +536,8 @@ class TrainConfig:
         "ddp",
         "ddp: every rank holds the whole model and optimizer (small models). fsdp: PyTorch FSDP2 shards "
         "weights, gradients and AdamW state over the ranks (bf16 compute, fp32 reduction and optimizer state "
-        "under precision bf16); full fine-tuning only (no LoRA, no deepspeed). See docs/guide/scaling.md.",
+        "under precision bf16); with LoRA, a frozen base (bf16 under precision bf16) sharded with its fp32 adapters; "
+        "not with train.deepspeed. See docs/guide/scaling.md.",
     )
     log_every: int = option(1, "Optimizer steps between metric records.")
     eval_every: int = option(0, "Optimizer steps between eval losses on data.val; 0 = only at the end.")

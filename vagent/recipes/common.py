@@ -25,6 +25,7 @@ from vagent.training.backend import DDPBackend, DeepSpeedBackend, TrainBackend, 
 from vagent.training.distributed import DistEnv, barrier, broadcast_object
 from vagent.training.fsdp import FSDPBackend, load_sharded, shard_model
 from vagent.training.merge import ADAPTER_DIR, merge_lora
+from vagent.training.publish import weights_dtype, write_model_as
 
 __all__ = [
     "FREE_KEYS",
@@ -266,8 +267,8 @@ def gathered_state_dict(backend: TrainBackend) -> dict[str, torch.Tensor] | None
     calls): the whole model's, or with LoRA the trainable adapters' alone (all a LoRA save writes; the frozen base
     is never gathered). None where ``backend.model`` holds them whole (DDP: ``save_pretrained`` reads the model).
     """
-    if hasattr(backend.model, "peft_config"):
-        return backend.adapter_state_dict() if isinstance(backend, FSDPBackend) else None
+    if hasattr(backend.model, "peft_config"):  # DeepSpeed: its fp32 masters, not the bf16 module it computes with
+        return backend.adapter_state_dict() if isinstance(backend, (DeepSpeedBackend, FSDPBackend)) else None
     if isinstance(backend, (DeepSpeedBackend, FSDPBackend)):
         return backend.full_state_dict()
     return None
@@ -302,7 +303,7 @@ def saved(model_dir: Path | None) -> str:
 
 def publish_model(checkpoint: Path, out: Path, env: DistEnv, source: Path) -> Path:
     """The run's final model at ``out/model``, replacing an older one atomically, in the dtype of the ``source``
-    checkpoint the run started from (its config.json; whatever the backend trained in: the checkpoints hold fp32
+    checkpoint's weights whatever the backend trained in (``vagent.training.publish``: the checkpoints hold fp32
     masters for an exact resume, a bf16 release is published in bf16): the checkpoint's HF model dir, or a LoRA
     checkpoint's adapter merged into its base (rank 0, on the CPU, one weight at a time: ``vagent.training.merge``;
     the only merged copy a LoRA run writes, in the base files' own dtype)."""
@@ -311,11 +312,11 @@ def publish_model(checkpoint: Path, out: Path, env: DistEnv, source: Path) -> Pa
         tmp = out / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
         if (checkpoint / "model").is_dir():
-            dtype = ckpt.checkpoint_dtype(source)
-            if dtype is None or dtype == ckpt.checkpoint_dtype(checkpoint / "model"):
+            dtype = weights_dtype(source)
+            if dtype is None or dtype == weights_dtype(checkpoint / "model"):
                 shutil.copytree(checkpoint / "model", tmp)
             else:
-                ckpt.write_model_as(checkpoint / "model", tmp, dtype)
+                write_model_as(checkpoint / "model", tmp, dtype)
         else:
             merge_lora(checkpoint / ADAPTER_DIR, tmp)
         shutil.rmtree(model_dir, ignore_errors=True)

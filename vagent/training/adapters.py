@@ -50,6 +50,13 @@ def apply_lora(
     pattern = rf"^(?!.*visual).*\.({'|'.join(target_modules)})$"
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=pattern, bias="none")
     model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    from peft.tuners.lora import LoraLayer
+
+    not_linear = sorted({type(m.base_layer).__name__ for m in model.modules()
+                         if isinstance(m, LoraLayer) and not isinstance(m.base_layer, torch.nn.Linear)})  # fmt: skip
+    if not_linear:  # embeddings' adapters are named lora_embedding_*, which the FSDP loader, the merge and sync skip
+        raise ValueError(f"train.lora.target_modules={target_modules} names {not_linear} layers: vagent's LoRA "
+                         "adapts linear layers only (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")  # fmt: skip
     for name, param in model.named_parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
@@ -130,10 +137,14 @@ def touch_vision_every_forward(model: torch.nn.Module, *, always: bool) -> bool:
         width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
         dummy = torch.zeros(4 * merge * merge, width, device=grid.device)  # (patches, C * T * P * P)
         out = visual(dummy, grid_thw=grid)
+        # Qwen3-VL's DeepStack mergers (which train with the merger) feed the decoder from intermediate blocks:
+        # their outputs join too, or a rank without images would reduce gradients for fewer parameters than one with
+        deepstack = list(getattr(out, "deepstack_features", None) or [])
         if not isinstance(out, torch.Tensor):  # transformers 5: the merged features are the pooler output (the
             pooled = getattr(out, "pooler_output", None)  # last hidden state skips the merger, which trains)
             out = pooled if pooled is not None else out[0]
-        kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + 0.0 * out.mean().to(kwargs["inputs_embeds"].dtype)
+        touched = out.mean() + sum((feature.mean() for feature in deepstack), torch.zeros((), device=out.device))
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + 0.0 * touched.to(kwargs["inputs_embeds"].dtype)
         ran[0] = False
         return args, kwargs
 

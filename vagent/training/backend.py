@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -229,30 +229,44 @@ class DeepSpeedBackend:
         self.module.load_checkpoint(str(directory / "deepspeed"), tag="state")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0's CPU, None elsewhere (a collective: every rank walks every parameter).
+        """The whole model's weights on rank 0's CPU in fp32, None elsewhere (a collective: every rank walks every
+        parameter).
 
         The trained weights come from DeepSpeed's fp32 masters (``safe_get_full_fp32_param``, reduced from every
         rank's partition), not from the module it computes with, which is bf16 under bf16 compute: a checkpoint holds
         the masters as under DDP and FSDP. Frozen weights have no master: the module's (gathered under ZeRO-3),
-        which are the loaded values themselves whenever the checkpoint's dtype is the compute dtype or wider-exact
-        (a bf16 release under bf16 compute, anything in fp32)."""
+        upcast exactly; they are the loaded values whenever the source checkpoint is bf16 or the compute fp32 (from an
+        fp32 checkpoint under bf16, DeepSpeed holds them rounded)."""
+        whole = self._masters(self.model.parameters())
+        if whole is None:
+            return None
+        # the state dict's names, a tied head's too (the embedding's tensor under both names), and its buffers
+        return {name: whole[id(value)] if id(value) in whole else value.detach().cpu()
+                for name, value in self.model.state_dict(keep_vars=True).items()}  # fmt: skip
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """LoRA: the trainable parameters (the adapters) from DeepSpeed's fp32 masters, on rank 0's CPU under the
+        model's state-dict names; None elsewhere. A collective."""
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        whole = self._masters(p for _, p in named)
+        return None if whole is None else {name: whole[id(p)] for name, p in named}
+
+    def _masters(self, params: Iterable[torch.nn.Parameter]) -> dict[int, torch.Tensor] | None:
+        """``{id(param): its whole fp32 value on the CPU}`` on rank 0, None elsewhere; every rank walks ``params``
+        in the same order (each is a collective)."""
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
         whole: dict[int, torch.Tensor] = {}
-        for param in self.model.parameters():
+        for param in params:
             full = safe_get_full_fp32_param(param) if param.requires_grad else None
             if full is None:
                 with deepspeed.zero.GatheredParameters([param], enabled=self.zero_stage == 3):
                     full = param.detach().clone()
             if self.env.is_main:
-                whole[id(param)] = full.cpu()
+                whole[id(param)] = full.float().cpu() if full.is_floating_point() else full.cpu()
             del full
-        if not self.env.is_main:
-            return None
-        # the state dict's names, a tied head's too (the embedding's tensor under both names), and its buffers
-        return {name: whole[id(value)] if id(value) in whole else value.detach().cpu()
-                for name, value in self.model.state_dict(keep_vars=True).items()}  # fmt: skip
+        return whole if self.env.is_main else None
 
 
 def load_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum: int, world_size: int,

@@ -36,13 +36,13 @@ import torch
 
 from vagent.training.distributed import DistEnv, barrier
 from vagent.training.merge import ADAPTER_DIR
+from vagent.training.publish import set_config_dtype, weights_dtype
 
 __all__ = [
     "STATE_FILE",
     "ResumeError",
     "begin_checkpoint",
     "changed_keys",
-    "checkpoint_dtype",
     "commit_checkpoint",
     "file_digest",
     "find_resume",
@@ -51,7 +51,6 @@ __all__ = [
     "save_adapter",
     "save_model",
     "save_rng",
-    "write_model_as",
 ]
 
 STATE_FILE = "trainer_state.json"
@@ -133,51 +132,11 @@ def save_model(
         save_adapter(model, directory.parent / ADAPTER_DIR, state_dict)
         return
     model.save_pretrained(directory, state_dict=state_dict)
+    dtype = weights_dtype(directory)
+    if state_dict is not None and dtype is not None:  # save_pretrained names the module's dtype (bf16 under ZeRO)
+        set_config_dtype(directory, dtype)
     if processor is not None:
         processor.save_pretrained(directory)
-
-
-def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
-    """The dtype an HF model dir's config.json names for its weights (``dtype``; older files ``torch_dtype``), or None
-    when it names none (or the dir has no readable config.json)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    name = config.get("dtype") or config.get("torch_dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def write_model_as(source: Path, out: Path, dtype: torch.dtype) -> None:
-    """Copy the HF model dir ``source`` to ``out`` with every floating-point weight in ``dtype`` and config.json saying
-    so: the files, keys and shards stay as they are; one safetensors file is in memory at a time.
-
-    Why: a run's checkpoints keep the fp32 master weights (a resume continues from them exactly), but the model a run
-    publishes is written in its source checkpoint's dtype whatever the backend trained with (a bf16 release stays
-    bf16: half the disk, and a frozen part comes out bit for bit as it went in).
-    """
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    for file in sorted(source.glob("*.safetensors")):
-        weights = load_file(str(file))
-        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
-        save_file(cast, str(out / file.name), metadata={"format": "pt"})
-        del weights, cast
-    config = json.loads((out / "config.json").read_text())
-    name = str(dtype).removeprefix("torch.")
-    config["dtype"] = name
-    for sub in ("text_config", "vision_config"):  # transformers 5 writes the dtype into the sub-configs too
-        if isinstance(config.get(sub), dict) and "dtype" in config[sub]:
-            config[sub]["dtype"] = name
-    config.pop("torch_dtype", None)
-    _write_json(out / "config.json", config)
-    index = out / "model.safetensors.index.json"
-    if index.is_file():  # its total_size counts bytes: halved (or doubled) with the dtype
-        data = json.loads(index.read_text())
-        data.get("metadata", {}).pop("total_size", None)
-        _write_json(index, data)
 
 
 def save_adapter(model: torch.nn.Module, directory: Path, state_dict: dict[str, Any] | None = None) -> None:

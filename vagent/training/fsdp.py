@@ -9,7 +9,9 @@ the rest (embeddings, LM head, the vision patch embedding and merger) as the roo
 Precision: the sharded parameters and AdamW's state stay fp32. With bf16 compute the units gather their
 weights as bf16 and reduce-scatter gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``) instead of autocasting fp32 weights as DDP does. Both run on CPU over gloo with torch 2.14
-(tests/test_fsdp.py: fp32 on 2 ranks, the bf16 policy in a group of one) and on CUDA over NCCL.
+(tests/test_fsdp.py: fp32 on 2 ranks, the bf16 policy in a group of one) and on CUDA over NCCL. With LoRA
+(torchtune's layout) the frozen base is sharded in bf16 under bf16 compute and the adapters in fp32, in the same
+units; only the adapters have gradients and AdamW state.
 
 Collectives must line up on every rank, so every rank runs the same modules in the same order. A micro-batch
 without images would skip the vision tower on one rank while another rank gathers its blocks (a hang, or
@@ -19,9 +21,11 @@ language model without it (verl and EasyR1 do the same for text-only batches). v
 frames, so a forward runs the tower at most once.
 
 Checkpoints (``save``/``load`` and ``full_state_dict``): ``model/`` is a consolidated HF dir gathered with
-``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` and written by rank 0; the optimizer is saved
-sharded with ``torch.distributed.checkpoint`` (``optimizer/``, every rank writes its shard; a different world
-size reshards on load), the schedule by rank 0. A resume loads the consolidated ``model/`` through ``load_sharded``.
+``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` and written by rank 0 (with LoRA, ``adapter/``
+instead: ``adapter_state_dict`` gathers the adapters alone); the optimizer is saved sharded with
+``torch.distributed.checkpoint`` (``optimizer/``, every rank writes its shard; a different world size reshards on
+load), the schedule by rank 0. A resume loads the consolidated ``model/`` (with LoRA: the base and ``adapter/``)
+through ``load_sharded``.
 
 Loading (``load_sharded``, as torchtune does it): every rank builds the model on the meta device, prepares and
 shards it, allocates only its own shards, and rank 0 alone reads the checkpoint and broadcasts it one tensor at a time
@@ -183,6 +187,8 @@ def load_sharded(path: str | Path, env: DistEnv, *, bf16: bool, attn_implementat
                 full = _with_adapters(full, shapes, adapter, seed)
         except PolicyLoadError as e:
             error = str(e)
+        except Exception as e:  # a missing or corrupt adapter file: said on every rank, not left to hang them
+            error = f"could not load the adapter of {adapter}: {type(e).__name__}: {str(e).splitlines()[0]}"
     if (error := broadcast_object(error)) is not None:  # not the others left waiting in the broadcast
         raise PolicyLoadError(error)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
