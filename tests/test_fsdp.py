@@ -474,16 +474,24 @@ def test_a_sigkilled_qwen3_vl_fsdp_run_resumes_to_the_same_losses(like_qwen3_8b,
     data = tmp_path / "data"
     write_rows(zoom_rows(data, 8, seed=0, size=SIZE, clutter=20, **frame), data / "train.jsonl")
     write_rows(zoom_rows(data, 2, seed=1, size=SIZE, clutter=20, **frame), data / "val.jsonl")
-    runs = {name: tmp_path / name for name in ("full", "killed")}
-    args = {name: _sft_args(out, like_qwen3_8b, data / "train.jsonl", "optim.grad_accum=1", "train.sharding=fsdp",
-                            *lora) for name, out in runs.items()}  # fmt: skip
-    full = _launch(tmp_path, "sft", 2, args["full"])
-    assert full.returncode == 0, full.stderr[-3000:]
-    killed = _launch(tmp_path, "sft", 2, args["killed"], fault=("checkpoint", 4))
-    assert killed.returncode != 0 and not (runs["killed"] / "checkpoints" / "step-00000004").exists()
-    resumed = _launch(tmp_path, "sft", 2, args["killed"])
-    assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr[-3000:]
-    assert len(_curve(runs["full"], "loss")) == 6 and _curve(runs["killed"], "loss") == _curve(runs["full"], "loss")
+    args = lambda out: _sft_args(out, like_qwen3_8b, data / "train.jsonl", "optim.grad_accum=1",  # noqa: E731
+                                 "train.sharding=fsdp", *lora)  # fmt: skip
+    full, resumed = _kill_and_resume(tmp_path, "sft", args, at=4, resumes_at=2)
+    assert len(_curve(full, "loss")) == 6 and _curve(resumed, "loss") == _curve(full, "loss")
+
+
+def _kill_and_resume(tmp_path: Path, stage: str, args, at: int, resumes_at: int) -> tuple[Path, Path]:
+    """Run ``stage`` on 2 ranks whole (``tmp_path/full``), then killed as checkpoint ``at`` is written and resumed
+    from checkpoint ``resumes_at`` (``tmp_path/killed``); ``args(out_dir)`` is the command line. Returns the two out
+    dirs."""
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    result = _launch(tmp_path, stage, 2, args(full))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _launch(tmp_path, stage, 2, args(killed), fault=("checkpoint", at))
+    assert result.returncode != 0 and not (killed / "checkpoints" / f"step-{at:08d}").exists()
+    result = _launch(tmp_path, stage, 2, args(killed))
+    assert result.returncode == 0 and f"at step {resumes_at}" in result.stdout, result.stderr[-3000:]
+    return full, killed
 
 
 def _grpo_args(out_dir, model, rows, prompts_per_step, *extra):
@@ -557,17 +565,10 @@ def test_a_sigkilled_lora_fsdp_grpo_run_resumes_from_its_adapter_to_the_same_rew
     """configs/grpo/qwen2_5_vl_7b_lora_fsdp.yaml's structure: the adapter checkpoint and the sharded optimizer are all a
     resume has; the resumed run samples from the same merged weights and trains to the same numbers."""
     rows = zoom_rows_file(16, 1000)
-    runs = {name: tmp_path / name for name in ("full", "killed")}
-    args = {name: _grpo_args(out, tiny_qwen25, rows, 2, "train.sharding=fsdp", "train.lora.enabled=true")
-            for name, out in runs.items()}  # fmt: skip
-    full = _launch(tmp_path, "grpo", 2, args["full"])
-    assert full.returncode == 0, full.stderr[-3000:]
-    killed = _launch(tmp_path, "grpo", 2, args["killed"], fault=("checkpoint", 2))
-    assert killed.returncode != 0 and not (runs["killed"] / "checkpoints" / "step-00000002").exists()
-    resumed = _launch(tmp_path, "grpo", 2, args["killed"])
-    assert resumed.returncode == 0 and "at step 1" in resumed.stdout, resumed.stderr[-3000:]
+    args = lambda out: _grpo_args(out, tiny_qwen25, rows, 2, "train.sharding=fsdp", "train.lora.enabled=true")  # noqa: E731
+    full, resumed = _kill_and_resume(tmp_path, "grpo", args, at=2, resumes_at=1)
     for key in GRPO_KEYS:
-        assert _curve(runs["killed"], key) == _curve(runs["full"], key), key  # bit for bit on CPU
+        assert _curve(resumed, key) == _curve(full, key), key  # bit for bit on CPU
 
 
 @pytest.mark.slow
