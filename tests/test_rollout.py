@@ -326,7 +326,17 @@ def test_a_hanging_tool_is_cut_off_without_stalling_other_rows(policy, monkeypat
     assert finished[-1] == "hang"  # the quick rows did not wait for it
 
 
-def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path, family):
+    """Videos reach the model as the frames a video tool returns, each after its time as text (Qwen3-VL's processor
+    would write its own ``<t seconds>`` only for a video input, which vagent never sends): the same on both
+    families, encoded as the engine ran them (Qwen3-VL on its 32-pixel grid)."""
+    if family == "qwen3_vl":
+        from vagent.model import load_policy
+        from vagent.tiny_model import build_tiny_checkpoint
+
+        policy = load_policy(build_tiny_checkpoint(tmp_path / "q3", family=family, size="nano",
+                                                   min_pixels=32 * 32 * 4))  # fmt: skip
     path = write_video(tmp_path / "clip.mp4", frames=30, fps=10.0, step=8)
     broken = tmp_path / "broken.mp4"
     broken.write_bytes(b"not a video")
@@ -342,7 +352,8 @@ def test_video_tasks_name_their_videos_and_video_tools_run(policy, tmp_path):
     from vagent.data.encode import encode_messages
 
     min_pixels, max_pixels = policy.pixel_budget
-    enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    enc = encode_messages(traj.messages, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                          factor=policy.image_factor)  # fmt: skip
     assert enc.input_ids.tolist() == traj.token_ids  # frame times are text parts of the tool turn, encoded alike
 
 
