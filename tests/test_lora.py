@@ -349,3 +349,24 @@ def test_a_lora_target_that_is_not_a_linear_layer_is_refused_naming_it(tiny_qwen
     model = load_policy(tiny_qwen25, device="cpu").model
     with pytest.raises(ValueError, match=r"\['Embedding'\] layers: vagent's LoRA adapts linear layers only"):
         apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "embed_tokens"])
+
+
+def test_under_fsdp_a_tied_head_stays_tied_with_lora_and_the_generation_copy_gets_the_merged_weights(like_3b):
+    """Qwen2.5-VL-3B's layout (a head tied to the input embedding) with LoRA under FSDP2: the head is still the
+    embedding after loading into shards, and the generation copy gets it tied and each adapted layer merged (at the
+    start, B = 0: the base's own weights)."""
+    from vagent.training.distributed import shutdown
+    from vagent.training.fsdp import InferenceCopy
+
+    cfg = load_config(SFTConfig, None, ["model.path=x", "data.train=x", *LORA, "train.sharding=fsdp"])
+    try:
+        _, model, _ = load_trainable(ModelConfig(path=str(like_3b), device="cpu"), cfg.train, Path("unused"), CPU,
+                                     None, seed=0)  # fmt: skip
+        base = model.get_base_model()
+        assert base.lm_head.weight is base.model.language_model.embed_tokens.weight
+        copy = InferenceCopy(model, torch.float32).refresh(model)
+        assert copy.lm_head.weight.data_ptr() == copy.model.language_model.embed_tokens.weight.data_ptr()
+        start = load_policy(like_3b, device="cpu", dtype="float32").model.state_dict()
+        assert all(torch.equal(value, start[name]) for name, value in copy.state_dict().items())
+    finally:
+        shutdown()
