@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import struct
 from pathlib import Path
 
 import torch
+
+from vagent.training.publish import safetensors_header
 
 __all__ = ["ADAPTER_DIR", "MergeError", "adapter_base", "merge_lora"]
 
@@ -150,10 +151,7 @@ def _merge_file(source: Path, copy: Path, deltas: dict[str, tuple[torch.Tensor, 
     Returns the canonical names merged."""
     from safetensors import safe_open
 
-    with open(source, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    data_start = 8 + size
+    header, data_start = safetensors_header(source)
     targets = {}
     for key in header:
         canonical = _canonical(key.removesuffix(".weight"))

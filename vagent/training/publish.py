@@ -24,16 +24,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["set_config_dtype", "weights_dtype", "write_model_as"]
+__all__ = ["safetensors_header", "set_config_dtype", "weights_dtype", "write_model_as"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
-def _header(file: Path) -> dict:
+def safetensors_header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's JSON header (per tensor: dtype, shape, byte offsets from the data's start; and
+    ``__metadata__``) and the byte at which its data starts; nothing else is read."""
     with open(file, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
+        return json.loads(f.read(size)), 8 + size
 
 
 def weights_dtype(model_dir: str | Path) -> torch.dtype | None:
@@ -47,7 +49,8 @@ def weights_dtype(model_dir: str | Path) -> torch.dtype | None:
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
-        codes = {entry["dtype"] for file in files for key, entry in _header(file).items() if key != "__metadata__"}
+        codes = {entry["dtype"] for file in files for key, entry in safetensors_header(file)[0].items()
+                 if key != "__metadata__"}  # fmt: skip
         floating = {_DTYPES[c] for c in codes if c in _DTYPES}
         return floating.pop() if len(floating) == 1 else None
     try:
@@ -86,7 +89,7 @@ def write_model_as(source: Path, out: Path, dtype: torch.dtype) -> None:
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
     sizes: dict[str, int] = {}
     for file in sorted(source.glob("*.safetensors")):
-        header = _header(file)
+        header, _ = safetensors_header(file)
         new, offset = {}, 0
         for key, entry in header.items():
             if key == "__metadata__":
