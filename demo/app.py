@@ -43,6 +43,7 @@ from demo.episode import (
 )
 from vagent.agents import PROFILES
 from vagent.model import Policy, PolicyLoadError, load_policy
+from vagent.rollout.backend import GenerationBackend
 from vagent.rollout.export import save_png_once
 from vagent.toolbox import TOOLS, ToolServices
 
@@ -69,11 +70,13 @@ class Served:
     limits: DemoLimits = field(default_factory=DemoLimits)
     examples: list[list[Any]] = field(default_factory=list)
     agent: str = "vagent"  # the protocol the policy speaks (vagent.agents.PROFILES)
+    backend: GenerationBackend | None = None  # --backend vllm: the engine every episode generates on; None: HF
 
 
-def pick_model(model: str | None, runs: Path) -> tuple[Path, str]:
+def pick_model(model: str | None, runs: Path, size: str = "tiny") -> tuple[Path, str]:
     """The checkpoint to serve and a line about it for the page: ``--model``, else the quickstart's GRPO or
-    SFT policy, else a random tiny checkpoint built under ``runs/demo`` (with a warning that it is random)."""
+    SFT policy, else a random checkpoint of preset ``size`` built under ``runs/demo`` (with a warning that it is
+    random)."""
     if model:
         return Path(model), f"Model: `{model}`."
     for stage in ("grpo", "sft"):
@@ -86,10 +89,10 @@ def pick_model(model: str | None, runs: Path) -> tuple[Path, str]:
             )
     from vagent.tiny_model import build_tiny_checkpoint
 
-    tiny = runs / "demo" / "tiny-random"
+    tiny = runs / "demo" / f"{size}-random"
     if not (tiny / "config.json").is_file():
-        print(f"no --model and no quickstart checkpoint: building a random tiny model in {tiny} ...", flush=True)
-        build_tiny_checkpoint(tiny, size="tiny", min_pixels=3136, max_pixels=50176)
+        print(f"no --model and no quickstart checkpoint: building a random {size} model in {tiny} ...", flush=True)
+        build_tiny_checkpoint(tiny, size=size, min_pixels=3136, max_pixels=50176)
     return tiny, RANDOM_MODEL_WARNING
 
 
@@ -186,7 +189,8 @@ def answer(served: Served, file: str | None, question: str, tools: list[str], te
     yield history, seen(), f"Running on `{served.model_dir.name}` with tools: {', '.join(tools) or 'none'} …"
     turn, t0 = 0, time.perf_counter()
     try:
-        for event in stream_episode(served.policy, task, limits, served.services, seed=int(seed), agent=served.agent):
+        for event in stream_episode(served.policy, task, limits, served.services, seed=int(seed), agent=served.agent,
+                                    backend=served.backend):  # fmt: skip
             if event.kind == "turn":
                 turn += event.message.role == "assistant"
                 looked.add(event.observation)
@@ -297,6 +301,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="Bind address; 0.0.0.0 exposes it (default: %(default)s).")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--device", help="cuda / cpu (default: CUDA when available).")
+    p.add_argument(
+        "--backend",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="What generates: hf (vagent's own engine) or vllm (needs vLLM installed; default: %(default)s).",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
     p.add_argument("--search-corpus", help="JSONL corpus (title, text, url) that enables the offline `search` tool.")
     p.add_argument("--max-upload-mb", type=float, default=DemoLimits.max_upload_mb)
     p.add_argument("--max-image-pixels", type=int, default=DemoLimits.max_image_pixels)
@@ -309,16 +321,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def serve(args: argparse.Namespace):
-    """Load everything and build the app (not launched): the CLI and the tests share this."""
-    model_dir, note = pick_model(args.model, Path(args.runs))
+def load(args: argparse.Namespace) -> Served:
+    """Everything the app serves, loaded: the policy, its tools and, under ``--backend vllm``, the engine.
+
+    Raises:
+        PolicyLoadError: the checkpoint does not load, or vLLM cannot run it here (one line with the remedy).
+    """
+    # vLLM's CPU attention takes head sizes from 32: a random stand-in for it is the `small` preset
+    size = "small" if args.backend == "vllm" else "tiny"
+    model_dir, note = pick_model(args.model, Path(args.runs), size=size)
     policy = load_policy(model_dir, device=args.device)
     tools, services = services_for(args.search_corpus)
     tools = [t for t in tools if t in PROFILES[args.agent].tools]  # what the agent's protocol can call
     limits = DemoLimits(max_upload_mb=args.max_upload_mb, max_image_pixels=args.max_image_pixels,
                         max_video_s=args.max_video_s, max_turns=args.max_turns)  # fmt: skip
     examples = make_examples(policy, Path(args.runs) / "demo" / "examples")
-    served = Served(policy, model_dir, note, tools, services, limits, examples, agent=args.agent)
+    backend = None
+    if args.backend == "vllm":
+        try:
+            from vagent.rollout.vllm_backend import VLLMBackend
+        except ImportError as e:
+            raise PolicyLoadError(f"--backend vllm needs vLLM installed (pip install -e '.[vllm]'): {e}") from None
+        try:  # one episode at a time (the app's queue): a handful of rows covers its turns
+            backend = VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=4,
+                                             max_images=limits.max_images,
+                                             gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
+        except ValueError as e:
+            raise PolicyLoadError(f"--backend vllm: {e}") from None
+        note += " Generating on vLLM."
+    return Served(policy, model_dir, note, tools, services, limits, examples, agent=args.agent, backend=backend)
+
+
+def serve(args: argparse.Namespace):
+    """Load everything and build the app (not launched): the CLI and the tests share this."""
+    served = load(args)
     return served, build_app(served)
 
 
@@ -335,11 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     except PolicyLoadError as e:
         print(f"vagent demo: error: {e}", file=sys.stderr)
         return 2
-    print(f"serving {served.model_dir} on http://{args.host}:{args.port} (tools: {', '.join(served.tools)})")
+    print(f"serving {served.model_dir} on http://{args.host}:{args.port} on {args.backend} "
+          f"(tools: {', '.join(served.tools)})")  # fmt: skip
     app.queue(default_concurrency_limit=1, max_size=args.max_queue)
-    app.launch(server_name=args.host, server_port=args.port, share=args.share,
-               max_file_size=f"{served.limits.max_upload_mb:g}mb", allowed_paths=[str(Path(args.runs).resolve())],
-               show_error=True)  # fmt: skip
+    try:
+        app.launch(server_name=args.host, server_port=args.port, share=args.share,
+                   max_file_size=f"{served.limits.max_upload_mb:g}mb", allowed_paths=[str(Path(args.runs).resolve())],
+                   show_error=True)  # fmt: skip
+    finally:  # the engine's processes end with the demo, Ctrl-C included
+        if served.backend is not None:
+            served.backend.close()
     return 0
 
 

@@ -10,6 +10,7 @@ writes nonsense (that is shown as it is).
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import queue
 import threading
@@ -25,6 +26,7 @@ from vagent.agents import get_profile
 from vagent.media import MediaError, load_image, probe_video, read_frames, uniform_timestamps
 from vagent.model import Policy
 from vagent.rollout import RolloutLimits, Task, rollout
+from vagent.rollout.backend import GenerationBackend
 from vagent.toolbox import ToolServices
 from vagent.types import Message, Observation, Trajectory
 
@@ -141,20 +143,21 @@ _POLICY_LOCK = threading.Lock()  # one episode on the model at a time, whatever 
 
 
 def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: ToolServices | None = None,
-                   seed: int | None = None, agent: str = "vagent") -> Iterator[Event]:  # fmt: skip
+                   seed: int | None = None, agent: str = "vagent",
+                   backend: GenerationBackend | None = None) -> Iterator[Event]:  # fmt: skip
     """Run ``task`` on a worker thread and yield its turns as they happen, then ``done`` (or ``error``).
-    ``agent`` names the protocol the policy speaks (``vagent.agents.PROFILES``)."""
+    ``agent`` names the protocol the policy speaks (``vagent.agents.PROFILES``); ``backend`` generates (default:
+    vagent's HF engine; ``vagent demo --backend vllm`` passes its vLLM engine). ``seed`` fixes every sampled turn
+    (``RolloutLimits.sampling_seed``), on either backend."""
+    if seed is not None:
+        limits = dataclasses.replace(limits, sampling_seed=int(seed))
     events: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
 
     def work() -> None:
         try:
             with _POLICY_LOCK:
-                if seed is not None:
-                    import torch
-
-                    torch.manual_seed(seed)
                 trajectory = rollout(policy, task, limits, on_turn=lambda m, o: events.put(("turn", m, o)),
-                                     agent=agent, services=services)  # fmt: skip
+                                     agent=agent, services=services, backend=backend)  # fmt: skip
             events.put(("done", trajectory, None))
         except Exception as e:  # the user sees what failed; the server keeps serving
             events.put(("error", f"{type(e).__name__}: {e}", None))

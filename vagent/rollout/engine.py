@@ -459,7 +459,9 @@ def rollout(
     on_turn: Callable[[Message, Observation | None], None] | None = None,
     services: ToolServices | None = None,
     agent: str | AgentProfile = "vagent",
+    backend: GenerationBackend | None = None,
 ) -> Trajectory:
     """Run one episode of ``task``. Tool failures become observations; nothing raises for model output.
-    ``on_turn`` is called with each new message and, for tool messages, its observation (see ``run``)."""
-    return run(policy, [task], 1, limits, services, batch_size=1, on_turn=on_turn, agent=agent)[0]
+    ``on_turn`` is called with each new message and, for tool messages, its observation; ``backend`` is what
+    generates (default: a new ``HFBackend``; see ``run``)."""
+    return run(policy, [task], 1, limits, services, batch_size=1, on_turn=on_turn, agent=agent, backend=backend)[0]
