@@ -1,6 +1,6 @@
 """The GPU proof in one command: the rollout, one whole GRPO step and SFT steps of the 3B configs, on one device.
 
-    python benchmarks/gpu_suite.py --out DIR [--parts env rollout grpo_step sft gpu_tests] [--doc]
+    python benchmarks/gpu_suite.py --out DIR [--parts env rollout grpo_step sft gpu_tests vllm] [--doc]
     python benchmarks/gpu_suite.py --device cpu --size tiny --out DIR            (every part, tiny, under a minute)
 
 On CUDA the checkpoint is Qwen2.5-VL-3B's shape (text 2048 x 36, GQA 16/2, vision 1280 x 32, tied head) with Qwen's
@@ -31,6 +31,13 @@ machine without a registry (its wheels come from ``benchmarks/gpu_wheels.sh``).
 * ``sft``: steps of ``configs/sft/qwen2_5_vl_3b_fsdp.yaml`` with the chunked LM head and with whole logits, and of the
   ZeRO-2 config where DeepSpeed imports: tokens/s, MFU, peak memory against the plan at the rows' own length.
 * ``gpu_tests``: ``pytest -m gpu``.
+* ``vllm`` (where vLLM is installed; skipped, saying so, elsewhere): ``benchmarks/vllm_rollout.py``'s single-turn
+  workload on the suite's checkpoint (64 rows with an image, 128 sampled tokens each, EOS off): bare vLLM
+  (``LLM.generate``), vagent's rollout over ``VLLMBackend`` (target: at least 0.9 of bare vLLM's tokens/s) and over
+  ``HFBackend``; then the update's round trip on the engine (level-2 sleep, the weights streamed back by
+  ``load_weights``, the caches reset) with its seconds, and how many rows' greedy tokens after it equal those before
+  it (stale or garbled weights after a wake-up show here: trl#5312, vllm#29341). On CPU it runs the ``small`` preset
+  (vLLM's CPU attention takes no head size below 32).
 
 MFU = 6 x the language model's parameters x tokens/s / the device's dense bf16 peak (``--peak-tflops``; by default
 read off the device's name: 989 for an H100 SXM or an H200, 756 for an H100 PCIe). An estimate: the frozen vision
@@ -56,9 +63,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PARTS = ("env", "rollout", "grpo_step", "sft", "gpu_tests")
+PARTS = ("env", "rollout", "grpo_step", "sft", "gpu_tests", "vllm")
 # Under --budget: each part's share of the time left when it starts, against the shares of the parts still to run.
-SHARES = {"env": 0.04, "rollout": 0.4, "grpo_step": 0.26, "sft": 0.22, "gpu_tests": 0.08}
+SHARES = {"env": 0.04, "rollout": 0.4, "grpo_step": 0.26, "sft": 0.22, "gpu_tests": 0.08, "vllm": 0.2}
 GRPO_CONFIG = ROOT / "configs" / "grpo" / "qwen2_5_vl_3b.yaml"
 SFT_CONFIGS = {"fsdp": ROOT / "configs" / "sft" / "qwen2_5_vl_3b_fsdp.yaml",
                "zero2": ROOT / "configs" / "sft" / "qwen2_5_vl_3b_zero2.yaml"}  # fmt: skip
@@ -69,9 +76,11 @@ CROPS = ['<tool_call>{"name": "crop", "arguments": {"bbox": [0, 0, 224, 168]}}</
 # Per scale: decode rows, decode tokens, GRPO prompts x group, tokens per turn, SFT rows and steps, matmul size.
 SCALES = {
     "gpu": {"decode_rows": [16, 64, 256], "decode_tokens": 32, "prompts": 16, "group": 8, "turn_tokens": 128,
-            "sft_rows": 64, "sft_steps": 6, "micro": 4, "matmul": 8192, "image": (1000, 750), "prefill_rows": 16},
+            "sft_rows": 64, "sft_steps": 6, "micro": 4, "matmul": 8192, "image": (1000, 750), "prefill_rows": 16,
+            "vllm_rows": 64},
     "cpu": {"decode_rows": [2, 4], "decode_tokens": 4, "prompts": 2, "group": 2, "turn_tokens": 8,
-            "sft_rows": 4, "sft_steps": 2, "micro": 2, "matmul": 512, "image": (448, 336), "prefill_rows": 2},
+            "sft_rows": 4, "sft_steps": 2, "micro": 2, "matmul": 512, "image": (448, 336), "prefill_rows": 2,
+            "vllm_rows": 4},
 }  # fmt: skip
 
 
@@ -628,6 +637,45 @@ def part_gpu_tests(args, scale, ckpt: Path, out: Path) -> dict:
     return {"status": "ok" if ran else "failed", "summary": summary + note}
 
 
+def part_vllm(args, scale, ckpt: Path, out: Path) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"status": "skipped", "error": "vLLM is not installed here (pip install 'vagent[vllm]')"}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as GRPO runs it
+    from benchmarks.vllm_rollout import _tasks, single_turn
+    from vagent.model import load_policy
+    from vagent.rollout import RolloutLimits, run
+    from vagent.rollout.vllm_backend import VLLMBackend
+    from vagent.tiny_model import build_tiny_checkpoint
+    from vagent.training.weight_sync import generation_weights
+
+    if args.device == "cpu":  # vLLM's CPU attention takes head sizes from 32 only: the small preset, not the tiny one
+        ckpt = out / "ckpt-small-cpu"
+        if not (ckpt / "config.json").is_file():
+            build_tiny_checkpoint(ckpt, size="small")
+    policy = load_policy(ckpt, device=args.device)
+    rows, tokens = scale["vllm_rows"], scale["turn_tokens"]
+    engine = VLLMBackend.for_policy(policy, max_model_len=4096, max_num_seqs=rows, max_images=4,
+                                    gpu_memory_utilization=0.35, sleep=args.device == "cuda")  # fmt: skip
+    numbers: dict = {"rows": rows, "new_tokens": tokens, "single_turn": {}}
+    try:
+        for name, seconds, sampled in single_turn(policy, engine, rows, tokens):
+            numbers["single_turn"][name] = {"seconds": seconds, "tokens": sampled, "tokens_per_s": sampled / seconds}
+        _save(args, out, numbers)
+        greedy, work = RolloutLimits(max_turns=1, max_new_tokens=tokens, temperature=0.0), _tasks(rows)
+        before = run(policy, work, limits=greedy, batch_size=rows, backend=engine)
+        start = time.perf_counter()
+        engine.sleep()  # level 2 on a GPU, as GRPO's update does; a no-op on a CPU
+        numbers["sleep_s"] = time.perf_counter() - start
+        numbers["sync_s"] = engine.load_weights(generation_weights(policy.model))
+        after = run(policy, work, limits=greedy, batch_size=rows, backend=engine)
+        numbers["same_greedy_rows"] = sum(a.token_ids == b.token_ids for a, b in zip(after, before, strict=True))
+    finally:
+        engine.close()
+    return numbers
+
+
 # -- the table ----------------------------------------------------------------------------------------------------
 
 
@@ -705,6 +753,16 @@ def table(results: dict) -> str:
                     add(name, run_name, f"{run['tokens_per_s']:,.0f} tokens/s{mfu}, peak {run['peak_gib']:.1f} GiB")
         if name == "gpu_tests":
             add(name, "pytest -m gpu", part.get("summary", ""))
+        if name == "vllm" and part.get("single_turn"):
+            runs = part["single_turn"]
+            bare = runs["bare vLLM (LLM.generate)"]["tokens_per_s"]
+            add(name, f"single turn, {part['rows']} rows x {part['new_tokens']} tokens",
+                "; ".join(f"{gen}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / bare:.2f} of bare vLLM)"
+                          for gen, r in runs.items()))  # fmt: skip
+        if name == "vllm" and "sync_s" in part:
+            add(name, "update round trip (sleep, weights, caches)",
+                f"sleep {part['sleep_s']:.2f} s, weight sync {part['sync_s']:.2f} s; greedy rows unchanged after it: "
+                f"{part['same_greedy_rows']} of {part['rows']}")  # fmt: skip
     return "\n".join(lines)
 
 

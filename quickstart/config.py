@@ -84,6 +84,10 @@ class QuickstartConfig:
     grpo_negative_scale: float = option(
         1.0, "GRPO's weight on the samples that lost to their group (grpo.negative_scale; 0: learn from the winners)."
     )
+    grpo_kl_coef: float = option(
+        0.05,
+        "Weight of GRPO's k3 KL to its SFT start (grpo.kl_coef; 0: no reference; docs/decisions/grpo-kl-keeps-greedy.md).",
+    )
     group_size: int = option(4, "GRPO samples per prompt.")
     prompts_per_step: int = option(8, "GRPO prompts per step.")
     rollout: RolloutConfig = option(
@@ -114,13 +118,13 @@ class QuickstartConfig:
                              "set both to 0 for greedy GRPO")  # fmt: skip
         if self.grpo_steps:  # GRPO's and its optimizer's own checks of the knobs handed to them, at load, not after SFT
             algo = GRPOAlgoConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
-                                  negative_scale=self.grpo_negative_scale)  # fmt: skip
+                                  negative_scale=self.grpo_negative_scale, kl_coef=self.grpo_kl_coef)  # fmt: skip
             for section in (algo, OptimConfig(lr=self.grpo_lr)):
                 try:
                     section.validate()
                 except ValueError as e:
                     raise ValueError(f"{e} (from the quickstart's group_size, prompts_per_step, grpo_negative_scale, "
-                                     "grpo_lr)") from None  # fmt: skip
+                                     "grpo_kl_coef, grpo_lr)") from None  # fmt: skip
         epochs = self.warmup_epochs if isinstance(self.warmup_epochs, list) else [self.warmup_epochs]
         if isinstance(self.warmup_epochs, list) and len(epochs) != len(self.warmup_phases):
             raise ValueError(f"warmup_epochs lists {len(epochs)} numbers for {len(self.warmup_phases)} warmup_phases "

@@ -204,7 +204,7 @@ def grpo_config(cfg: QuickstartConfig, out: Path, model: Path, data: dict[str, P
             val.temperature, val.samples = cfg.rollout.temperature, cfg.grpo_val_samples
     algo = GRPOAlgoConfig(group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step, micro_batch_size=8,
                           rollout_batch_size=cfg.group_size * cfg.prompts_per_step,
-                          negative_scale=cfg.grpo_negative_scale)  # fmt: skip
+                          negative_scale=cfg.grpo_negative_scale, kl_coef=cfg.grpo_kl_coef)  # fmt: skip
     return check_config(GRPOConfig(
         out_dir=str(out / "grpo"), seed=cfg.seed, model=ModelConfig(path=str(model), device=_device(cfg)),
         data=GRPODataConfig(train=str(data["train"]), tools=["crop"]), rollout=dataclasses.replace(cfg.rollout), grpo=algo, val=val,

@@ -106,7 +106,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (state,) = (tmp_path / "grpo" / "checkpoints").glob("step-*/trainer_state.json")
     grpo_config = json.loads(state.read_text())["config"]
-    assert grpo_config["grpo"]["negative_scale"] == 0.5  # the quickstart's knob reaches GRPO
+    assert grpo_config["grpo"]["negative_scale"] == 0.5  # the quickstart's knobs reach GRPO
+    assert grpo_config["grpo"]["kl_coef"] == 0.05  # the KL to the SFT start that keeps its greedy answers
     assert grpo_config["val"]["keep_best"] and grpo_config["val"]["rows"] == str(tmp_path / "data" / "val.jsonl")
     assert grpo_config["val"]["temperature"] == 0.7 and grpo_config["val"]["samples"] == 1  # GRPO's own sampling
     val = load_rows(tmp_path / "data" / "val.jsonl")
@@ -129,7 +130,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert "GRPO at least 5 points above its SFT start (sampled" in report
     assert "95% interval" in report and "GRPO against its SFT start on the same rows" in report
     targets = report.split("## Targets")[1].split("##")[0]  # each target, measured: met or not on this toy budget
-    assert targets.count("| yes |") + targets.count("| **no** |") == 7 and "targets met at seed 0" in targets
+    assert targets.count("| yes |") + targets.count("| **no** |") == 9 and "targets met at seed 0" in targets
+    assert "| GRPO keeps its SFT start's greedy accuracy (at most 2 points below) | " in targets
     assert f"| within 20 minutes | {report.split('Total time **')[1].split(' ')[0]} min |" in targets
     for phase in ("grounding", "perception"):  # each warm-up phase checked on every val image with a small tile
         check = (tmp_path / "eval" / f"sft-warmup-{phase}" / "samples.jsonl").read_text().splitlines()
@@ -202,6 +204,31 @@ def test_the_warm_up_checks_say_when_a_phase_has_not_learned_its_skill():
     assert digits.startswith("the digit read from the gold crop") and "plateau" not in digits
 
 
+def test_the_greedy_targets_count_slips_the_answered_share_does_not_show():
+    """GRPO's greedy targets: accuracy at most 2 points below SFT's; tool errors (failed or unreadable calls) and
+    episodes without a well-formed answer (none, or an unclosed one swallowing a call) at most 2 points above."""
+    from quickstart.report import _greedy_kept, slips
+
+    def sample(accuracy=1.0, prediction="rising", tool_errors=0, **parse_errors):
+        return {
+            "accuracy": accuracy,
+            "prediction": prediction,
+            "tool_errors": tool_errors,
+            "parse_errors": parse_errors,
+        }
+
+    sft = [sample() for _ in range(100)]
+    swallowed = sample(0.0, "rising</think>\n<tool_call>", unclosed_tag=1)
+    assert slips([sample(tool_errors=1), sample(bad_json=1), sample(repaired_json=1), swallowed]) == (0.5, 0.25)
+    assert slips([sample(prediction=None)]) == (0.0, 1.0)
+    (_, measured, ok), (_, slipped, kept) = _greedy_kept([*[sample()] * 98, *[swallowed] * 2], sft)
+    assert ok and kept and "-2.0 points" in measured  # 2 points: within the slack
+    assert "no well-formed answer 2.0% (SFT 0.0%)" in slipped and "tool errors 0.0%" in slipped
+    (_, measured, ok), (_, slipped, kept) = _greedy_kept([*[sample()] * 97, *[swallowed] * 3], sft)
+    assert not ok and not kept and "-3.0 points" in measured  # 3 points: beyond it
+    assert not _greedy_kept([*[sample()] * 97, *[sample(tool_errors=1)] * 3], sft)[1][2]
+
+
 def test_wilson_interval_matches_the_textbook_values():
     from quickstart.report import wilson_interval
 
@@ -235,6 +262,8 @@ def test_the_default_quickstart_learns_to_look_closer(tmp_path):
     assert f"| sft + crop | 192 | {accuracy['tool']:.3f} |" in report
     targets = report.split("## Targets")[1].split("##")[0]
     assert f"/ {accuracy['baseline']:.3f})" in targets  # the ratio's baseline is the baseline's real accuracy
+    for kept in ("GRPO keeps its SFT start's greedy accuracy", "GRPO's greedy tool errors and unanswered episodes"):
+        assert next(line for line in targets.splitlines() if kept in line).endswith("| yes |")  # issue #55, item 0
 
 
 def test_tools_list_names_every_tool(capsys):

@@ -41,6 +41,7 @@ def test_the_gpu_suite_runs_every_part_on_cpu(tmp_path):
     assert set(parts["sft"]["runs"]) == {"fsdp, chunked head", "fsdp, whole logits"}
     assert all(run["tokens_per_s"] > 0 for run in parts["sft"]["runs"].values())
     assert parts["gpu_tests"]["status"] == "skipped"  # no CUDA here
+    assert parts["vllm"]["status"] == "skipped" and "vLLM is not installed" in parts["vllm"]["error"]  # its own venv
     assert "| grpo_step | trained tokens/s (update) |" in done.stdout
 
 
