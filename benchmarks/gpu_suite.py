@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -120,6 +121,8 @@ def main() -> None:
     if built.returncode != 0:
         raise SystemExit(f"building the checkpoint failed (exit {built.returncode}): see its traceback above")
     results["checkpoint"] = built.stdout.strip().splitlines()[-1]
+    # a part that will only say it is skipped takes no share of the budget from the others
+    shares = {**SHARES, "vllm": SHARES["vllm"] if importlib.util.find_spec("vllm") else 0.0}
     for i, part in enumerate(args.parts):
         timeout = args.part_timeout
         if args.budget is not None:
@@ -127,7 +130,7 @@ def main() -> None:
             if left < 30:  # too little to start one: an earlier call's result for it stays
                 print(f"{part}: not run, {left:.0f} s of the budget left", flush=True)
                 continue
-            share = left * SHARES[part] / sum(SHARES[p] for p in args.parts[i:])
+            share = left * shares[part] / sum(shares[p] for p in args.parts[i:])
             timeout = min(timeout, left, max(share, 30.0))  # no part gets less than its start-up needs
         results["parts"][part] = run_part(part, args, out, timeout)
         status = results["parts"][part]["status"]
@@ -638,8 +641,9 @@ def part_gpu_tests(args, scale, ckpt: Path, out: Path) -> dict:
 
 
 def part_vllm(args, scale, ckpt: Path, out: Path) -> dict:
-    import importlib.util
-
+    """The single-turn workload on three generators (``benchmarks/vllm_rollout.single_turn``), then the update's
+    round trip on the engine, twice: other weights in (every greedy row should change), the checkpoint's back (every
+    row should be as before). Each trip sleeps the engine first (level 2 on a GPU; a no-op on a CPU)."""
     if importlib.util.find_spec("vllm") is None:
         return {"status": "skipped", "error": "vLLM is not installed here (pip install 'vagent[vllm]')"}
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as GRPO runs it
@@ -664,13 +668,27 @@ def part_vllm(args, scale, ckpt: Path, out: Path) -> dict:
             numbers["single_turn"][name] = {"seconds": seconds, "tokens": sampled, "tokens_per_s": sampled / seconds}
         _save(args, out, numbers)
         greedy, work = RolloutLimits(max_turns=1, max_new_tokens=tokens, temperature=0.0), _tasks(rows)
-        before = run(policy, work, limits=greedy, batch_size=rows, backend=engine)
-        start = time.perf_counter()
-        engine.sleep()  # level 2 on a GPU, as GRPO's update does; a no-op on a CPU
-        numbers["sleep_s"] = time.perf_counter() - start
-        numbers["sync_s"] = engine.load_weights(generation_weights(policy.model))
-        after = run(policy, work, limits=greedy, batch_size=rows, backend=engine)
-        numbers["same_greedy_rows"] = sum(a.token_ids == b.token_ids for a, b in zip(after, before, strict=True))
+
+        def trip(weights) -> tuple[float, float, list]:  # (sleep s, sync s, greedy ids after it)
+            start = time.perf_counter()
+            engine.sleep()
+            slept = time.perf_counter() - start
+            synced = engine.load_weights(weights)
+            return (
+                slept,
+                synced,
+                [t.token_ids for t in run(policy, work, limits=greedy, batch_size=rows, backend=engine)],
+            )
+
+        engine.llm.reset_prefix_cache()  # "before" runs cold, as every run after a sync does
+        before = [t.token_ids for t in run(policy, work, limits=greedy, batch_size=rows, backend=engine)]
+        other = (
+            (name, tensor * 1.5 if tensor.dim() > 1 else tensor) for name, tensor in generation_weights(policy.model)
+        )
+        _, _, perturbed = trip(other)
+        numbers["sleep_s"], numbers["sync_s"], again = trip(generation_weights(policy.model))
+        numbers["changed_rows"] = sum(a != b for a, b in zip(perturbed, before, strict=True))
+        numbers["same_greedy_rows"] = sum(a == b for a, b in zip(again, before, strict=True))
     finally:
         engine.close()
     return numbers
@@ -753,17 +771,25 @@ def table(results: dict) -> str:
                     add(name, run_name, f"{run['tokens_per_s']:,.0f} tokens/s{mfu}, peak {run['peak_gib']:.1f} GiB")
         if name == "gpu_tests":
             add(name, "pytest -m gpu", part.get("summary", ""))
-        if name == "vllm" and part.get("single_turn"):
-            runs = part["single_turn"]
-            bare = runs["bare vLLM (LLM.generate)"]["tokens_per_s"]
-            add(name, f"single turn, {part['rows']} rows x {part['new_tokens']} tokens",
-                "; ".join(f"{gen}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / bare:.2f} of bare vLLM)"
-                          for gen, r in runs.items()))  # fmt: skip
-        if name == "vllm" and "sync_s" in part:
-            add(name, "update round trip (sleep, weights, caches)",
-                f"sleep {part['sleep_s']:.2f} s, weight sync {part['sync_s']:.2f} s; greedy rows unchanged after it: "
-                f"{part['same_greedy_rows']} of {part['rows']}")  # fmt: skip
+        if name == "vllm":
+            lines += _vllm_rows(part)
     return "\n".join(lines)
+
+
+def _vllm_rows(part: dict) -> list[str]:
+    """The ``vllm`` part's table rows: tokens/s of each generator against bare vLLM's, and the weight round trips."""
+    rows = []
+    if part.get("single_turn"):
+        bare = part["single_turn"]["bare vLLM (LLM.generate)"]["tokens_per_s"]
+        runs = "; ".join(f"{gen}: {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / bare:.2f} of bare vLLM)"
+                         for gen, r in part["single_turn"].items())  # fmt: skip
+        rows.append(f"| vllm | single turn, {part['rows']} rows x {part['new_tokens']} tokens (target 0.9) | {runs} |")
+    if "sync_s" in part:
+        rows.append(f"| vllm | update round trip (sleep, weights, caches) | sleep {part['sleep_s']:.2f} s, weight sync "
+                    f"{part['sync_s']:.2f} s; greedy rows changed by other weights: {part['changed_rows']} of "
+                    f"{part['rows']}, as before once the weights are back: {part['same_greedy_rows']} of "
+                    f"{part['rows']} |")  # fmt: skip
+    return rows
 
 
 def _last_line(text: str | None) -> str:

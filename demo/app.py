@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 if __package__ in (None, ""):  # `python demo/app.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -38,6 +40,7 @@ from demo.episode import (
     build_task,
     check_upload,
     clamp_limits,
+    close_backend,
     render_turn,
     stream_episode,
 )
@@ -330,7 +333,10 @@ def load(args: argparse.Namespace) -> Served:
     # vLLM's CPU attention takes head sizes from 32: a random stand-in for it is the `small` preset
     size = "small" if args.backend == "vllm" else "tiny"
     model_dir, note = pick_model(args.model, Path(args.runs), size=size)
-    policy = load_policy(model_dir, device=args.device)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # on a GPU the engine holds the weights; the policy (its processor, its frame) needs no second copy there
+    vllm_gpu = args.backend == "vllm" and device != "cpu"
+    policy = load_policy(model_dir, device="cpu" if vllm_gpu else device, dtype="bfloat16" if vllm_gpu else None)
     tools, services = services_for(args.search_corpus)
     tools = [t for t in tools if t in PROFILES[args.agent].tools]  # what the agent's protocol can call
     limits = DemoLimits(max_upload_mb=args.max_upload_mb, max_image_pixels=args.max_image_pixels,
@@ -343,7 +349,7 @@ def load(args: argparse.Namespace) -> Served:
         except ImportError as e:
             raise PolicyLoadError(f"--backend vllm needs vLLM installed (pip install -e '.[vllm]'): {e}") from None
         try:  # one episode at a time (the app's queue): a handful of rows covers its turns
-            backend = VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=4,
+            backend = VLLMBackend.for_policy(policy, device=device, max_model_len=limits.max_total_tokens, max_num_seqs=4,
                                              max_images=limits.max_images,
                                              gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
         except ValueError as e:
@@ -367,20 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        served, app = serve(args)
+        served = load(args)
     except PolicyLoadError as e:
         print(f"vagent demo: error: {e}", file=sys.stderr)
         return 2
-    print(f"serving {served.model_dir} on http://{args.host}:{args.port} on {args.backend} "
-          f"(tools: {', '.join(served.tools)})")  # fmt: skip
-    app.queue(default_concurrency_limit=1, max_size=args.max_queue)
     try:
+        app = build_app(served)
+        print(f"serving {served.model_dir} on http://{args.host}:{args.port} on {args.backend} "
+              f"(tools: {', '.join(served.tools)})")  # fmt: skip
+        app.queue(default_concurrency_limit=1, max_size=args.max_queue)
         app.launch(server_name=args.host, server_port=args.port, share=args.share,
                    max_file_size=f"{served.limits.max_upload_mb:g}mb", allowed_paths=[str(Path(args.runs).resolve())],
                    show_error=True)  # fmt: skip
-    finally:  # the engine's processes end with the demo, Ctrl-C included
-        if served.backend is not None:
-            served.backend.close()
+    finally:  # the engine ends with the demo: Ctrl-C, or an app that failed to start
+        close_backend(served.backend)
     return 0
 
 

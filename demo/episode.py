@@ -142,6 +142,19 @@ class Event:
 _POLICY_LOCK = threading.Lock()  # one episode on the model at a time, whatever the server's concurrency
 
 
+def close_backend(backend: GenerationBackend | None, wait_s: float = 10.0) -> None:
+    """Shut down the demo's engine (``--backend vllm``) once the episode on it, if any, has ended (at most ``wait_s``
+    seconds: at exit, an episode still running loses its engine and ends with an error)."""
+    if backend is None:
+        return
+    taken = _POLICY_LOCK.acquire(timeout=wait_s)
+    try:
+        backend.close()
+    finally:
+        if taken:
+            _POLICY_LOCK.release()
+
+
 def stream_episode(policy: Policy, task: Task, limits: RolloutLimits, services: ToolServices | None = None,
                    seed: int | None = None, agent: str = "vagent",
                    backend: GenerationBackend | None = None) -> Iterator[Event]:  # fmt: skip

@@ -9,7 +9,7 @@ from typing import Any
 
 from quickstart.config import QuickstartConfig
 from quickstart.data import warmup_runs
-from vagent.eval.runner import read_samples, write_table
+from vagent.eval.runner import read_samples, well_formed_share, write_table
 from vagent.recipes.evaluate import bar_chart
 from vagent.training.metrics import read_metrics
 
@@ -223,13 +223,10 @@ def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any
 
 
 def slips(samples: list[dict[str, Any]]) -> tuple[float, float]:
-    """The shares of ``samples`` with a failed or unreadable tool call, and without a well-formed answer (none, or
-    one whose turn broke the grammar: an unclosed ``<answer>`` swallowing a call counts here, not as answered)."""
-    unreadable, of_calls = ("bad_json", "bad_call"), ("bad_json", "bad_call", "repaired_json")  # vagent.chat's kinds
-    tool = sum(1 for s in samples if s["tool_errors"] or any(k in unreadable for k in s.get("parse_errors", {})))
-    unanswered = sum(1 for s in samples
-                     if s["prediction"] is None or any(k not in of_calls for k in s.get("parse_errors", {})))  # fmt: skip
-    return tool / len(samples), unanswered / len(samples)
+    """The shares of ``samples`` with a failed tool call (an unreadable one included: it is answered with an error),
+    and without a well-formed answer: none, or one whose turn broke the grammar (an ``<answer>`` left open around a
+    call is answered, but not well formed: ``vagent.eval.runner.well_formed_share``)."""
+    return sum(1 for s in samples if s["tool_errors"]) / len(samples), 1.0 - well_formed_share(samples)
 
 
 def _greedy_kept(grpo: list[dict[str, Any]], sft: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
@@ -240,8 +237,10 @@ def _greedy_kept(grpo: list[dict[str, Any]], sft: list[dict[str, Any]]) -> list[
     return [
         (f"GRPO keeps its SFT start's greedy accuracy (at most {slack * 100:g} points below)",
          f"{acc[0]:.3f} against {acc[1]:.3f} ({(acc[0] - acc[1]) * 100:+.1f} points)", acc[0] >= acc[1] - slack - 1e-9),
-        (f"GRPO's greedy tool errors and unanswered episodes at most {slack * 100:g} points above SFT's",
-         f"tool errors {grpo_tool:.1%} (SFT {sft_tool:.1%}), no well-formed answer {grpo_none:.1%} (SFT {sft_none:.1%})",
+        (f"GRPO adds no greedy slips: episodes with a tool error, and without a well-formed answer, each at most "
+         f"{slack * 100:g} points above SFT's",
+         f"with a tool error {grpo_tool:.1%} (SFT {sft_tool:.1%}), without a well-formed answer {grpo_none:.1%} "
+         f"(SFT {sft_none:.1%})",
          grpo_tool <= sft_tool + slack + 1e-9 and grpo_none <= sft_none + slack + 1e-9),
     ]  # fmt: skip
 

@@ -336,3 +336,46 @@ def test_the_demo_offers_the_tools_its_agent_profile_can_call(tiny_qwen25, tmp_p
     assert served.tools == ["crop", "rotate"]  # DeepEyes' protocol names no other tool
     served, _ = serve(parse_args(["--model", str(tiny_qwen25), "--runs", str(tmp_path)]))
     assert {"crop", "rotate", "sample_frames", "crop_clip"} <= set(served.tools)
+
+
+def test_a_seed_repeats_a_sampled_episode_and_another_seed_does_not(policy, tmp_path):
+    """The demo's seed fixes every sampled turn (``RolloutLimits.sampling_seed``), as on the vLLM backend
+    (tests/test_vllm_demo.py)."""
+    image = Image.open(_png(tmp_path / "a.png")).convert("RGB")
+    limits = clamp_limits(DemoLimits(), 1.5, 2, 16)
+
+    def sampled(seed):
+        task = Task(id="t", question="What is there?", images=[image], tools=["crop"])
+        *_, done = stream_episode(policy, task, limits, seed=seed)
+        return done.trajectory.token_ids
+
+    first = sampled(3)
+    assert sampled(3) == first and sampled(4) != first
+
+
+@pytest.mark.parametrize("fails", ["build", "launch"])
+def test_the_demo_closes_its_engine_however_it_ends(monkeypatch, tmp_path, fails):
+    """An app that does not start, or a Ctrl-C while serving: the engine (``--backend vllm``) is shut down."""
+    pytest.importorskip("gradio")
+    import demo.app
+
+    closed = []
+    engine = type("Engine", (), {"close": lambda self: closed.append(True)})()
+    monkeypatch.setattr(demo.app, "load", lambda args: demo.app.Served(None, tmp_path, "", [], backend=engine))
+
+    class App:
+        def queue(self, **kwargs):
+            pass
+
+        def launch(self, **kwargs):
+            raise KeyboardInterrupt
+
+    def build(served):
+        if fails == "build":
+            raise RuntimeError("the page did not build")
+        return App()
+
+    monkeypatch.setattr(demo.app, "build_app", build)
+    with pytest.raises(RuntimeError if fails == "build" else KeyboardInterrupt):
+        demo.app.main(["--runs", str(tmp_path)])
+    assert closed == [True]

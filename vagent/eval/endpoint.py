@@ -258,6 +258,7 @@ class EndpointEpisodes:
             self._emit(episode, turn)
         if parsed.answer is not None:
             episode.answer, episode.stop = parsed.answer, "answered"
+            episode.metrics["malformed_answer"] = int(bool(parsed.errors))  # as the engine records it
         elif not parsed.actions:
             episode.stop = "max_tokens" if finish == "length" else "no_action"
         elif over_budget:

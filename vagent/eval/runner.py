@@ -135,7 +135,8 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
 def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample: int, extract: str,
                   parse_fallback: str) -> dict[str, Any]:  # fmt: skip
     """One line of ``samples.jsonl``: the sample's scores under ``extract`` (with ``parse_fallback``), its prediction
-    and gold, tool use, its parse errors by kind (``vagent.chat``), turns, stop reason, the record's types and groups, and why its requests failed if they did."""
+    and gold, tool use, its parse errors by kind (``vagent.chat``) and whether its answer's turn had one, turns,
+    stop reason, the record's types and groups, and why its requests failed if they did."""
     scores = benchmark.score(row, trajectory, rule=extract)
     guess = None
     if parse_fallback == "random" and scores.get("parsed") == 0.0 and row.choices:
@@ -147,6 +148,7 @@ def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample
               "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
               "parse_errors": {k.removeprefix("parse_error/"): int(v) for k, v in trajectory.metrics.items()
                                if k.startswith("parse_error/") and v},  # malformed tags and calls, by kind
+              "malformed_answer": bool(trajectory.metrics.get("malformed_answer")),  # its turn broke the grammar
               "turns": trajectory.metrics.get("turns", 0), "stop_reason": trajectory.stop_reason,
               "type": row.extra.get("type") or [], "groups": row.extra.get("groups") or {},
               "cluster": (row.videos or row.images or [row.id])[0],  # what the record asks about (its interval)
@@ -158,6 +160,13 @@ def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample
     if clash := [key for key in scores if record[key] != scores[key]]:
         raise ValueError(f"{benchmark.name} metric names {clash} clash with sample fields")
     return record
+
+
+def well_formed_share(samples: Sequence[dict[str, Any]]) -> float:
+    """The share of ``samples`` that answered in a turn that kept the grammar (``vagent.chat``): an ``<answer>`` left
+    open around a call, or written beside one, is answered (``answered``) but not well formed."""
+    good = sum(1 for s in samples if s["prediction"] is not None and not s.get("malformed_answer"))
+    return good / len(samples) if samples else 0.0
 
 
 def fallback_option(row: Row, trajectory: Trajectory, sample: int, extract: str) -> str | None:
@@ -203,9 +212,7 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     metrics["tool_use_rate"] = sum(1 for c in calls if c) / len(calls) if calls else 0.0
     metrics["tool_error_rate"] = sum(s["tool_errors"] for s in merged) / sum(calls) if sum(calls) else 0.0
     metrics["answered"] = sum(1 for s in merged if s["prediction"] is not None) / len(merged) if merged else 0.0
-    # answered with every tag and call as written (the format reward's 1): an unclosed <answer> is answered, not this
-    metrics["well_formed"] = (sum(1 for s in merged if s["prediction"] is not None and not s.get("parse_errors"))
-                              / len(merged) if merged else 0.0)  # fmt: skip
+    metrics["well_formed"] = well_formed_share(merged)
     metrics["benchmark"] = benchmark.name
     metrics["tools"] = (
         "none" if tools == [] else ",".join(tools) if tools else (",".join(benchmark.tools) or "none") + " (default)"

@@ -287,6 +287,7 @@ class _Engine:
             self._emit(row, turn)
         if parsed.answer is not None:
             row.answer = parsed.answer
+            row.metrics["malformed_answer"] = int(bool(parsed.errors))  # the answer's own turn broke the grammar
             self._stop(row, "answered")
         elif not parsed.actions and row.scripted:
             self._next_turn(row)  # the script goes on

@@ -75,7 +75,8 @@ def vllm_unsupported(config: Any, device: str) -> str | None:
     if device == "cpu" and head_dim not in CPU_HEAD_SIZES:
         return (
             f"vLLM's CPU attention takes head sizes {list(CPU_HEAD_SIZES)}, and this checkpoint's is {head_dim}: "
-            "build it with `vagent make-tiny-model --size small` (head_dim 32) or larger, or set rollout.backend=hf"
+            "build it with `vagent make-tiny-model --size small` (head_dim 32) or larger, or generate with vagent's HF "
+            "backend (rollout.backend=hf, --backend hf)"
         )
     return None
 
