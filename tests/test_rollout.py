@@ -230,6 +230,33 @@ def test_kept_patches_are_made_once_shared_by_a_group_and_encode_as_the_processo
     assert not group[0].patches and all(len(t.patches) == len(t.images) - 1 for t in group[1:])
 
 
+def test_a_backend_that_makes_its_own_patches_is_sent_images_and_grids_and_rolls_out_the_same(policy):
+    """A backend with ``needs_pixels = False`` (vLLM, whose processor makes the patches) gets no pixels from the
+    engine, only the model-sized images and the grids their sizes give: the grids and the ids are those the
+    processor gives, so the same greedy episodes come out, tool outputs included. Under keep_patches (GRPO) the
+    engine still makes the patches a trainer takes."""
+
+    class OwnPatches(HFBackend):
+        needs_pixels = False
+
+        def submit(self, request):
+            sent.append([p is not None for p in request.pixel_values])
+            made = policy.processor.image_processor(images=request.images, return_tensors="pt")
+            assert torch.equal(torch.cat(request.image_grid_thw), made["image_grid_thw"])
+            patches = list(made["pixel_values"].split([int(g.prod()) for g in request.image_grid_thw]))
+            super().submit(dataclasses.replace(request, pixel_values=patches))
+
+    sent = []
+    reference = run(policy, _tasks(), limits=_limits(), batch_size=3)
+    own = run(policy, _tasks(), limits=_limits(), batch_size=3, backend=OwnPatches(policy))
+    assert [t.token_ids for t in own] == [t.token_ids for t in reference]
+    assert sum(len(t.tool_results) for t in own) >= 3  # the scripted crops and zoom: tool images in later turns
+    assert sent and not any(any(made) for made in sent)  # the processor's pixel work was not done for it
+    sent.clear()
+    kept = run(policy, _tasks()[1:2], limits=_limits(), backend=OwnPatches(policy), keep_patches=True)
+    assert kept[0].patches and all(all(made) for made in sent)  # a trainer takes them: made, and sent along
+
+
 def _without_patches(messages):
     """The same conversation with no part carrying patches: the encoder then runs the processor on every image."""
     return [dataclasses.replace(m, content=[dataclasses.replace(p, patches=None) for p in m.content]) for m in messages]

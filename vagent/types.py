@@ -171,13 +171,14 @@ class ImagePatches:
     to the trainer on the image parts they were made from (``ContentPart.patches``).
 
     Attributes:
-        pixel_values: (grid_t * grid_h * grid_w, channels * temporal_patch * patch**2) fp32 patches.
+        pixel_values: (grid_t * grid_h * grid_w, channels * temporal_patch * patch**2) fp32 patches; None where the
+            engine made none (``vagent.data.encode.grid_patches``: a backend that needs only the image, no trainer).
         grid_thw: (1, 3) the image's ``image_grid_thw`` row.
         image: The model-sized image the patches were made from, where the engine made them: a backend that runs
             its own processor (vLLM) is sent this image, which its processor turns into these same patches.
     """
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     grid_thw: torch.Tensor
     image: Image.Image | None = None
 

@@ -135,6 +135,21 @@ def message_ids(processor: Any, message: Message, patches: Sequence[ImagePatches
     return _ids_with_patches(processor, _message_text(processor, message), patches)
 
 
+def prompt_ids(processor: Any, messages: Sequence[Message], patches: Sequence[ImagePatches]) -> torch.Tensor:
+    """(n,) the ids ``encode_prompt`` gives ``messages`` whose images have these ``patches`` (one per image, in
+    order), without running the processor on any pixels: only the text is tokenized."""
+    return _ids_with_patches(processor, _prompt_text(processor, messages), patches)
+
+
+def grid_patches(processor: Any, images: Sequence[Image.Image]) -> list[ImagePatches]:
+    """Each model-sized image's ``ImagePatches`` without pixels (``pixel_values`` None): the grid its size gives, as
+    the processor's ``image_grid_thw`` would, and the image. For a backend that runs its own processor on the images
+    (vLLM) where no trainer takes the patches: the processor's pixel work is then done once, not twice."""
+    patch = processor.image_processor.patch_size
+    return [ImagePatches(None, torch.tensor([[1, image.height // patch, image.width // patch]]), image)
+            for image in images]  # fmt: skip
+
+
 def image_patches(encoded: dict[str, torch.Tensor], images: Sequence[Image.Image] = ()) -> list[ImagePatches]:
     """The per-image ``ImagePatches`` of an ``encode_segment`` result: views into its ``pixel_values``, no copy; each
     with its model-sized image when ``images`` (those the segment was encoded with, in order) are given."""

@@ -49,7 +49,8 @@ class TurnRequest:
     Attributes:
         key: The row's identity; the backend may keep state (its KV cache) under it until ``release``.
         ids: The row's whole sequence so far, ending with the assistant header of this turn.
-        pixel_values: Patches of every image of the row, in order (prompt images, then tool outputs).
+        pixel_values: Patches of every image of the row, in order (prompt images, then tool outputs); None for each
+            where the backend does not need them (``needs_pixels``).
         image_grid_thw: One (1, 3) grid row per image.
         sampling: How to sample the turn.
         images: The model-sized images those patches were made from, in the same order (None where unknown): what a
@@ -58,7 +59,7 @@ class TurnRequest:
 
     key: Hashable
     ids: list[int]
-    pixel_values: list[torch.Tensor]
+    pixel_values: list[torch.Tensor | None]
     image_grid_thw: list[torch.Tensor]
     sampling: Sampling
     images: list[Image.Image | None] = field(default_factory=list)
@@ -104,7 +105,9 @@ class BackendStats:
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """What the engine needs from a generation backend."""
+    """What the engine needs from a generation backend. A backend whose class sets ``needs_pixels = False`` (vLLM:
+    its own processor makes the patches from ``TurnRequest.images``) gets requests whose ``pixel_values`` are None
+    unless a trainer takes the patches; without the attribute, the engine makes them."""
 
     def submit(self, request: TurnRequest) -> None:
         """Queue a turn; it starts at a later ``step``."""

@@ -45,7 +45,7 @@ from PIL import Image
 
 from vagent.agents import AgentProfile, get_profile
 from vagent.chat import ParsedTurn
-from vagent.data.encode import attach_patches, encode_message, image_patches, message_ids
+from vagent.data.encode import attach_patches, encode_message, grid_patches, image_patches, message_ids
 from vagent.toolbox import ToolContext
 from vagent.types import ImagePatches, Message, Observation
 
@@ -197,9 +197,10 @@ class ToolCalls:
     """
 
     def __init__(self, profile: AgentProfile, processor: Any, model_view: Callable[[Image.Image], Image.Image],
-                 workers: int, timeout_s: float, keep_patches: bool = False) -> None:  # fmt: skip
+                 workers: int, timeout_s: float, keep_patches: bool = False, pixels: bool = True) -> None:  # fmt: skip
         self.profile, self.processor, self.model_view, self.timeout_s = profile, processor, model_view, timeout_s
         self.keep_patches = keep_patches
+        self.pixels = pixels  # False: observations' images get grids, not patches (``grid_patches``)
         self.pool = ToolPool(workers)
 
     def submit(self, parsed: ParsedTurn, context: ToolContext, offered: Sequence[str]) -> TurnCalls:
@@ -285,7 +286,8 @@ class ToolCalls:
         message = self.profile.observation_message(observation)
         if self.profile.inline:  # text inside the open assistant turn, tokenized as the agent's loop does
             encoded = Segment(self.processor.tokenizer.encode(message.plain_text))
-        elif patches is not None:
+        elif patches is not None or not self.pixels:
+            patches = patches if patches is not None else grid_patches(self.processor, shown)
             encoded = Segment(message_ids(self.processor, message, patches).tolist(), patches)
         else:
             encoded = segment(encode_message(self.processor, message, shown), shown)

@@ -41,7 +41,7 @@ from PIL import Image
 
 from vagent.agents import AgentProfile, get_profile
 from vagent.chat import ParseError
-from vagent.data.encode import attach_patches, encode_prompt, template_suffix
+from vagent.data.encode import attach_patches, encode_prompt, grid_patches, prompt_ids, template_suffix
 from vagent.media import load_image
 from vagent.model import Policy
 from vagent.rollout.backend import GenerationBackend, Sampling, TurnRequest, TurnResult
@@ -114,8 +114,10 @@ class _Engine:
         # one call budget: the rollout's and the agent's own (Pixel-Reasoner: 4), whichever is smaller
         budgets = [b for b in (limits.max_tool_calls, self.profile.limits.max_calls) if b is not None]
         self.max_calls = min(budgets) if budgets else None
+        # patches are made where the backend runs the vision tower on them (HF) or a trainer takes them (GRPO)
+        self.pixels = keep_patches or getattr(backend, "needs_pixels", True)
         self.tools = ToolCalls(self.profile, policy.processor, policy.model_view, tool_workers, tool_timeout_s,
-                               keep_patches=keep_patches)  # fmt: skip
+                               keep_patches=keep_patches, pixels=self.pixels)  # fmt: skip
         tokenizer = policy.tokenizer
         self.header = tokenizer.encode(template_suffix(policy.processor, [], add_generation_prompt=True))
         self.im_end, self.newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.encode("\n")
@@ -170,7 +172,11 @@ class _Engine:
                     " before any tool image: raise max_images, or give this row fewer images or videos"
                 )
             shown = [self.policy.model_view(img) for img in originals]
-            encoded = segment(encode_prompt(self.policy.processor, messages, shown), shown)
+            if self.pixels:
+                encoded = segment(encode_prompt(self.policy.processor, messages, shown), shown)
+            else:
+                patches = grid_patches(self.policy.processor, shown)
+                encoded = Segment(prompt_ids(self.policy.processor, messages, patches).tolist(), patches)
             if self.keep_patches:  # on the parts they were made from: the group's samples share these messages
                 attach_patches(messages, encoded.patches)
             made = self.last_prompt = (task, originals, shown, messages, encoded)

@@ -106,6 +106,10 @@ class VLLMBackend:
             engine must leave them so.
     """
 
+    # vLLM's processor makes the patches from the images sent: the rollout engine makes none for it (only the grids
+    # its ids need), unless a trainer takes them (GRPO's keep_patches)
+    needs_pixels = False
+
     def __init__(
         self,
         model_path: str | Path,
