@@ -62,6 +62,7 @@ def test_help_and_usage_errors_do_not_import_torch():
     assert result.stdout.splitlines()[-1] == "heavy modules: []"
 
 
+@pytest.mark.slow  # 20 s; the README's runnable block (tests/test_doc_examples.py) makes a model and generates by default
 def test_make_tiny_model_script_then_plain_transformers_then_vagent_generate(tmp_path):
     out = tmp_path / "tiny"
     done = _run(sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--family", "qwen2_5_vl", "--out", str(out))

@@ -278,7 +278,12 @@ def test_under_bf16_a_zero_checkpoint_holds_deepspeeds_fp32_masters(tmp_path, ti
     assert weights_dtype(tmp_path / "model") == torch.float32
 
 
-@pytest.mark.parametrize("fault", [("step", 5), ("checkpoint", 4)], ids=["mid-training", "mid-checkpoint"])
+# 15 s each: the kill mid-training runs by default, the kill mid-checkpoint with the slow tests
+@pytest.mark.parametrize(
+    "fault",
+    [("step", 5), pytest.param(("checkpoint", 4), marks=pytest.mark.slow)],
+    ids=["mid-training", "mid-checkpoint"],
+)
 def test_a_killed_run_resumes_to_the_same_losses(tmp_path, tiny_qwen25, rows_file, uninterrupted, fault):
     args = _overrides(tmp_path, tiny_qwen25, rows_file, "train.save_every=2")
     killed = _run(args, fault)
