@@ -8,17 +8,11 @@ error instead of a skip, so CI cannot pass them by not running them.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from PIL import Image
 
-if os.environ.get("VAGENT_REQUIRE_VLLM"):
-    import vllm  # noqa: F401  (fail, not skip, where vLLM must be tested)
-else:
-    pytest.importorskip("vllm")
-
+import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 from vagent.data import encode_messages
 from vagent.data.batching import collate
 from vagent.model import load_policy, masked_token_logprobs

@@ -4,16 +4,11 @@ page itself is backend-blind and tested in ``tests/test_demo.py``."""
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
 
-if os.environ.get("VAGENT_REQUIRE_VLLM"):
-    import vllm  # noqa: F401  (fail, not skip, where vLLM must be tested)
-else:
-    pytest.importorskip("vllm")
-
+import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 from demo.app import load, parse_args
 from demo.episode import clamp_limits, stream_episode
 from tests.test_vllm_backend import _task, teach_crop_episode

@@ -4,17 +4,13 @@ machine with vLLM runs measures here too, so its first GPU minute measures inste
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-if os.environ.get("VAGENT_REQUIRE_VLLM"):
-    import vllm  # noqa: F401  (fail, not skip, where vLLM must be tested)
-else:
-    pytest.importorskip("vllm")
+import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # 30 s; slow as the suite's other CPU run (tests/test_gpu_suite.py)
 ROOT = Path(__file__).resolve().parent.parent

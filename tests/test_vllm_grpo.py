@@ -17,11 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-if os.environ.get("VAGENT_REQUIRE_VLLM"):
-    import vllm  # noqa: F401  (fail, not skip, where vLLM must be tested)
-else:
-    pytest.importorskip("vllm")
-
+import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 from data_pipelines.synthetic.zoom import zoom_rows
 from vagent.config import GRPOConfig, load_config
 from vagent.data import write_rows

@@ -3,18 +3,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("VAGENT_REQUIRE_VLLM"):
-    import vllm  # noqa: F401  (fail, not skip, where vLLM must be tested)
-else:
-    pytest.importorskip("vllm")
-
 from test_vllm_backend import IMAGE, _engine, _logprob_gap
 
+import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 from vagent.model import load_policy
 from vagent.rollout import RolloutLimits, Task, run
 from vagent.tiny_model import build_tiny_checkpoint

@@ -4,18 +4,11 @@ seeded samples that repeat, and agent mode's tool loop on the engine. Run in the
 
 from __future__ import annotations
 
-import os
-
+import openai
 import pytest
 from PIL import Image
 
-if os.environ.get("VAGENT_REQUIRE_VLLM"):
-    import vllm  # noqa: F401  (fail, not skip, where vLLM must be tested)
-else:
-    pytest.importorskip("vllm")
-
-import openai
-
+import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 from tests.serve_helpers import start_server, stop_server
 from tests.test_serve import data_url, image_message
 
