@@ -85,6 +85,10 @@ def test_overrides_nested_and_typed():
 def test_validation_and_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="max_turns must be positive"):
         load_config(QuickstartConfig, None, ["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match="shards vLLM's engine: set rollout.backend=vllm"):
+        load_config(QuickstartConfig, None, ["rollout.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+        load_config(QuickstartConfig, None, ["rollout.backend=vllm", "rollout.tensor_parallel_size=0"])
     with pytest.raises(ConfigError, match="vocab_size"):
         load_config(TinyModelConfig, None, ["vocab_size=10"])
     with pytest.raises(

@@ -46,6 +46,11 @@ def _peak(stdout: str) -> float:
     return float(last.split()[3])
 
 
+def _line_gib(stdout: str, label: str) -> float:
+    line = next(ln for ln in stdout.splitlines() if ln.strip().startswith(label))
+    return float(re.search(r"([\d.]+) GiB", line)[1])
+
+
 def test_the_shape_counts_every_parameter_of_a_real_checkpoint(tiny_qwen25, tiny_qwen25_qwen_vocab, tmp_path):
     """Qwen2.5-VL's layout and Qwen3-VL's (no decoder biases, q/k norms, LayerNorm vision blocks, a position table,
     DeepStack mergers; tied and untied)."""
@@ -145,6 +150,12 @@ def test_the_7b_grpo_and_sft_plans_at_8_ranks(capsys, monkeypatch):
     awake = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
                     "rollout.sleep=false", capsys=capsys)  # fmt: skip
     assert "resident" in awake.stdout and _peak(awake.stdout) > _peak(grpo.stdout)
+    # sharded over 2 ranks (rollout.tensor_parallel_size), each rank holds half the engine's weights
+    sharded = _memory("--config", "configs/grpo/qwen2_5_vl_7b.yaml", "--world-size", 8, "--shape", "qwen2.5-vl-7b",
+                      "rollout.sleep=false", "rollout.tensor_parallel_size=2", capsys=capsys)  # fmt: skip
+    weights = [_line_gib(out.stdout, "vLLM engine weights") for out in (awake, sharded)]
+    assert "1/2 per rank" in sharded.stdout and abs(weights[1] - weights[0] / 2) < 0.02, weights
+    assert _peak(sharded.stdout) < _peak(awake.stdout)
 
 
 def test_a_plan_that_does_not_fit_exits_2_with_one_line(capsys, monkeypatch):

@@ -208,3 +208,60 @@ def test_vagent_eval_with_backend_vllm_under_another_pixel_budget_scores_the_hf_
                             for t in read_jsonl(tmp_path / backend / "trajectories.rank0.jsonl")]  # fmt: skip
     assert len(samples["hf"]) == 2 and any(ids for t in samples["hf"] for ids in t if ids)
     assert samples["vllm"] == samples["hf"]
+
+
+TP_CHILD = """
+import json, sys
+import torch
+import torch.distributed as dist
+from tests.test_vllm_backend import SCRIPT, _logprob_gap, _task
+from vagent.model import load_policy
+from vagent.rollout import RolloutLimits, run
+from vagent.rollout.vllm_backend import VLLMBackend
+from vagent.training.weight_sync import generation_weights
+
+checkpoint, weights, out = sys.argv[1:]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+policy = load_policy(checkpoint, device="cpu", dtype="float32")
+policy.model.load_state_dict(torch.load(weights))
+engine = VLLMBackend.for_policy(policy, max_model_len=2048, max_num_seqs=8, max_images=4, tensor_parallel_size=2)
+engine.load_weights(generation_weights(policy.model))  # the memorized weights, to both shards
+greedy = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
+tasks = [_task(i=i) for i in range(3)] if rank == 0 else [_task(SCRIPT[:1], i=9)]  # rank 1 is done first
+ids = [t.token_ids for t in run(policy, tasks, limits=greedy, batch_size=3, backend=engine)]
+sampled = run(policy, [_task(i=i) for i in range(1 + rank)], 2, RolloutLimits(max_turns=3, max_new_tokens=40,
+              temperature=0.7), batch_size=4, backend=engine)
+worst, tokens = _logprob_gap(policy, sampled, 0.7)
+json.dump({"ids": ids, "worst": worst, "tokens": tokens}, open(f"{out}.{rank}.json", "w"))
+engine.close()  # vLLM's shutdown also ends the default process group
+"""
+
+
+def test_two_ranks_sharding_one_engine_each_get_their_own_episodes(taught, small, tmp_path):
+    """Tensor parallelism 2 over two torchrun ranks (gloo): one engine sharded over both, the memorized weights synced
+    into both shards, each rank rolling out its own tasks (rank 0 three 3-turn crop episodes, rank 1 one with a forced
+    first crop, done long before rank 0): each rank gets back the HF backend's greedy episodes for its own tasks, token
+    for token, and at T = 0.7 log-probs that match the trainer's to 1e-5."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    torch.save(taught.model.state_dict(), tmp_path / "taught.pt")
+    (tmp_path / "child.py").write_text(TP_CHILD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "child.py"), str(small), str(tmp_path / "taught.pt"), str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = [json.loads((tmp_path / f"out.{rank}.json").read_text()) for rank in (0, 1)]
+    limits = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
+    for rank, tasks in ((0, [_task(i=i) for i in range(3)]), (1, [_task(SCRIPT[:1], i=9)])):
+        hf = run(taught, tasks, limits=limits, batch_size=3)
+        assert all(len(t.tool_results) == 2 and t.stop_reason == "answered" for t in hf)
+        assert got[rank]["ids"] == [t.token_ids for t in hf], f"rank {rank}"
+    assert all(g["tokens"] > 20 for g in got), [g["tokens"] for g in got]
+    assert max(g["worst"] for g in got) < 1e-5, [g["worst"] for g in got]

