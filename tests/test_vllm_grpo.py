@@ -188,6 +188,7 @@ def test_two_fsdp_ranks_each_roll_out_on_their_own_engine(tmp_path, small, rows)
     assert not left, f"processes left after the run: {left}"
 
 
+@pytest.mark.slow  # 25 s; the request stream and the sync into both shards are in test_vllm_backend's default run
 def test_two_ranks_shard_one_engine_with_tensor_parallelism(tmp_path, small, rows):
     """rollout.tensor_parallel_size=2 on 2 FSDP ranks: one engine sharded over both, each rank rolling out its own
     prompts (multi-turn, tool calls returning when they do) on the group's one request stream, the weights synced to
