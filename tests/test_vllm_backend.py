@@ -149,6 +149,18 @@ def _logprob_gap(policy, trajectories, temperature: float) -> tuple[float, int]:
     return worst, sampled_tokens
 
 
+def test_the_engine_bans_the_vision_placeholders_for_every_row_at_every_step(policy, engine):
+    """The engine's logits processor (not per-request bad words) sets the placeholders' logits to -inf in every row,
+    whatever else the row holds, and leaves every other logit as it was."""
+    [ban] = engine._engine.vllm_config.model_config.logits_processors
+    assert ban.banned == tuple(policy.vision_placeholder_ids)
+    logits = torch.randn(3, policy.model.config.get_text_config().vocab_size)
+    out = ban(engine._engine.vllm_config, torch.device("cpu"), False).apply(logits.clone())
+    banned = torch.zeros(logits.shape[1], dtype=torch.bool)
+    banned[list(ban.banned)] = True
+    assert torch.isneginf(out[:, banned]).all() and torch.equal(out[:, ~banned], logits[:, ~banned])
+
+
 def test_a_checkpoint_whose_heads_vllm_cannot_run_is_refused_with_the_remedy(tmp_path):
     tiny = load_policy(build_tiny_checkpoint(tmp_path / "tiny", size="tiny"), device="cpu")
     why = vllm_unsupported(tiny.model.config, "cpu")

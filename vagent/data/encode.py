@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vagent.data.pieces import token_ids
 from vagent.media import load_image, resize_to_budget, smart_resize
 from vagent.types import ContentPart, ImagePatches, Message
 
@@ -196,7 +197,7 @@ def _ids_with_patches(processor: Any, text: str, patches: Sequence[ImagePatches]
     expanded = [pieces[0]]
     for patch, piece in zip(patches, pieces[1:], strict=True):
         expanded += [token * (int(patch.grid_thw.prod()) // merge), piece]
-    return processor.tokenizer("".join(expanded), return_tensors="pt")["input_ids"][0]
+    return torch.tensor(token_ids(processor.tokenizer, "".join(expanded)), dtype=torch.long)
 
 
 def _check_grids(parts: Sequence[ContentPart], processor: Any, min_pixels: int, max_pixels: int, factor: int) -> None:

@@ -17,7 +17,9 @@ What it guarantees, and why:
 * **The log-probs of the distribution sampled from.** ``logprobs_mode="processed_logprobs"``: after the banned
   tokens, the temperature and the nucleus, what GRPO's trainer scores at the same temperature and top_p.
 * **Vision placeholders are never sampled** (a sampled ``<|image_pad|>`` breaks the next forward's RoPE index:
-  R1-V#91, verl#3469): they are banned words (logit -inf, before the temperature), as in the HF backend.
+  R1-V#91, verl#3469): an engine-wide logits processor sets their logits to -inf before the temperature, as the
+  HF backend does (vLLM's per-request ``bad_words`` would tokenize them again for every turn and mask them row by
+  row at every step).
 * **The trained weights.** ``load_weights`` streams ``(name, tensor)`` pairs, HF names, into vLLM's layerwise
   ``reload_weights`` (plain ``load_weights`` fails on a CPU, whose linear weights are repacked), then resets the
   prefix cache (else cached KV of the old weights is reused, silently) and the encoder cache.
@@ -87,7 +89,6 @@ class VLLMBackend:
         eos_token_ids: Tokens that end a turn (``Policy.eos_token_ids``).
         image_pad_id: The image placeholder (``config.image_token_id``).
         banned_ids: Tokens never sampled (``Policy.vision_placeholder_ids``).
-        tokenizer: The checkpoint's tokenizer (to name the banned tokens as vLLM's banned words).
         max_model_len: The longest row (``rollout.max_total_tokens``).
         max_num_seqs: Sequences the engine schedules at once.
         max_images: Images per row (``rollout.max_images``).
@@ -117,7 +118,6 @@ class VLLMBackend:
         eos_token_ids: Sequence[int],
         image_pad_id: int,
         banned_ids: Sequence[int],
-        tokenizer: Any,
         max_model_len: int,
         max_num_seqs: int,
         max_images: int,
@@ -134,7 +134,8 @@ class VLLMBackend:
         self.llm = start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_images=max_images,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
-                                 device=device, pixels=pixels, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+                                 device=device, pixels=pixels, tensor_parallel_size=tensor_parallel_size,
+                                 banned_ids=banned_ids)  # fmt: skip
         self._engine = self.llm.llm_engine
         self.dtype = dtype
         self.device = device
@@ -142,10 +143,6 @@ class VLLMBackend:
         self._sleep = sleep and device != "cpu"
         self._eos = list(eos_token_ids)
         self._pad = image_pad_id
-        self._banned = [tokenizer.convert_ids_to_tokens(i) for i in banned_ids]
-        for token, token_id in zip(self._banned, banned_ids, strict=True):
-            if tokenizer.encode(token, add_special_tokens=False) != [token_id]:  # vLLM bans words by their text
-                raise ValueError(f"the banned token {token!r} does not tokenize to its id {token_id} alone")
         self._watchdog = Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))
         self._requests: dict[str, tuple[Hashable, list[int]]] = {}  # request id -> (row key, the encoder's ids)
         self._live: dict[Hashable, str] = {}  # row key -> its running request
@@ -170,8 +167,7 @@ class VLLMBackend:
             raise ValueError(why)
         return cls(
             policy.path, dtype=dtype or policy.dtype, eos_token_ids=policy.eos_token_ids,
-            image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids,
-            tokenizer=policy.tokenizer, device=device, pixels=policy.pixel_budget, **kwargs,
+            image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids, device=device, pixels=policy.pixel_budget, **kwargs,
         )  # fmt: skip
 
     # -- the GenerationBackend Protocol ---------------------------------------------------------------
@@ -208,7 +204,6 @@ class VLLMBackend:
             n=1,
             stop_token_ids=self._eos,
             include_stop_str_in_output=True,
-            bad_words=self._banned,
             logprobs=0,  # the sampled token's own
             skip_special_tokens=False,
             **sampling,

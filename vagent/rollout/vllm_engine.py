@@ -8,6 +8,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ _RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 
 def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
                   max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
-                  device: str, pixels: tuple[int, int] | None = None, tensor_parallel_size: int = 1) -> Any:  # fmt: skip
+                  device: str, pixels: tuple[int, int] | None = None, tensor_parallel_size: int = 1,
+                  banned_ids: Sequence[int] = ()) -> Any:  # fmt: skip
     """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it."""
     try:
         import vllm  # noqa: F401
@@ -49,6 +51,8 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
         kwargs["enable_sleep_mode"] = sleep
         if kv_cache_gb:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+    if banned_ids:
+        kwargs["logits_processors"] = [_ban(banned_ids)]
     if pixels is not None:
         kwargs["mm_processor_kwargs"] = {"min_pixels": pixels[0], "max_pixels": pixels[1]}
     # What vLLM changes for the whole process is put back after it starts: its CPU worker replaces
@@ -118,3 +122,27 @@ class Watchdog:
                       file=sys.stderr, flush=True)  # fmt: skip
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 os._exit(70)
+
+
+def _ban(banned_ids: Sequence[int]) -> type:
+    """A vLLM logits processor class that sets ``banned_ids``' logits to -inf for every row at every step: before the
+    temperature and the nucleus, so the processed log-probs are of the distribution without them (what GRPO's
+    trainer scores). One vectorized fill per step; the engine runs in this process, so a class made here will do."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class BanTokens(LogitsProcessor):
+        banned = tuple(int(i) for i in banned_ids)
+
+        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+            self.ids = torch.tensor(self.banned, dtype=torch.long, device=device)
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # it changes greedy choices too
+
+        def update_state(self, batch_update: Any) -> None:
+            pass  # the same tokens for every request
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits.index_fill_(1, self.ids, float("-inf"))
+
+    return BanTokens
