@@ -17,7 +17,9 @@ and with Qwen's 151,936-token one:
   ``taught`` policy), then ``--rows`` rows roll out greedily on each backend: three sampled turns and two tool images
   per row, rows rejoining the batch as their tools return.
 
-Each measurement runs once untimed first (the engine's warm-up, the HF backend's first allocations), then timed.
+Each measurement runs once untimed first (the engine's warm-up, the HF backend's first allocations), then timed;
+bare vLLM and vagent + vLLM on the single turn alternate ``--repeats`` times (each row: its median run; the ratio: the
+median of the pairs' ratios).
 ``--doc`` writes the table into docs/benchmarks.md (section ``vllm-rollout-cpu``).
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -60,8 +63,10 @@ def _timed(fn, repeat: int = 1) -> tuple[float, object]:
     return (time.perf_counter() - start) / repeat, out
 
 
-def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int) -> list[tuple[str, float, int]]:
-    """(name, seconds, sampled tokens) for bare vLLM, vagent + vLLM and vagent + HF on one sampled turn per row."""
+def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int,
+                repeats: int = 5) -> list[tuple[str, float, int, float | None]]:  # fmt: skip
+    """(name, seconds, sampled tokens, tokens/s over bare vLLM's) for bare vLLM, vagent + vLLM (each its median of
+    ``repeats`` alternated runs; the ratio the median of the pairs') and vagent + HF on one sampled turn per row."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,15 +96,26 @@ def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int) -> list
     # EOS off for the vagent runs too: every row samples new_tokens (the stop strings may still end a turn early)
     eos = engine._eos
     engine._eos = []
-    t_bare, n_bare = _timed(bare)
-    t_vllm, out_vllm = _timed(lambda: run(policy, tasks, limits=limits, batch_size=rows, backend=engine))
+    sampled = lambda out: sum(sum(t.loss_mask) for t in out)  # noqa: E731
+    ours = lambda: sampled(run(policy, tasks, limits=limits, batch_size=rows, backend=engine))  # noqa: E731
+    bare(), ours()  # warm-up
+    # alternated, `repeats` times each: on a shared machine one timing of each is noisier than their difference
+    timed = {"bare": [], "ours": []}
+    for _ in range(repeats):
+        for name, fn in (("bare", bare), ("ours", ours)):
+            start = time.perf_counter()
+            tokens = fn()
+            timed[name].append((time.perf_counter() - start, tokens))
     engine._eos = eos
     hf = HFBackend(policy)
     hf._eos = set()
     t_hf, out_hf = _timed(lambda: run(policy, tasks, limits=limits, batch_size=rows, backend=hf))
-    sampled = lambda out: sum(sum(t.loss_mask) for t in out)  # noqa: E731
-    return [("bare vLLM (LLM.generate)", t_bare, n_bare), ("vagent + vLLM", t_vllm, sampled(out_vllm)),
-            ("vagent + HF", t_hf, sampled(out_hf))]  # fmt: skip
+    # each generator's median run (by tokens/s), and the median over the pairs of vagent's rate over bare vLLM's
+    rate = lambda run: run[1] / run[0]  # noqa: E731
+    median = {name: sorted(runs, key=rate)[len(runs) // 2] for name, runs in timed.items()}
+    ratio = statistics.median(rate(o) / rate(b) for b, o in zip(timed["bare"], timed["ours"], strict=True))
+    return [("bare vLLM (LLM.generate)", *median["bare"], 1.0), ("vagent + vLLM", *median["ours"], ratio),
+            ("vagent + HF", t_hf, sampled(out_hf), None)]  # fmt: skip
 
 
 def multi_turn(policy, engine: VLLMBackend, rows: int) -> list[tuple[str, float, int, float]]:
@@ -155,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--vocab", default="trained,qwen", help="Checkpoint vocabularies, comma-separated.")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="Alternated timings of bare vLLM and vagent + vLLM on the single turn (medians reported).",
+    )
     parser.add_argument("--doc", action="store_true", help="Also write the table into docs/benchmarks.md.")
     args = parser.parse_args(argv)
     lines = ["| checkpoint | workload | generator | wall s | sampled tokens | tokens/s | vs bare vLLM | tool calls/row |",
@@ -165,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             policy = load_policy(path, device="cpu", dtype="float32")
             engine = VLLMBackend.for_policy(policy, max_model_len=4096, max_num_seqs=args.rows, max_images=4)
             name = f"small, {'Qwen vocabulary' if vocab == 'qwen' else 'trained BPE'}"
-            single = single_turn(policy, engine, args.rows, args.new_tokens)
+            single = single_turn(policy, engine, args.rows, args.new_tokens, args.repeats)
             bare_rate = single[0][2] / single[0][1]
-            for gen, seconds, tokens in single:
+            for gen, seconds, tokens, ratio in single:
                 rate = tokens / seconds
+                ratio = rate / bare_rate if ratio is None else ratio
                 lines.append(f"| {name} | single turn, {args.rows} rows x {args.new_tokens} tokens | {gen} | "
-                             f"{seconds:.2f} | {tokens} | {rate:.0f} | {rate / bare_rate:.2f} | |")  # fmt: skip
+                             f"{seconds:.2f} | {tokens} | {rate:.0f} | {ratio:.2f} | |")  # fmt: skip
             if vocab == "trained":  # the memorized crop episode: once, on the faster checkpoint
                 for gen, seconds, tokens, calls in multi_turn(policy, engine, args.rows):
                     lines.append(f"| {name} | multi-turn crop, {args.rows} rows, greedy | {gen} | {seconds:.2f} | "
