@@ -6,8 +6,8 @@ Three ways to generate the same work, on the ``small`` tiny checkpoint (head_dim
 and with Qwen's 151,936-token one:
 
 * **single turn**: ``--rows`` prompts with one image each, one sampled turn of ``--new-tokens`` tokens at T = 1 with
-  EOS off (every row samples the same count), no tools. ``bare vLLM`` is ``LLM.generate`` on the same collapsed
-  prompts and images (the engine alone); ``vagent + vLLM`` is ``vagent.rollout.run`` over ``VLLMBackend`` (prompt
+  EOS off, no tools. ``bare vLLM`` is ``LLM.generate`` on the same collapsed prompts and images with the same sampling
+  (the agent's stop strings, which end a turn that writes one, included: the engine alone doing the same work); ``vagent + vLLM`` is ``vagent.rollout.run`` over ``VLLMBackend`` (prompt
   building, the turn protocol, the id checks); ``vagent + HF`` the same over ``HFBackend``. Target: vagent + vLLM at
   least 0.9 of bare vLLM's sampled tokens/s.
 * **GRPO step**: two steps of the tiny CPU config (4 prompts x 4 samples of zoom rows, turns of 32 tokens) on each
@@ -86,8 +86,9 @@ def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int,
     pad = policy.model.config.image_token_id
     prompts = [TokensPrompt(prompt_token_ids=collapse_image_pads(r.ids, pad), multi_modal_data={"image": r.images})
                for r in captured]  # fmt: skip
-    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0,
-                            skip_special_tokens=False)  # fmt: skip
+    # the same work as vagent's turns: EOS off, and the agent's stop strings, which end a turn that writes one
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0, skip_special_tokens=False,
+                            stop=list(captured[0].sampling.stop_strings) or None, include_stop_str_in_output=True)  # fmt: skip
 
     def bare():
         outs = engine.llm.generate(prompts, params, use_tqdm=False)
