@@ -6,10 +6,11 @@ Three ways to generate the same work, on the ``small`` tiny checkpoint (head_dim
 and with Qwen's 151,936-token one:
 
 * **single turn**: ``--rows`` prompts with one image each, one sampled turn of ``--new-tokens`` tokens at T = 1 with
-  EOS off, no tools. ``bare vLLM`` is ``LLM.generate`` on the same collapsed prompts and images with the same sampling
-  (the agent's stop strings, which end a turn that writes one, included: the engine alone doing the same work); ``vagent + vLLM`` is ``vagent.rollout.run`` over ``VLLMBackend`` (prompt
-  building, the turn protocol, the id checks); ``vagent + HF`` the same over ``HFBackend``. Target: vagent + vLLM at
-  least 0.9 of bare vLLM's sampled tokens/s.
+  EOS off, no tools. ``bare vLLM`` is ``LLM.generate`` on the same collapsed prompts and images with the same
+  sampling (the agent's stop strings, which end a turn that writes one, included: the engine alone doing the same
+  work); ``vagent + vLLM`` is ``vagent.rollout.run`` over ``VLLMBackend`` (prompt building, the turn protocol, the id
+  checks); ``vagent + HF`` the same over ``HFBackend``. Target: vagent + vLLM at least 0.9 of bare vLLM's sampled
+  tokens/s.
 * **GRPO step**: two steps of the tiny CPU config (4 prompts x 4 samples of zoom rows, turns of 32 tokens) on each
   backend; the second step's wall time, with its ``gen`` and ``sync`` stages (the vLLM engine is given the weights
   after every update).
