@@ -151,7 +151,21 @@ def _logprob_gap(policy, trajectories, temperature: float) -> tuple[float, int]:
 
 def test_the_engine_bans_the_vision_placeholders_for_every_row_at_every_step(policy, engine):
     """The engine's logits processor (not per-request bad words) sets the placeholders' logits to -inf in every row,
-    whatever else the row holds, and leaves every other logit as it was."""
+    whatever else the row holds, and leaves every other logit as it was: rows whose logit bias favours
+    ``<|image_pad|>`` by +100 never sample it, greedy or at T = 0.7, and their recorded log-probs stay finite."""
+    from vllm.inputs import TokensPrompt
+
+    pad = policy.model.config.image_token_id
+    for i, temperature in enumerate((0.0, 0.7)):
+        sampling = {"temperature": temperature, "max_tokens": 16, "ignore_eos": True, "logit_bias": {pad: 100.0}}
+        engine._add(f"ban-{i}", TokensPrompt(prompt_token_ids=policy.tokenizer("Say something.")["input_ids"]),
+                    sampling)  # fmt: skip
+        outs = []
+        while engine._engine.has_unfinished_requests():
+            outs += [o for o in engine._engine.step() if o.finished]
+        [completion] = outs[0].outputs
+        assert len(completion.token_ids) == 16 and not set(completion.token_ids) & set(policy.vision_placeholder_ids)
+        assert all(p[t].logprob > -1e9 for p, t in zip(completion.logprobs, completion.token_ids, strict=True))
     [ban] = engine._engine.vllm_config.model_config.logits_processors
     assert ban.banned == tuple(policy.vision_placeholder_ids)
     logits = torch.randn(3, policy.model.config.get_text_config().vocab_size)
@@ -235,26 +249,29 @@ from vagent.training.weight_sync import generation_weights
 checkpoint, weights, out = sys.argv[1:]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-policy = load_policy(checkpoint, device="cpu", dtype="float32")
-policy.model.load_state_dict(torch.load(weights))
+policy = load_policy(checkpoint, device="cpu", dtype="float32")  # random weights: flat distributions to sample from
 engine = VLLMBackend.for_policy(policy, max_model_len=2048, max_num_seqs=8, max_images=4, tensor_parallel_size=2)
+torch.manual_seed(rank)  # the trainer's generators differ by rank: the shards must still draw the same numbers
+sampled = run(policy, [_task(i=i) for i in range(1 + rank)], 2, RolloutLimits(max_turns=3, max_new_tokens=40,
+              temperature=0.7), batch_size=4, backend=engine)
+worst, tokens = _logprob_gap(policy, sampled, 0.7)
+policy.model.load_state_dict(torch.load(weights))
 engine.load_weights(generation_weights(policy.model))  # the memorized weights, to both shards
 greedy = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
 tasks = [_task(i=i) for i in range(3)] if rank == 0 else [_task(SCRIPT[:1], i=9)]  # rank 1 is done first
 ids = [t.token_ids for t in run(policy, tasks, limits=greedy, batch_size=3, backend=engine)]
-sampled = run(policy, [_task(i=i) for i in range(1 + rank)], 2, RolloutLimits(max_turns=3, max_new_tokens=40,
-              temperature=0.7), batch_size=4, backend=engine)
-worst, tokens = _logprob_gap(policy, sampled, 0.7)
 json.dump({"ids": ids, "worst": worst, "tokens": tokens}, open(f"{out}.{rank}.json", "w"))
 engine.close()  # vLLM's shutdown also ends the default process group
 """
 
 
 def test_two_ranks_sharding_one_engine_each_get_their_own_episodes(taught, small, tmp_path):
-    """Tensor parallelism 2 over two torchrun ranks (gloo): one engine sharded over both, the memorized weights synced
-    into both shards, each rank rolling out its own tasks (rank 0 three 3-turn crop episodes, rank 1 one with a forced
-    first crop, done long before rank 0): each rank gets back the HF backend's greedy episodes for its own tasks, token
-    for token, and at T = 0.7 log-probs that match the trainer's to 1e-5."""
+    """Tensor parallelism 2 over two torchrun ranks (gloo): one engine sharded over both, each rank rolling out its own
+    tasks. On the random weights at T = 0.7, with each rank's own generator seeded differently, every rank's recorded
+    log-probs match the trainer's to 1e-5 (shards that drew different numbers would feed each other other tokens).
+    Then the memorized weights, synced into both shards: rank 0 rolls out three 3-turn crop episodes, rank 1 one with
+    a forced first crop (done long before rank 0), and each gets back the HF backend's greedy episodes for its own
+    tasks, token for token."""
     import json
     import os
     import subprocess

@@ -186,18 +186,22 @@ def _message_text(processor: Any, message: Message) -> str:
 
 
 def _ids_with_patches(processor: Any, text: str, patches: Sequence[ImagePatches]) -> torch.Tensor:
-    """(n,) the ids ``encode_segment`` gives ``text`` with images of these patches, without their pixels: each image
-    placeholder repeated once per merged patch of its grid (``grid.prod() / merge_size**2``, the processor's own
-    expansion), then tokenized."""
+    """(n,) the ids ``encode_segment`` gives ``text`` with images of these patches, without their pixels: the text
+    tokenized with its one placeholder per image, each placeholder then repeated once per merged patch of its grid
+    (``grid.prod() / merge_size**2``, the processor's own expansion; a run of the placeholder, an added token,
+    tokenizes to one id per placeholder, so expanding ids or text gives the same ids)."""
     token = processor.image_token
-    pieces = text.split(token)
-    if len(pieces) - 1 != len(patches):
-        raise ValueError(f"the segment has {len(pieces) - 1} image placeholder(s) but {len(patches)} image patches")
+    if text.count(token) != len(patches):
+        raise ValueError(f"the segment has {text.count(token)} image placeholder(s) but {len(patches)} image patches")
+    ids = torch.tensor(token_ids(processor.tokenizer, text), dtype=torch.long)
+    if not patches:
+        return ids
     merge = processor.image_processor.merge_size**2
-    expanded = [pieces[0]]
-    for patch, piece in zip(patches, pieces[1:], strict=True):
-        expanded += [token * (int(patch.grid_thw.prod()) // merge), piece]
-    return torch.tensor(token_ids(processor.tokenizer, "".join(expanded)), dtype=torch.long)
+    repeats = torch.ones_like(ids)
+    repeats[ids == processor.tokenizer.convert_tokens_to_ids(token)] = torch.tensor(
+        [int(patch.grid_thw.prod()) // merge for patch in patches]
+    )
+    return ids.repeat_interleave(repeats)
 
 
 def _check_grids(parts: Sequence[ContentPart], processor: Any, min_pixels: int, max_pixels: int, factor: int) -> None:

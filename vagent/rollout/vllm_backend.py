@@ -34,7 +34,6 @@ and, on GPUs, what no CPU can test (sleep mode, CUDA graphs): ``docs/guide/rollo
 from __future__ import annotations
 
 import gc
-import random
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
@@ -44,7 +43,7 @@ import torch
 
 from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
 from vagent.rollout.vllm_engine import Watchdog, start_engine
-from vagent.rollout.vllm_group import TPGroup
+from vagent.rollout.vllm_group import RefusedRequest, TPGroup
 
 __all__ = ["VLLMBackend", "collapse_image_pads", "vllm_unsupported"]
 
@@ -130,7 +129,7 @@ class VLLMBackend:
         pixels: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        self._group = TPGroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        self._group = TPGroup(tensor_parallel_size, seed, device) if tensor_parallel_size > 1 else None
         self.llm = start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_images=max_images,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
@@ -149,8 +148,6 @@ class VLLMBackend:
         self._partial: dict[Hashable, Sequence[int]] = {}  # row key -> the tokens its running turn sampled so far
         self._count = 0
         self._stats = BackendStats()
-        # TP group: the sampled turns' seeds, drawn by the rank that submits them (see vllm_group)
-        self._seeds = random.Random(seed * 1_000_003 + (self._group.rank if self._group else 0))
 
     @classmethod
     def for_policy(cls, policy: Any, *, dtype: torch.dtype | None = None, device: str | None = None,
@@ -182,8 +179,6 @@ class VLLMBackend:
         s = request.sampling
         sampling = {"temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else 1.0,
                     "max_tokens": s.max_new_tokens, "stop": list(s.stop_strings) or None, "seed": s.seed}  # fmt: skip
-        if self._group is not None and s.seed is None and s.temperature > 0:
-            sampling["seed"] = self._seeds.randrange(2**31)  # the group's engines draw the same numbers
         prompt = TokensPrompt(prompt_token_ids=collapse_image_pads(request.ids, self._pad))
         if request.images:
             prompt["multi_modal_data"] = {"image": list(request.images)}
@@ -213,12 +208,15 @@ class VLLMBackend:
     def step(self) -> list[TurnResult]:
         start = time.perf_counter()
         with self._watchdog, self._no_autocast():
-            if self._group is not None:
-                self._sync_group(done=False)
-                if not self._engine.has_unfinished_requests():  # every rank's rows wait for their tools
-                    time.sleep(0.001)
-                    return []
-            outputs = self._engine.step()
+            if self._group is None:
+                outputs = self._engine.step()
+            else:  # the group's ops first, then a step of every rank's engine
+                try:
+                    outputs, _ = self._group.step(self._engine, self._add, self._requests, done=False)
+                except RefusedRequest as e:  # nothing kept of it; raised as it would be without a group
+                    key, _ = self._requests.pop(e.request_id)
+                    self._live.pop(key, None)
+                    raise e.cause from None
         self._stats.forward_s += time.perf_counter() - start
         self._stats.forward_passes += 1
         results = []
@@ -269,33 +267,10 @@ class VLLMBackend:
         group's engines must step together). A no-op without a group."""
         if self._group is None:
             return
-        with self._watchdog, self._no_autocast():
-            while not self._sync_group(done=True):
-                if self._engine.has_unfinished_requests():
-                    self._engine.step()  # other ranks' rows only: this rank's are done
-                else:
-                    time.sleep(0.001)
-
-    def _sync_group(self, done: bool) -> bool:
-        """Apply the group's queued adds and aborts, in rank order, to this rank's engine; whether every rank is
-        ``done``. A request vLLM refuses raises on the rank that submitted it, after every op is applied."""
-        assert self._group is not None
-        ops, all_done = self._group.exchange(done)
-        refused: Exception | None = None
-        for op in ops:
-            if op[0] == "abort":
-                self._engine.abort_request([op[1]])
-                continue
-            try:
-                self._add(*op[1:])
-            except Exception as e:  # refused on every rank alike: the engines stay the same
-                if op[1] in self._requests:
-                    key, _ = self._requests.pop(op[1])
-                    self._live.pop(key, None)
-                    refused = refused or e
-        if refused is not None:
-            raise refused
-        return all_done
+        all_done = False
+        while not all_done:  # the watchdog times each step, not the wait for the slowest rank
+            with self._watchdog, self._no_autocast():
+                _, all_done = self._group.step(self._engine, self._add, self._requests, done=True)  # others' rows
 
     def stats(self) -> BackendStats:
         return self._stats

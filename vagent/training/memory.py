@@ -393,9 +393,12 @@ def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
     if s.engine == "vllm":
         # the engine holds its own weights (bf16), whatever the sharding (under DDP too: it does not read the trained
         # model) and its KV cache, sized once; sleeping, it frees both while the update runs. Sharded over a TP group,
-        # a rank holds 1/N of the weights, and of each of the group's N x rollout_batch sequences' KV
-        engine = 2 * total // s.engine_tp
-        kv = s.kv_cache_gb * GiB if s.kv_cache_gb else row * s.rollout_batch
+        # a rank holds 1/N of the weights and of each of the group's N x rollout_batch sequences' KV heads (one whole
+        # head at the least: beyond N = kv_heads vLLM replicates them), and samples all N x rollout_batch rows
+        tp = s.engine_tp
+        engine = 2 * total // tp
+        kv = s.kv_cache_gb * GiB if s.kv_cache_gb else row * s.rollout_batch * max(1, tp // shape.kv_heads)
+        logits *= tp
         when = "freed during the update (rollout.sleep)" if s.engine_sleeps else "resident"
         shard = f", 1/{s.engine_tp} per rank" if s.engine_tp > 1 else ""
         p.lines.append((f"vLLM engine weights (bf16{shard})", engine, when))
