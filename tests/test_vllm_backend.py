@@ -157,7 +157,7 @@ def test_the_engine_bans_the_vision_placeholders_for_every_row_at_every_step(pol
 
     pad = policy.model.config.image_token_id
     for i, temperature in enumerate((0.0, 0.7)):
-        sampling = {"temperature": temperature, "max_tokens": 16, "ignore_eos": True, "logit_bias": {pad: 100.0}}
+        sampling = {"temperature": temperature, "max_tokens": 16, "min_tokens": 16, "logit_bias": {pad: 100.0}}
         engine._add(f"ban-{i}", TokensPrompt(prompt_token_ids=policy.tokenizer("Say something.")["input_ids"]),
                     sampling)  # fmt: skip
         outs = []
