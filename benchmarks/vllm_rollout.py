@@ -95,9 +95,10 @@ def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int,
         outs = engine.llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    # EOS off for the vagent runs too: every row samples new_tokens (the stop strings may still end a turn early)
-    eos = engine._eos
+    # EOS off for the vagent runs too (the backend's stop ids and vLLM's own EOS): the stop strings alone end a turn
+    eos, add = engine._eos, engine._add
     engine._eos = []
+    engine._add = lambda request_id, prompt, sampling: add(request_id, prompt, {**sampling, "ignore_eos": True})
     sampled = lambda out: sum(sum(t.loss_mask) for t in out)  # noqa: E731
     ours = lambda: sampled(run(policy, tasks, limits=limits, batch_size=rows, backend=engine))  # noqa: E731
     bare(), ours()  # warm-up
@@ -108,7 +109,7 @@ def single_turn(policy, engine: VLLMBackend, rows: int, new_tokens: int,
             start = time.perf_counter()
             tokens = fn()
             timed[name].append((time.perf_counter() - start, tokens))
-    engine._eos = eos
+    engine._eos, engine._add = eos, add
     hf = HFBackend(policy)
     hf._eos = set()
     t_hf, out_hf = _timed(lambda: run(policy, tasks, limits=limits, batch_size=rows, backend=hf))
