@@ -148,3 +148,21 @@ def like_7b(tmp_path_factory):
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "like_7b", family="qwen2_5_vl", vocab="qwen",
                                  preset=miniature("qwen2.5-vl-7b"), tie_embeddings=SHAPES["qwen2.5-vl-7b"].tied)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def taught_crop(small, tmp_path_factory):
+    """``small`` after memorizing the vLLM tests' crop episode (``tests/test_vllm_backend.py``'s SCRIPT: two crop calls,
+    then the answer), as a checkpoint dir: taught once for every vLLM test module that needs it."""
+    import shutil
+
+    from tests.test_vllm_backend import teach_crop_episode
+    from vagent.model import load_policy
+
+    model = tmp_path_factory.mktemp("taught") / "model"
+    shutil.copytree(small, model)
+    policy = load_policy(small, device="cpu", dtype="float32")
+    loss = teach_crop_episode(policy)
+    assert loss < 0.01, f"the script was not memorized (loss {loss:.3f})"
+    policy.model.save_pretrained(model)
+    return model

@@ -4,30 +4,26 @@ page itself is backend-blind and tested in ``tests/test_demo.py``."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 import tests.vllm_required  # noqa: F401  (fails, or skips, this module without vLLM)
 from demo.app import load, parse_args
 from demo.episode import clamp_limits, stream_episode
-from tests.test_vllm_backend import _task, teach_crop_episode
-from vagent.model import PolicyLoadError, load_policy
+from tests.test_vllm_backend import _task
+from vagent.model import PolicyLoadError
 from vagent.rollout.vllm_backend import VLLMBackend
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def served(small, tmp_path_factory):
-    """The demo loaded with ``--backend vllm`` on a checkpoint that has memorized a two-crop episode."""
-    model = tmp_path_factory.mktemp("taught") / "model"
-    shutil.copytree(small, model)
-    policy = load_policy(small, device="cpu", dtype="float32")
-    assert teach_crop_episode(policy) < 0.01
-    policy.model.save_pretrained(model)
+def served(taught_crop, tmp_path_factory):
+    """The demo loaded with ``--backend vllm`` on a checkpoint that has memorized a two-crop episode (conftest's
+    ``taught_crop``)."""
     runs = tmp_path_factory.mktemp("runs")
-    served = load(parse_args(["--model", str(model), "--runs", str(runs), "--device", "cpu", "--backend", "vllm"]))
+    served = load(
+        parse_args(["--model", str(taught_crop), "--runs", str(runs), "--device", "cpu", "--backend", "vllm"])
+    )
     yield served
     served.backend.close()
 

@@ -37,7 +37,7 @@ from vagent.rewards.answer import choice_match, gold_answers
 from vagent.rollout import GenerationBackend, RolloutLimits, Task, run
 from vagent.rollout.export import JsonlWriter, read_jsonl, write_html
 from vagent.toolbox import ToolServices
-from vagent.training.distributed import DistEnv, barrier
+from vagent.training.distributed import DistEnv, all_gather_object, barrier
 from vagent.training.metrics import read_metrics
 from vagent.types import Trajectory
 
@@ -118,8 +118,11 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
 
         # rows in chunks so finished samples reach the log while the run goes on
         chunk = max(1, batch_size)
-        for start in range(0, len(todo), chunk):
-            tasks = [task(r) for r in todo[start : start + chunk]]
+        chunks = [todo[start : start + chunk] for start in range(0, len(todo), chunk)]
+        if getattr(backend, "tensor_parallel_size", 1) > 1:  # a TP group's ranks roll out together: as many runs each
+            chunks += [[]] * (max(all_gather_object(len(chunks))) - len(chunks))
+        for rows_of_chunk in chunks:
+            tasks = [task(r) for r in rows_of_chunk]
             if episodes is not None:
                 episodes(tasks, n_samples, finished)
                 continue

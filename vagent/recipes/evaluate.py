@@ -192,14 +192,18 @@ def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits
     Raises:
         BenchmarkError: vLLM cannot run this checkpoint here (one line, with the remedy).
     """
+    tp = getattr(args, "tensor_parallel_size", 1)
     if args.backend != "vllm":
+        if tp > 1:
+            raise BenchmarkError("--tensor-parallel-size shards vLLM's engine: add --backend vllm")
         return None
     from vagent.rollout.vllm_backend import VLLMBackend
 
     try:
-        return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=args.batch_size,
+        return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=args.batch_size * tp,
                                       max_images=limits.max_images, seed=args.seed,
-                                      gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
+                                      gpu_memory_utilization=args.gpu_memory_utilization, sleep=False,
+                                      tensor_parallel_size=tp)  # fmt: skip
     except ValueError as e:
         raise BenchmarkError(f"--backend vllm: {e}") from None
 

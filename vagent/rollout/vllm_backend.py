@@ -258,6 +258,12 @@ class VLLMBackend:
                 self._group.queue(("abort", request_id))
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks sharding this engine (1: a whole engine). Above 1 every rank of the group must call ``run`` as many
+        times (a rank with nothing left rolls out no task)."""
+        return self._group.size if self._group is not None else 1
+
+    @property
     def busy(self) -> bool:
         # a TP group's ranks step together: each rank's loop steps at every turn of its loop until it settles
         return self._group is not None or self._engine.has_unfinished_requests()

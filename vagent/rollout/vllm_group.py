@@ -55,12 +55,12 @@ class TPGroup:
     def __init__(self, size: int, seed: int = 0, device: str = "cpu") -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
-                f"rollout.tensor_parallel_size={size} shards the engine over torchrun ranks: launch with torchrun "
-                f"and a multiple of {size} ranks"
+                f"tensor parallel size {size} shards the engine over torchrun ranks: launch with torchrun and a "
+                f"multiple of {size} ranks"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         if size < 1 or world % size:
-            raise ValueError(f"rollout.tensor_parallel_size={size} must divide the number of ranks ({world})")
+            raise ValueError(f"tensor parallel size {size} must divide the number of ranks ({world})")
         # every rank makes every group, in the same order; gloo, whatever the trainer's backend: the ops are objects
         groups = [dist.new_group(list(range(first, first + size)), backend="gloo") for first in range(0, world, size)]
         self.size = size
