@@ -197,10 +197,11 @@ def _ids_with_patches(processor: Any, text: str, patches: Sequence[ImagePatches]
     if not patches:
         return ids
     merge = processor.image_processor.merge_size**2
+    pads = ids == processor.tokenizer.convert_tokens_to_ids(token)
+    if int(pads.sum()) != len(patches):
+        raise ValueError(f"the segment tokenizes to {int(pads.sum())} image placeholder(s) for {len(patches)} images")
     repeats = torch.ones_like(ids)
-    repeats[ids == processor.tokenizer.convert_tokens_to_ids(token)] = torch.tensor(
-        [int(patch.grid_thw.prod()) // merge for patch in patches]
-    )
+    repeats[pads] = torch.tensor([int(patch.grid_thw.prod()) // merge for patch in patches])
     return ids.repeat_interleave(repeats)
 
 

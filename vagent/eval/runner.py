@@ -116,12 +116,7 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
             samples_log.flush()
             bar.update(1)
 
-        # rows in chunks so finished samples reach the log while the run goes on
-        chunk = max(1, batch_size)
-        chunks = [todo[start : start + chunk] for start in range(0, len(todo), chunk)]
-        if getattr(backend, "tensor_parallel_size", 1) > 1:  # a TP group's ranks roll out together: as many runs each
-            chunks += [[]] * (max(all_gather_object(len(chunks))) - len(chunks))
-        for rows_of_chunk in chunks:
+        for rows_of_chunk in _chunks(todo, batch_size, backend):
             tasks = [task(r) for r in rows_of_chunk]
             if episodes is not None:
                 episodes(tasks, n_samples, finished)
@@ -133,6 +128,16 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
     if rank != 0:
         return {}
     return _merge(benchmark, rows, out_dir, world, skipped, tools, agent, limits)
+
+
+def _chunks(todo: list[Row], batch_size: int, backend: GenerationBackend | None) -> list[list[Row]]:
+    """The rows in chunks of ``batch_size``, so finished samples reach the log while the run goes on. The ranks of a
+    vLLM TP group roll out together: each gets as many chunks (empty ones where it has fewer rows left)."""
+    chunk = max(1, batch_size)
+    chunks = [todo[start : start + chunk] for start in range(0, len(todo), chunk)]
+    if getattr(backend, "tensor_parallel_size", 1) > 1:
+        chunks += [[]] * (max(all_gather_object(len(chunks))) - len(chunks))
+    return chunks
 
 
 def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample: int, extract: str,

@@ -69,7 +69,11 @@ def run_eval(args: argparse.Namespace) -> int:
         return _eval_endpoint_policy(args, benchmark, rows, errors, overrides)
     env = init_distributed(args.device)
     try:
-        policy = load_policy(args.model, device=env.device, dtype=args.dtype, attn_implementation=args.attn)
+        # with vLLM on a GPU the engine holds the weights (sharded, with --tensor-parallel-size): the policy (its
+        # processor, its config) stays on the CPU, no second copy on the device
+        vllm_gpu = args.backend == "vllm" and env.device.type != "cpu"
+        policy = load_policy(args.model, device="cpu" if vllm_gpu else env.device, dtype=args.dtype,
+                             attn_implementation=args.attn)  # fmt: skip
         set_pixel_budget(policy, args.min_pixels, args.max_pixels)
         limits = episode_limits(args)
         _check_context(policy, limits, get_profile(args.agent).limits.max_turns, quiet=not env.is_main)
@@ -82,7 +86,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
         services = tool_services(ToolboxConfig(search_corpus=args.search_corpus, search_url=args.search_url,
                                                allow_unsandboxed_code=args.unsandboxed))  # fmt: skip
-        backend = episode_backend(args, policy, limits)
+        group = env.rank // getattr(args, "tensor_parallel_size", 1)  # a card written before the flag has none
+        backend = episode_backend(args, policy, limits, device=env.device.type, group=group)
         try:
             metrics = evaluate(policy, benchmark, rows, Path(args.out), tools=args.tools, limits=limits,
                                n_samples=args.samples, batch_size=args.batch_size, services=services, env=env,
@@ -185,9 +190,11 @@ def order_options(rows, option_order: str | None):
             if "listed" in r.extra else r for r in rows]  # fmt: skip
 
 
-def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits) -> Any:
+def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits, device: str | None = None,
+                    group: int = 0) -> Any:  # fmt: skip
     """The generation backend of ``vagent eval`` and ``vagent rollout`` (``--backend``): None for vagent's own HF
-    engine (``run`` makes one), or a vLLM engine over the checkpoint, which the caller closes.
+    engine (``run`` makes one), or a vLLM engine over the checkpoint on ``device`` (default: the policy's), which the
+    caller closes; ``group`` (this rank's TP group, or its rank without one) varies the engine's seed.
 
     Raises:
         BenchmarkError: vLLM cannot run this checkpoint here (one line, with the remedy).
@@ -201,7 +208,7 @@ def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits
 
     try:
         return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=args.batch_size * tp,
-                                      max_images=limits.max_images, seed=args.seed,
+                                      max_images=limits.max_images, seed=args.seed + 1_000_003 * group, device=device,
                                       gpu_memory_utilization=args.gpu_memory_utilization, sleep=False,
                                       tensor_parallel_size=tp)  # fmt: skip
     except ValueError as e:

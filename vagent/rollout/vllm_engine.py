@@ -36,6 +36,10 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
         ) from e
     # the engine core runs in this process: reachable for weight syncs, and no child process to outlive the run
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's V1 model runner, which its CPU build runs and this project's tests exercise: the placeholder ban is a V1
+    # logits processor (the V2 runner, vLLM 0.32's CUDA default, loads only its own kind), and a TP group's shared
+    # generator state (vllm_group) is what V1's sampler draws from (V2 draws per-request seeds from numpy)
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb or 1))))
         # vLLM's CPU worker would pin this process's threads to cores of its choosing: the trainer shares them
@@ -43,6 +47,8 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
     from vllm import LLM
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if device == "cpu" and tensor_parallel_size > 1:
+        _drop_stale_cpu_shm()
     kwargs: dict[str, Any] = {}
     if distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -146,3 +152,27 @@ def _ban(banned_ids: Sequence[int]) -> type:
             return logits.index_fill_(1, self.ids, float("-inf"))
 
     return BanTokens
+
+
+def _drop_stale_cpu_shm() -> None:
+    """Remove the shared memory vLLM's CPU tensor-parallel communicator left behind in a run that was killed.
+
+    vLLM names these segments after the group alone (``/dev/shm/...-tp:0-[0-1]-cpushm_<rank>``). A run killed before
+    its shutdown leaves them, and every later TP engine on the machine then fails to start ("create shm in
+    SHMManager failed. errno: 17"). Local rank 0 removes those that no live process maps, before any rank starts its
+    engine (a barrier): a running job's segments stay.
+    """
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        segments = list(Path("/dev/shm").glob("*cpushm*"))
+        mapped: set[Path] = set()
+        for maps in Path("/proc").glob("[0-9]*/maps") if segments else ():
+            try:
+                text = maps.read_text()
+            except OSError:  # a process that ended meanwhile, or one not ours to read
+                continue
+            mapped.update(segment for segment in segments if str(segment) in text)
+        for segment in set(segments) - mapped:
+            segment.unlink(missing_ok=True)
+    dist.barrier()

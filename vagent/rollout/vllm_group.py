@@ -114,7 +114,9 @@ class TPGroup:
 
     @contextmanager
     def _sampling(self) -> Iterator[None]:
-        """The group's generator state in place of this process's default one while the engine samples."""
+        """The group's generator state in place of this process's default one (the current CUDA device's, which
+        vLLM's launcher sets to the rank's) while the engine samples. Nothing else draws from it meanwhile: the tool
+        threads running beside the step use no torch generator."""
         get = torch.cuda.get_rng_state if self._cuda else torch.get_rng_state
         put = torch.cuda.set_rng_state if self._cuda else torch.set_rng_state
         saved = get()

@@ -403,6 +403,8 @@ def _rollout(shape: ModelShape, s: Setup, total: int, p: MemoryPlan) -> None:
         shard = f", 1/{s.engine_tp} per rank" if s.engine_tp > 1 else ""
         p.lines.append((f"vLLM engine weights (bf16{shard})", engine, when))
         sized = f"rollout.kv_cache_gb={s.kv_cache_gb:g}" if s.kv_cache_gb else f"{s.rollout_batch} sequences"
+        if tp > 1 and not s.kv_cache_gb:
+            sized = f"1/{tp} of the heads of {tp} x {s.rollout_batch} sequences"
         p.lines.append(("vLLM KV cache", kv, f"{sized} x {s.rollout_len} tokens; {when}"))
         if s.engine_sleeps:
             p.rollout = engine + kv + logits
