@@ -164,7 +164,8 @@ class VLLMBackend:
             raise ValueError(why)
         return cls(
             policy.path, dtype=dtype or policy.dtype, eos_token_ids=policy.eos_token_ids,
-            image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids, device=device, pixels=policy.pixel_budget, **kwargs,
+            image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids,
+            device=device, pixels=policy.pixel_budget, **kwargs,
         )  # fmt: skip
 
     # -- the GenerationBackend Protocol ---------------------------------------------------------------
