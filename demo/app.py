@@ -312,6 +312,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--backend vllm: the model sharded over this "
+                   "many devices, one vLLM worker process each (%(default)s).")  # fmt: skip
     p.add_argument("--search-corpus", help="JSONL corpus (title, text, url) that enables the offline `search` tool.")
     p.add_argument("--max-upload-mb", type=float, default=DemoLimits.max_upload_mb)
     p.add_argument("--max-image-pixels", type=int, default=DemoLimits.max_image_pixels)
@@ -351,7 +353,8 @@ def load(args: argparse.Namespace) -> Served:
         try:  # one episode at a time (the app's queue): a handful of rows covers its turns
             backend = VLLMBackend.for_policy(policy, device=device, max_model_len=limits.max_total_tokens, max_num_seqs=4,
                                              max_images=limits.max_images,
-                                             gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
+                                             gpu_memory_utilization=args.gpu_memory_utilization, sleep=False,
+                                             tensor_parallel_size=args.tensor_parallel_size, tp_ranks=False)  # fmt: skip
         except ValueError as e:
             raise PolicyLoadError(f"--backend vllm: {e}") from None
         note += " Generating on vLLM."

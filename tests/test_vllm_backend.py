@@ -163,12 +163,15 @@ def test_the_engine_bans_the_vision_placeholders_for_every_row_at_every_step(pol
         [completion] = outs[0].outputs
         assert len(completion.token_ids) == 16 and not set(completion.token_ids) & set(policy.vision_placeholder_ids)
         assert all(p[t].logprob > -1e9 for p, t in zip(completion.logprobs, completion.token_ids, strict=True))
-    [ban] = engine._engine.vllm_config.model_config.logits_processors
-    assert ban.banned == tuple(policy.vision_placeholder_ids)
+    from vagent.rollout.vllm_logits import NAME, BanVisionTokens
+
+    assert engine._engine.vllm_config.model_config.logits_processors == [NAME]  # by name: worker processes load it
+    ban = BanVisionTokens(engine._engine.vllm_config, torch.device("cpu"), False)
+    assert ban.ids.tolist() == policy.vision_placeholder_ids
     logits = torch.randn(3, policy.model.config.get_text_config().vocab_size)
-    out = ban(engine._engine.vllm_config, torch.device("cpu"), False).apply(logits.clone())
+    out = ban.apply(logits.clone())
     banned = torch.zeros(logits.shape[1], dtype=torch.bool)
-    banned[list(ban.banned)] = True
+    banned[policy.vision_placeholder_ids] = True
     assert torch.isneginf(out[:, banned]).all() and torch.equal(out[:, ~banned], logits[:, ~banned])
 
 
@@ -292,6 +295,99 @@ def test_two_ranks_sharding_one_engine_each_get_their_own_episodes(taught, small
         assert got[rank]["ids"] == [t.token_ids for t in hf], f"rank {rank}"
     assert all(g["tokens"] > 20 for g in got), [g["tokens"] for g in got]
     assert max(g["worst"] for g in got) < 1e-5, [g["worst"] for g in got]
+
+
+# One process, the engine sharded over vLLM's own worker processes (`vagent serve`, the demo, `vagent rollout`)
+WORKERS_CHILD = """
+import json, os, sys, time
+from pathlib import Path
+
+def workers():
+    # this process's children (of any of its threads) that are vLLM's worker processes (they retitle themselves)
+    kids = [k for t in Path(f"/proc/{os.getpid()}/task").iterdir() for k in (t / "children").read_text().split()]
+    return [int(k) for k in kids if Path(f"/proc/{k}/cmdline").read_bytes().startswith(b"VLLM::Worker")]
+
+if __name__ == "__main__":
+    from tests.test_vllm_backend import SCRIPT, _task
+    from vagent.model import load_policy
+    from vagent.rollout import RolloutLimits, run
+    from vagent.rollout.vllm_backend import VLLMBackend
+
+    model, out, mode = sys.argv[1:4]
+    policy = load_policy(model, device="cpu", dtype="float32")
+    engine = VLLMBackend.for_policy(policy, max_model_len=2048, max_num_seqs=8, max_images=4, tensor_parallel_size=2)
+    pids = workers()
+    Path(out + ".pids").write_text(json.dumps(pids))
+    if mode == "hang":  # killed from outside: its workers must not outlive it
+        time.sleep(600)
+    greedy = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
+    ids = [t.token_ids for t in run(policy, [_task(i=i) for i in range(3)], limits=greedy, batch_size=3, backend=engine)]
+    try:
+        engine.load_weights([])
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    engine.close()
+    time.sleep(2)
+    json.dump({"ids": ids, "refused": refused, "left": [p for p in pids if Path(f"/proc/{p}").exists()]}, open(out, "w"))
+"""
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+
+
+@pytest.mark.slow  # a sharded engine started twice (about 45 s)
+def test_one_process_sharding_an_engine_over_vllms_workers_gets_the_hf_backends_episodes(taught_crop, taught, tmp_path):
+    """Tensor parallelism 2 without torchrun (``vagent serve/rollout --tensor-parallel-size 2``): vLLM's own worker
+    processes hold the shards (the placeholder ban loaded in each by name). The memorized policy's greedy 3-turn crop
+    episodes equal the HF backend's token for token; a weight sync is refused with one line (no shard is in this
+    process); after ``close`` no worker is left, and none outlives its process killed with SIGKILL."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "child.py").write_text(WORKERS_CHILD)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(tmp_path / "child.py"), str(taught_crop)]
+    done = subprocess.run([*cmd, str(tmp_path / "run.json"), "run"], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=root)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert len(json.loads((tmp_path / "run.json.pids").read_text())) == 2  # one worker per shard
+    limits = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
+    hf = run(taught, [_task(i=i) for i in range(3)], limits=limits, batch_size=3)
+    assert all(len(t.tool_results) == 2 and t.stop_reason == "answered" for t in hf)
+    assert got["ids"] == [t.token_ids for t in hf]
+    assert "worker processes" in got["refused"] and got["left"] == []
+    # killed: the workers go with their process
+    child = subprocess.Popen([*cmd, str(tmp_path / "hang.json"), "hang"], env=env, cwd=root,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    pids_file = tmp_path / "hang.json.pids"
+    try:
+        deadline = time.monotonic() + 300
+        while not pids_file.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        pids = json.loads(pids_file.read_text())
+        assert len(pids) == 2
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == [], "vLLM worker processes outlived their killed process"
 
 
 @pytest.mark.slow  # two ranks starting a sharded engine, and the HF reference: about 40 s

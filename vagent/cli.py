@@ -492,6 +492,10 @@ def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature
                    "docs/guide/rollout.md). Default: %(default)s.")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="--backend vllm: shards of one engine, for a model one device cannot hold. Under torchrun, "
+                   "consecutive ranks (each still rolls out its own rows; must divide the ranks); in one process, "
+                   "vLLM's own worker processes. Default: %(default)s.")  # fmt: skip
 
 
 def _add_make_tiny_model(sub) -> None:
@@ -561,9 +565,6 @@ def _add_eval(sub) -> None:
                    help="Pixel budget of the images the model is shown (default: the checkpoint's processor).")  # fmt: skip
     p.add_argument("--min-pixels", type=_positive, default=None, help="Smallest image size in pixels (the same).")
     _add_episode(p, max_new_tokens=512, temperature=0.0, preset=True)
-    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
-                   help="--backend vllm under torchrun: consecutive ranks sharding one engine, for a model one device "
-                   "cannot hold (each rank still evaluates its own rows; must divide the ranks). Default: %(default)s.")  # fmt: skip
     p.add_argument("--limit", type=_positive, help="Only the first K records.")
     p.add_argument("--skip-bad", action="store_true", help="Report bad records and go on (default: fail the run).")
     p.add_argument("--search-corpus", help="JSONL corpus for the offline BM25 `search` tool (mat-search).")

@@ -204,13 +204,19 @@ def episode_backend(args: argparse.Namespace, policy: Any, limits: RolloutLimits
         if tp > 1:
             raise BenchmarkError("--tensor-parallel-size shards vLLM's engine: add --backend vllm")
         return None
+    import torch.distributed as dist
+
     from vagent.rollout.vllm_backend import VLLMBackend
 
+    # under torchrun the group's ranks each submit their own rows to one sharded engine; in one process, vLLM's
+    # worker processes hold the shards and this process submits every row
+    ranks = dist.is_available() and dist.is_initialized()
     try:
-        return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens, max_num_seqs=args.batch_size * tp,
+        return VLLMBackend.for_policy(policy, max_model_len=limits.max_total_tokens,
+                                      max_num_seqs=args.batch_size * (tp if ranks else 1),
                                       max_images=limits.max_images, seed=args.seed + 1_000_003 * group, device=device,
                                       gpu_memory_utilization=args.gpu_memory_utilization, sleep=False,
-                                      tensor_parallel_size=tp)  # fmt: skip
+                                      tensor_parallel_size=tp, tp_ranks=ranks)  # fmt: skip
     except ValueError as e:
         raise BenchmarkError(f"--backend vllm: {e}") from None
 

@@ -211,6 +211,7 @@ def _vllm_engine(cfg: GRPOConfig, policy: Policy, env: DistEnv, bf16: bool) -> V
         max_num_seqs=rollout.max_num_seqs or cfg.grpo.rollout_batch_size * tp, max_images=rollout.max_images,
         seed=cfg.seed + 1_000_003 * (env.rank // tp), gpu_memory_utilization=rollout.gpu_memory_utilization,
         kv_cache_gb=rollout.kv_cache_gb, sleep=rollout.sleep, watchdog_s=rollout.watchdog_s, tensor_parallel_size=tp,
+        tp_ranks=True,  # the weight sync reaches each shard in its own rank
     )  # fmt: skip
 
 

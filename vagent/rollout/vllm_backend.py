@@ -3,7 +3,8 @@
 One engine per rank, in the rank's own process (vLLM's in-process engine core; under torchrun its
 ``external_launcher`` executor, as TRL's ``vllm_mode="colocate"`` runs it), tensor parallel 1 by default; with
 ``tensor_parallel_size`` the engines of consecutive ranks each hold a shard of the model and step on one request
-stream that the group agrees on before every step (``vagent.rollout.vllm_group``). The engine, the
+stream that the group agrees on before every step (``vagent.rollout.vllm_group``); a server or a one-process
+evaluation shards it over vLLM's own worker processes instead (``tp_ranks``). The engine, the
 toolbox, the agent profiles and the encoder are the rollout's own: this backend only turns a turn request into an
 engine request and the engine's output back into sampled ids and log-probs.
 
@@ -87,7 +88,6 @@ class VLLMBackend:
         dtype: The engine's weights' dtype (the trainer's compute dtype).
         eos_token_ids: Tokens that end a turn (``Policy.eos_token_ids``).
         image_pad_id: The image placeholder (``config.image_token_id``).
-        banned_ids: Tokens never sampled (``Policy.vision_placeholder_ids``).
         max_model_len: The longest row (``rollout.max_total_tokens``).
         max_num_seqs: Sequences the engine schedules at once.
         max_images: Images per row (``rollout.max_images``).
@@ -100,9 +100,15 @@ class VLLMBackend:
         pixels: ``(min_pixels, max_pixels)`` of the engine's image processor (``Policy.pixel_budget``, which
             ``vagent eval --max-pixels`` may change); None = the checkpoint's. The images come model-sized: the
             engine must leave them so.
-        tensor_parallel_size: Ranks whose engines shard the model together (consecutive torchrun ranks; every rank
-            makes its backend at the same point). ``max_num_seqs`` is then the group's. Each rank still submits and
-            gets back only its own rows; after its rollout it calls ``settle``.
+        tensor_parallel_size: Shards of the model (one per device): see ``tp_ranks``.
+        tp_ranks: Where the shards run when ``tensor_parallel_size`` > 1. True: in the engines of consecutive
+            torchrun ranks, one shard each (every rank makes its backend at the same point; ``max_num_seqs`` is then
+            the group's; each rank still submits and gets back only its own rows, and after its rollout calls
+            ``settle``); what a trainer needs, whose weight sync reaches every shard in its own rank. False: in vLLM's
+            own worker processes, one per shard, this process's engine driving them (``vagent serve``, the demo, a
+            one-process ``vagent eval``; no weight sync). None: True under torch.distributed, else False.
+
+    The checkpoint's vision placeholders are never sampled (``vagent.rollout.vllm_logits``).
     """
 
     # vLLM's processor makes the patches from the images sent: the rollout engine makes none for it (only the grids
@@ -116,7 +122,6 @@ class VLLMBackend:
         dtype: torch.dtype,
         eos_token_ids: Sequence[int],
         image_pad_id: int,
-        banned_ids: Sequence[int],
         max_model_len: int,
         max_num_seqs: int,
         max_images: int,
@@ -128,13 +133,18 @@ class VLLMBackend:
         device: str = "cpu",
         pixels: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,
+        tp_ranks: bool | None = None,
     ) -> None:
-        self._group = TPGroup(tensor_parallel_size, seed, device) if tensor_parallel_size > 1 else None
+        if tp_ranks is None:
+            tp_ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+        sharded_here = tensor_parallel_size > 1 and tp_ranks
+        self._group = TPGroup(tensor_parallel_size, seed, device) if sharded_here else None
+        self._workers = tensor_parallel_size if tensor_parallel_size > 1 and not tp_ranks else 0
         self.llm = start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                  max_num_seqs=max_num_seqs, max_images=max_images,
                                  gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
                                  device=device, pixels=pixels, tensor_parallel_size=tensor_parallel_size,
-                                 banned_ids=banned_ids)  # fmt: skip
+                                 tp_ranks=tp_ranks)  # fmt: skip
         self._engine = self.llm.llm_engine
         self.dtype = dtype
         self.device = device
@@ -152,7 +162,7 @@ class VLLMBackend:
     @classmethod
     def for_policy(cls, policy: Any, *, dtype: torch.dtype | None = None, device: str | None = None,
                    **kwargs: Any) -> VLLMBackend:  # fmt: skip
-        """An engine over ``policy``'s checkpoint, with its tokens (EOS, image pad, vision placeholders banned), on
+        """An engine over ``policy``'s checkpoint, with its tokens (EOS, image pad), on
         ``device`` (default: the policy's); ``dtype`` defaults to the policy's; ``kwargs`` as for the constructor.
 
         Raises:
@@ -164,8 +174,7 @@ class VLLMBackend:
             raise ValueError(why)
         return cls(
             policy.path, dtype=dtype or policy.dtype, eos_token_ids=policy.eos_token_ids,
-            image_pad_id=policy.model.config.image_token_id, banned_ids=policy.vision_placeholder_ids,
-            device=device, pixels=policy.pixel_budget, **kwargs,
+            image_pad_id=policy.model.config.image_token_id, device=device, pixels=policy.pixel_budget, **kwargs,
         )  # fmt: skip
 
     # -- the GenerationBackend Protocol ---------------------------------------------------------------
@@ -260,8 +269,8 @@ class VLLMBackend:
 
     @property
     def tensor_parallel_size(self) -> int:
-        """Ranks sharding this engine (1: a whole engine). Above 1 every rank of the group must call ``run`` as many
-        times (a rank with nothing left rolls out no task)."""
+        """Ranks sharding this engine (1: a whole engine in this rank, or one sharded over vLLM's worker processes).
+        Above 1 every rank of the group must call ``run`` as many times (a rank with nothing left rolls out no task)."""
         return self._group.size if self._group is not None else 1
 
     @property
@@ -300,6 +309,11 @@ class VLLMBackend:
         Raises:
             RuntimeError: The engine did not take them (one line; the engine is not used again).
         """
+        if self._workers:
+            raise RuntimeError(
+                f"this vLLM engine's {self._workers} shards run in vLLM's worker processes, which the trained weights "
+                "cannot be streamed to: a trainer shards the engine over its torchrun ranks (tp_ranks=True)"
+            )
         start = time.perf_counter()
         with self._watchdog, self._no_autocast():
             if self.sleeping:  # weights first, then the KV cache (TRL, verl): the trainer's freed blocks go back first

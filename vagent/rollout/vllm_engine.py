@@ -8,7 +8,6 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,10 @@ _RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
                   max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
                   device: str, pixels: tuple[int, int] | None = None, tensor_parallel_size: int = 1,
-                  banned_ids: Sequence[int] = ()) -> Any:  # fmt: skip
-    """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it."""
+                  tp_ranks: bool = True, ban_vision: bool = True) -> Any:  # fmt: skip
+    """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it: its engine core
+    here, its model here too unless ``tensor_parallel_size`` > 1 with ``tp_ranks`` False (then one vLLM worker
+    process per shard); ``ban_vision``: the checkpoint's vision placeholders are never sampled."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -48,17 +49,21 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if device == "cpu" and tensor_parallel_size > 1:
-        _drop_stale_cpu_shm()
+        _drop_stale_cpu_shm(barrier=distributed and tp_ranks)
     kwargs: dict[str, Any] = {}
-    if distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
+    if tensor_parallel_size > 1 and not tp_ranks:  # vLLM's own worker processes, one per shard (vllm serve's way)
+        kwargs["distributed_executor_backend"] = "mp"
+    elif distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
         kwargs["distributed_executor_backend"] = "external_launcher"
     if device != "cpu":
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs["enable_sleep_mode"] = sleep
         if kv_cache_gb:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-    if banned_ids:
-        kwargs["logits_processors"] = [_ban(banned_ids)]
+    if ban_vision:  # by name: a worker process loads it too
+        from vagent.rollout.vllm_logits import NAME
+
+        kwargs["logits_processors"] = [NAME]
     if pixels is not None:
         kwargs["mm_processor_kwargs"] = {"min_pixels": pixels[0], "max_pixels": pixels[1]}
     # What vLLM changes for the whole process is put back after it starts: its CPU worker replaces
@@ -130,37 +135,13 @@ class Watchdog:
                 os._exit(70)
 
 
-def _ban(banned_ids: Sequence[int]) -> type:
-    """A vLLM logits processor class that sets ``banned_ids``' logits to -inf for every row at every step: before the
-    temperature and the nucleus, so the processed log-probs are of the distribution without them (what GRPO's
-    trainer scores). One vectorized fill per step; the engine runs in this process, so a class made here will do."""
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class BanTokens(LogitsProcessor):
-        banned = tuple(int(i) for i in banned_ids)
-
-        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-            self.ids = torch.tensor(self.banned, dtype=torch.long, device=device)
-
-        def is_argmax_invariant(self) -> bool:
-            return False  # it changes greedy choices too
-
-        def update_state(self, batch_update: Any) -> None:
-            pass  # the same tokens for every request
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            return logits.index_fill_(1, self.ids, float("-inf"))
-
-    return BanTokens
-
-
-def _drop_stale_cpu_shm() -> None:
+def _drop_stale_cpu_shm(barrier: bool) -> None:
     """Remove the shared memory vLLM's CPU tensor-parallel communicator left behind in a run that was killed.
 
     vLLM names these segments after the group alone (``/dev/shm/...-tp:0-[0-1]-cpushm_<rank>``). A run killed before
     its shutdown leaves them, and every later TP engine on the machine then fails to start ("create shm in
     SHMManager failed. errno: 17"). Local rank 0 removes those that no live process maps, before any rank starts its
-    engine (a barrier): a running job's segments stay.
+    engine (a barrier, under torchrun): a running job's segments stay.
     """
     import torch.distributed as dist
 
@@ -175,4 +156,5 @@ def _drop_stale_cpu_shm() -> None:
             mapped.update(segment for segment in segments if str(segment) in text)
         for segment in set(segments) - mapped:
             segment.unlink(missing_ok=True)
-    dist.barrier()
+    if barrier:
+        dist.barrier()

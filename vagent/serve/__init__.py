@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Default: %(default)s.")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="--backend vllm: the model sharded over "
+                   "this many devices, one vLLM worker process each (%(default)s).")  # fmt: skip
 
 
 def _positive(text: str) -> int:
@@ -109,7 +111,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             engine = VLLMBackend.for_policy(policy, max_model_len=options.max_model_len, max_num_seqs=args.max_queue,
                                             max_images=options.max_images,
-                                            gpu_memory_utilization=args.gpu_memory_utilization, sleep=False)  # fmt: skip
+                                            gpu_memory_utilization=args.gpu_memory_utilization, sleep=False,
+                                            tensor_parallel_size=args.tensor_parallel_size, tp_ranks=False)  # fmt: skip
         except ValueError as e:
             raise SystemExit(f"vagent serve: error: --backend vllm: {e}") from None
     app = create_app(policy, options, engine)
