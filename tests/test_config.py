@@ -192,6 +192,23 @@ def test_a_partly_given_section_keeps_the_parents_defaults_for_the_rest():
     assert cfg.model.device == "cpu" and cfg.tiny.seed == 3
 
 
+def test_a_mapping_value_given_replaces_the_default_while_a_section_given_in_part_is_merged(tmp_path):
+    """``rewards.weights`` is a value, not a section: given (in a file or an override), it is the whole set of
+    reward components, never the defaults plus it (a judge-only or Tool-Star-only run must not also score crop IoU);
+    a sub-section given in part (``grpo.self_critic``) keeps its defaults for the rest."""
+    from vagent.config import GRPOConfig
+
+    config = tmp_path / "grpo.yaml"
+    config.write_text("model: {path: m}\ndata: {train: rows.jsonl}\nrewards:\n  weights: {judgment: 1.0}\n"
+                      "grpo:\n  self_critic: {enabled: true}\n")  # fmt: skip
+    cfg = load_config(GRPOConfig, config)
+    assert cfg.rewards.weights == {"judgment": 1.0}
+    assert cfg.rewards.options == GRPOConfig().rewards.options  # the section's other key keeps its default
+    assert cfg.grpo.self_critic.enabled and cfg.grpo.self_critic.beta == GRPOConfig().grpo.self_critic.beta
+    cfg = load_config(GRPOConfig, config, ["rewards.weights={tool_star: 1.0}", "rewards.options={}"])
+    assert cfg.rewards.weights == {"tool_star": 1.0} and cfg.rewards.options == {}
+
+
 def test_the_shipped_quickstart_yaml_is_the_built_in_default():
     """`vagent quickstart` without --config runs the configuration `make run` runs and the docs measured."""
     shipped = load_config(QuickstartConfig, CONFIG_DIR / "quickstart" / "tiny_cpu.yaml", ["model.device=null"])

@@ -6,7 +6,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "vagent"
 
 LEVELS = {
-    "types": 0, "geometry": 0, "media": 0, "config": 0,
+    "types": 0, "geometry": 0, "media": 0, "config": 0, "vllm_logits": 0,
     "chat": 1, "toolbox": 1, "rewards": 1, "algorithms": 1, "data": 1, "judge": 1,
     "model": 2, "tiny_model": 2, "rollout": 2, "training": 2, "agents": 2,
     "eval": 3,

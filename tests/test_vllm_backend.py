@@ -163,7 +163,7 @@ def test_the_engine_bans_the_vision_placeholders_for_every_row_at_every_step(pol
         [completion] = outs[0].outputs
         assert len(completion.token_ids) == 16 and not set(completion.token_ids) & set(policy.vision_placeholder_ids)
         assert all(p[t].logprob > -1e9 for p, t in zip(completion.logprobs, completion.token_ids, strict=True))
-    from vagent.rollout.vllm_logits import NAME, BanVisionTokens
+    from vagent.vllm_logits import NAME, BanVisionTokens
 
     assert engine._engine.vllm_config.model_config.logits_processors == [NAME]  # by name: worker processes load it
     ban = BanVisionTokens(engine._engine.vllm_config, torch.device("cpu"), False)
@@ -308,20 +308,26 @@ def workers():
     return [int(k) for k in kids if Path(f"/proc/{k}/cmdline").read_bytes().startswith(b"VLLM::Worker")]
 
 if __name__ == "__main__":
-    from tests.test_vllm_backend import SCRIPT, _task
+    from tests.test_vllm_backend import SCRIPT, _logprob_gap, _task
     from vagent.model import load_policy
     from vagent.rollout import RolloutLimits, run
     from vagent.rollout.vllm_backend import VLLMBackend
 
     model, out, mode = sys.argv[1:4]
-    policy = load_policy(model, device="cpu", dtype="float32")
+    policy = load_policy(model, device="cpu", dtype="float32")  # random weights: flat distributions to sample from
     engine = VLLMBackend.for_policy(policy, max_model_len=2048, max_num_seqs=8, max_images=4, tensor_parallel_size=2)
     pids = workers()
     Path(out + ".pids").write_text(json.dumps(pids))
     if mode == "hang":  # killed from outside: its workers must not outlive it
         time.sleep(600)
-    greedy = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
-    ids = [t.token_ids for t in run(policy, [_task(i=i) for i in range(3)], limits=greedy, batch_size=3, backend=engine)]
+    tasks = [_task(SCRIPT[:2], i=i) for i in range(3)]  # two forced crops (two tool images), then a sampled turn
+    greedy = RolloutLimits(max_turns=3, max_new_tokens=24, temperature=0.0)
+    ids = [t.token_ids for t in run(policy, tasks, limits=greedy, batch_size=3, backend=engine)]
+    sampled = []
+    for seed in (None, 5):  # the engine's own stream, then a seed per turn request
+        limits = RolloutLimits(max_turns=3, max_new_tokens=24, temperature=0.7, sampling_seed=seed)
+        sampled += run(policy, tasks[:2], 2, limits, batch_size=4, backend=engine)
+    worst, tokens = _logprob_gap(policy, sampled, 0.7)
     try:
         engine.load_weights([])
         refused = ""
@@ -329,7 +335,8 @@ if __name__ == "__main__":
         refused = str(e)
     engine.close()
     time.sleep(2)
-    json.dump({"ids": ids, "refused": refused, "left": [p for p in pids if Path(f"/proc/{p}").exists()]}, open(out, "w"))
+    left = [p for p in pids if Path(f"/proc/{p}").exists()]
+    json.dump({"ids": ids, "worst": worst, "tokens": tokens, "refused": refused, "left": left}, open(out, "w"))
 """
 
 
@@ -341,11 +348,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow  # a sharded engine started twice (about 45 s)
-def test_one_process_sharding_an_engine_over_vllms_workers_gets_the_hf_backends_episodes(taught_crop, taught, tmp_path):
+def test_one_process_sharding_an_engine_over_vllms_workers_gets_the_hf_backends_episodes(small, policy, tmp_path):
     """Tensor parallelism 2 without torchrun (``vagent serve/rollout --tensor-parallel-size 2``): vLLM's own worker
-    processes hold the shards (the placeholder ban loaded in each by name). The memorized policy's greedy 3-turn crop
-    episodes equal the HF backend's token for token; a weight sync is refused with one line (no shard is in this
-    process); after ``close`` no worker is left, and none outlives its process killed with SIGKILL."""
+    processes hold the shards (the placeholder ban loaded in each by name). On random weights, episodes of two forced
+    crops (two tool images) and a sampled turn: greedy, they equal the HF backend's token for token; at T = 0.7, from
+    the engine's stream and with a seed per request, the recorded log-probs equal the trainer's to 1e-5. A weight sync
+    is refused with one line (no shard is in this process); after ``close`` no worker is left, and none outlives its
+    process killed with SIGKILL."""
     import json
     import os
     import signal
@@ -357,16 +366,17 @@ def test_one_process_sharding_an_engine_over_vllms_workers_gets_the_hf_backends_
     root = Path(__file__).resolve().parent.parent
     (tmp_path / "child.py").write_text(WORKERS_CHILD)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(root)}
-    cmd = [sys.executable, str(tmp_path / "child.py"), str(taught_crop)]
+    cmd = [sys.executable, str(tmp_path / "child.py"), str(small)]
     done = subprocess.run([*cmd, str(tmp_path / "run.json"), "run"], capture_output=True, text=True, env=env,
                           timeout=600, cwd=root)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads((tmp_path / "run.json").read_text())
     assert len(json.loads((tmp_path / "run.json.pids").read_text())) == 2  # one worker per shard
-    limits = RolloutLimits(max_turns=4, max_new_tokens=64, temperature=0.0)
-    hf = run(taught, [_task(i=i) for i in range(3)], limits=limits, batch_size=3)
-    assert all(len(t.tool_results) == 2 and t.stop_reason == "answered" for t in hf)
+    limits = RolloutLimits(max_turns=3, max_new_tokens=24, temperature=0.0)
+    hf = run(policy, [_task(SCRIPT[:2], i=i) for i in range(3)], limits=limits, batch_size=3)
+    assert all(len(t.tool_results) == 2 for t in hf)
     assert got["ids"] == [t.token_ids for t in hf]
+    assert got["tokens"] > 40 and got["worst"] < 1e-5, (got["tokens"], got["worst"])
     assert "worker processes" in got["refused"] and got["left"] == []
     # killed: the workers go with their process
     child = subprocess.Popen([*cmd, str(tmp_path / "hang.json"), "hang"], env=env, cwd=root,

@@ -346,9 +346,14 @@ def _rollout(args: argparse.Namespace) -> int:
     if services.search is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
     limits = episode_limits(args)
-    policy = load_policy(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
+    device, dtype, engine_device = args.device, args.dtype, None
+    if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy stays on the CPU
+        from vagent.rollout.vllm_backend import vllm_placement
+
+        engine_device, device, dtype = vllm_placement(args.device, args.dtype)
+    policy = load_policy(args.model, device=device, dtype=dtype, attn_implementation=args.attn)
     torch.manual_seed(args.seed)
-    backend = episode_backend(args, policy, limits)
+    backend = episode_backend(args, policy, limits, device=engine_device)
 
     total = len(tasks) * args.samples
     answered = 0
@@ -493,9 +498,9 @@ def _add_episode(p: argparse.ArgumentParser, *, max_new_tokens: int, temperature
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
-                   help="--backend vllm: shards of one engine, for a model one device cannot hold. Under torchrun, "
-                   "consecutive ranks (each still rolls out its own rows; must divide the ranks); in one process, "
-                   "vLLM's own worker processes. Default: %(default)s.")  # fmt: skip
+                   help="--backend vllm: shards of one engine, for a model one device cannot hold, each in a vLLM "
+                   "worker process of its own; `vagent eval` under torchrun shards it over consecutive ranks instead "
+                   "(each still scores its own rows; must divide the ranks). Default: %(default)s.")  # fmt: skip
 
 
 def _add_make_tiny_model(sub) -> None:

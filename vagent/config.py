@@ -126,10 +126,16 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: key '{key}' has an unsupported annotation {tp!r}")  # a schema bug, not user error
 
 
-def _merge(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+def _merge(cls: type, base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` over ``base``, both a section ``cls``'s keys: a sub-section given in part keeps ``base``'s values
+    for the rest; any other value given, a mapping included (``rewards.weights``), replaces ``base``'s whole."""
+    hints = typing.get_type_hints(cls)
     out = dict(base)
     for key, value in given.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        section = hints.get(key)
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and dataclasses.is_dataclass(section):
+            value = _merge(section, out[key], value)
+        out[key] = value
     return out
 
 
@@ -148,7 +154,7 @@ def _build(cls: type[T], data: dict[str, Any], source: str, prefix: str = "") ->
         # ModelConfig pixel budget), not the section class's: merge the given keys onto the field default.
         if f.name in data and isinstance(data[f.name], dict) and dataclasses.is_dataclass(hints[f.name]):
             if f.default_factory is not dataclasses.MISSING:
-                data[f.name] = _merge(dataclasses.asdict(f.default_factory()), data[f.name])
+                data[f.name] = _merge(hints[f.name], dataclasses.asdict(f.default_factory()), data[f.name])
     kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
     obj = cls(**kwargs)
     _validate(obj, source, prefix)

@@ -46,7 +46,7 @@ from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
 from vagent.rollout.vllm_engine import Watchdog, start_engine
 from vagent.rollout.vllm_group import RefusedRequest, TPGroup
 
-__all__ = ["VLLMBackend", "collapse_image_pads", "vllm_unsupported"]
+__all__ = ["VLLMBackend", "collapse_image_pads", "vllm_placement", "vllm_unsupported"]
 
 # head sizes vLLM's CPU attention backend takes (cpu_attn: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -64,6 +64,17 @@ def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
             continue
         out.append(token)
     return out
+
+
+def vllm_placement(device: str | None, dtype: str | None) -> tuple[str, str, torch.dtype]:
+    """``(engine device, policy device, dtype)`` of a command that generates on vLLM on ``device`` (None: CUDA when
+    available): on a GPU the engine holds the weights (sharded, with tensor parallelism), so the HF policy (its
+    processor, config and tokenizer) stays on the CPU, loaded in the dtype the engine is to run in (``dtype``;
+    ``auto`` as on CUDA: ``VLLMBackend.for_policy`` takes the policy's); on a CPU both are there."""
+    from vagent.model import resolve_dtype
+
+    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    return kind, "cpu" if kind != "cpu" else (device or "cpu"), resolve_dtype(dtype, torch.device(kind))
 
 
 def vllm_unsupported(config: Any, device: str) -> str | None:
@@ -93,7 +104,8 @@ class VLLMBackend:
         max_images: Images per row (``rollout.max_images``).
         seed: The engine's sampling seed (make it differ per rank; per TP group, the same on its ranks).
         gpu_memory_utilization: On a GPU, the engine's share of the device memory.
-        kv_cache_gb: The KV cache's size in GiB (on a CPU, ``VLLM_CPU_KVCACHE_SPACE``; default 1 GiB there).
+        kv_cache_gb: The KV cache's size in GiB (on a CPU, ``VLLM_CPU_KVCACHE_SPACE``, default 1 GiB there: per worker
+            process when the shards run in vLLM's own, ``tp_ranks`` False).
         sleep: On a GPU, let ``sleep``/``wake_up`` free and restore the engine's memory around the update.
         watchdog_s: Seconds a step may take before the process is ended with every stack in the log (0 = off).
         device: ``"cpu"`` or ``"cuda"``.
@@ -140,16 +152,22 @@ class VLLMBackend:
         sharded_here = tensor_parallel_size > 1 and tp_ranks
         self._group = TPGroup(tensor_parallel_size, seed, device) if sharded_here else None
         self._workers = tensor_parallel_size if tensor_parallel_size > 1 and not tp_ranks else 0
-        self.llm = start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                                 max_num_seqs=max_num_seqs, max_images=max_images,
-                                 gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, sleep=sleep,
-                                 device=device, pixels=pixels, tensor_parallel_size=tensor_parallel_size,
-                                 tp_ranks=tp_ranks)  # fmt: skip
+        try:
+            self.llm = start_engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                     max_num_seqs=max_num_seqs, max_images=max_images,
+                                     gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+                                     sleep=sleep and not self._workers, device=device, pixels=pixels,
+                                     tensor_parallel_size=tensor_parallel_size, tp_ranks=tp_ranks)  # fmt: skip
+        except Exception as e:  # vLLM reports a worker's failure as a bare Exception: its cause is in their log
+            if not self._workers or isinstance(e, (ImportError, ValueError)):
+                raise
+            raise ValueError(f"vLLM's {self._workers} worker processes did not start ({type(e).__name__}: {e}); "
+                             "their own error is in the log above") from e  # fmt: skip
         self._engine = self.llm.llm_engine
         self.dtype = dtype
         self.device = device
         self.sleeping = False
-        self._sleep = sleep and device != "cpu"
+        self._sleep = sleep and device != "cpu" and not self._workers  # only a weight sync wakes it: none there
         self._eos = list(eos_token_ids)
         self._pad = image_pad_id
         self._watchdog = Watchdog(watchdog_s, lambda: sorted(str(key) for key in self._live))

