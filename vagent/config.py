@@ -445,6 +445,12 @@ class SFTDataConfig:
     val: str | None = option(None, "Rows for the periodic eval loss; None = no eval loss.")
     tools: list[str] = option(["crop"], "Tools named in the system prompt of rows without their own `tools` list.")
     agent: str = option("vagent", "Agent profile whose prompt and turn format the gold rows use (vagent.agents).")
+    frame_budget: list[int] | None = option(
+        None,
+        "[lo, hi]: each video row's prompt shows the first view the rollout shows under the same rollout.frame_budget "
+        "and seed (that many frames with their times), so a video cold start trains on the prompt GRPO and evaluation "
+        "roll out from. null = the profile's own view (vagent: the video's name and length only).",
+    )
     micro_batch_size: int = option(2, "Conversations per forward pass on each rank.")
     group_by_length: bool = option(True, "Batch conversations of similar length (less padding); order stays random.")
     group_batches: int = option(16, "Length grouping sorts within windows of this many micro-batches.")
@@ -457,6 +463,10 @@ class SFTDataConfig:
                 raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.frame_budget is not None and (
+            len(self.frame_budget) != 2 or not 1 <= self.frame_budget[0] <= self.frame_budget[1]
+        ):
+            raise ValueError(f"data.frame_budget must be [lo, hi] with 1 <= lo <= hi, got {self.frame_budget}")
 
 
 @dataclass

@@ -23,14 +23,16 @@ from data_pipelines.gold import tool_turn
 from vagent.data import Evidence, Row, write_rows
 from vagent.toolbox import ToolContext
 
-__all__ = ["COLORS", "video_rows", "write_clip"]
+__all__ = ["COLORS", "MARKER", "glimpse_rows", "video_rows", "write_clip"]
 
 COLORS = {"red": (30, 30, 220), "green": (40, 170, 40), "blue": (220, 70, 30), "yellow": (30, 210, 230)}  # BGR
+MARKER = (60, 60, 60)  # the glimpse task's square when not colored (BGR)
 
 
 def write_clip(path: Path, rng: random.Random, *, duration: float, fps: float, size: tuple[int, int], window: tuple[float, float],
-               color: str) -> None:  # fmt: skip
-    """Write the clip with OpenCV (mp4v): grey drifting circles, the colored square only during ``window``."""
+               color: str, marker: tuple[float, float] | None = None) -> None:  # fmt: skip
+    """Write the clip with OpenCV (mp4v): grey drifting circles, the colored square only during ``window``; where
+    ``marker`` is given, the same square in dark grey during that span (around ``window``) when not colored."""
     import cv2
 
     width, height = size
@@ -46,6 +48,8 @@ def write_clip(path: Path, rng: random.Random, *, duration: float, fps: float, s
             cv2.circle(frame, (int(x + dx * i) % width, int(y + dy * i) % height), r, (120, 120, 120), 2)
         if window[0] <= t < window[1]:
             cv2.rectangle(frame, (x0, y0), (x0 + side, y0 + side), COLORS[color], -1)
+        elif marker is not None and marker[0] <= t < marker[1]:
+            cv2.rectangle(frame, (x0, y0), (x0 + side, y0 + side), MARKER, -1)
         writer.write(frame)
     writer.release()
 
@@ -83,6 +87,55 @@ def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 
                         answer_type="exact", videos=[str(path)], source="synthetic/video",
                         evidence=Evidence(spans=[list(span)]), tools=["sample_frames", "crop_clip"], messages=messages,
                         extra={"difficulty": {"duration": duration, "window": window, "fps": fps}}))  # fmt: skip
+    return rows
+
+
+def glimpse_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 12.0, frames: int = 8,
+                 fps: float = 8.0, flash_frames: int = 2, size: tuple[int, int] = (160, 120)) -> list[Row]:  # fmt: skip
+    """``n`` rows of the glimpse task, learnable by design (the quickstart's video proof): the prompt shows a first
+    view of ``frames`` frames (``rollout.frame_budget`` [frames, frames], at segment centres), and exactly one of them
+    shows a dark square: the marker, on screen for 0.8 of a segment around that frame's time. For ``flash_frames``
+    frames inside the marker's span, never the one the first view shows, the square is colored; the question asks the
+    color. So the first view says *when* to look and never *what*: without a tool the answer is a guess among
+    ``COLORS``; ``crop_clip`` on the marked frame's segment (every frame of it) shows the color. Rows carry the
+    marker's span as evidence (``temporal_iou``) and a gold trajectory: that ``crop_clip`` (run with the real tool),
+    then the answer; SFT shows them the same first view with ``data.frame_budget`` [frames, frames]."""
+    from vagent.media import uniform_timestamps
+
+    out = Path(out_dir)
+    (out / "clips").mkdir(parents=True, exist_ok=True)
+    (out / "frames").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    segment = duration / frames
+    rows = []
+    for i in range(n):
+        color, k = rng.choice(list(COLORS)), rng.randrange(frames)
+        shown = round(uniform_timestamps(0.0, duration, frames)[k] * fps)  # the first view's frame of segment k
+        marker = ((shown / fps) - 0.4 * segment, (shown / fps) + 0.4 * segment)
+        # the flash: frames 2.. after the shown one, or before it, inside the marker's span
+        first = shown + 2 if rng.random() < 0.5 else shown - 1 - flash_frames
+        flash = (first / fps - 0.5 / fps, (first + flash_frames) / fps - 0.5 / fps)
+        assert marker[0] < flash[0] and flash[1] < marker[1], "the flash must fit in the marker's span"
+        stem = f"glimpse-{seed}-{i}"
+        path = out / "clips" / f"{stem}.mp4"
+        write_clip(path, rng, duration=duration, fps=fps, size=size, window=flash, color=color, marker=marker)
+        context = ToolContext(videos=[str(path)])  # the engine's frame budget: the gold frames are the rollout's
+        window = {"start": round(k * segment, 2), "end": round((k + 1) * segment, 2)}
+        call, clip = tool_turn("crop_clip", window, context, out / "frames" / f"{stem}-crop_clip",
+                               first_image=frames)  # fmt: skip
+        messages = [
+            {"role": "assistant", "content": f"<think>The square shows at {shown / fps:.2f} s; I will look at that "
+                                             f"moment frame by frame.</think>\n{call}"},
+            clip,
+            {"role": "assistant", "content": f"<think>The square is {color}.</think>\n<answer>{color}</answer>"},
+        ]  # fmt: skip
+        span = [round(marker[0], 3), round(marker[1], 3)]
+        rows.append(Row(id=stem, question="A dark square appears once, and for a moment it is colored. What color is "
+                        f"it? Answer with one of: {', '.join(COLORS)}.", answer=color, answer_type="exact",
+                        videos=[str(path)], source="synthetic/video-glimpse", evidence=Evidence(spans=[span]),
+                        tools=["crop_clip"], messages=messages,
+                        extra={"difficulty": {"duration": duration, "frames": frames, "fps": fps,
+                                              "flash_frames": flash_frames}}))  # fmt: skip
     return rows
 
 

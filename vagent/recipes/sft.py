@@ -143,7 +143,7 @@ def _setup_data(cfg: SFTConfig, env: DistEnv, out: Path,
     common = dict(min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor,
                   default_tools=cfg.data.tools, max_length=cfg.data.max_length,
                   micro_batch_size=cfg.data.micro_batch_size, group_batches=cfg.data.group_batches,
-                  agent=cfg.data.agent)  # fmt: skip
+                  agent=cfg.data.agent, frame_budget=cfg.data.frame_budget)  # fmt: skip
     train_set = SFTDataset(load_rows(train_path, known_tools=TOOLS), policy.processor, seed=cfg.seed,
                            group_by_length=cfg.data.group_by_length, **common)  # fmt: skip
     val_set = None

@@ -27,16 +27,20 @@ from vagent.data.batching import collate, epoch_batches
 from vagent.data.encode import encode_messages, encoded_length
 from vagent.data.rows import Row, RowError
 from vagent.rollout.engine import Task, prompt_messages
+from vagent.rollout.episode import first_view_frames
 from vagent.types import Message
 
 __all__ = ["SFTDataset", "gold_conversation", "rank_micro_batches"]
 
 
-def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vagent",
-                      key: str = "messages") -> list[Message]:  # fmt: skip
+def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vagent", key: str = "messages",
+                      frame_budget: Sequence[int] | None = None, seed: int = 0) -> list[Message]:  # fmt: skip
     """The full conversation SFT trains on for ``row`` (see the module docstring); ``agent`` names the
     profile whose prompt precedes the gold turns (``vagent.agents.PROFILES``). ``key`` names the row's field that
     holds the gold turns: ``messages``, or a preference pair's ``chosen`` or ``rejected`` (built the same way).
+    ``frame_budget``: the prompt shows each video's first view as the rollout does under ``rollout.frame_budget``
+    with ``seed`` (the same draw per row: ``first_view_frames``), so a video cold start trains on the prompt the
+    policy will be rolled out from; None: the profile's own view.
 
     Raises:
         RowError: the row has no such turns, or they hold a part SFT cannot encode.
@@ -55,7 +59,8 @@ def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vage
         if turns[0].role not in ("system", "user"):
             raise RowError(f"row {row.id!r}: {key} with their own prompt must start with a system or user turn")
         return turns
-    return prompt_messages(Task.from_row(row, default_tools), agent=agent) + turns
+    frames = first_view_frames(row.id, frame_budget, seed) if frame_budget and row.videos else None
+    return prompt_messages(Task.from_row(row, default_tools), agent=agent, frames=frames) + turns
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -69,7 +74,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __init__(self, rows: Sequence[Row], processor: Any, *, min_pixels: int, max_pixels: int, factor: int,
                  default_tools: Sequence[str], max_length: int, micro_batch_size: int, seed: int,
-                 group_by_length: bool, group_batches: int, agent: str = "vagent") -> None:  # fmt: skip
+                 group_by_length: bool, group_batches: int, agent: str = "vagent",
+                 frame_budget: Sequence[int] | None = None) -> None:  # fmt: skip
         self.processor = processor
         # Text the agent's loop forces into assistant turns (pre-filled or inline results) is not trained on.
         self.forced_spans = get_profile(agent).forced_spans
@@ -86,7 +92,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.skipped: list[tuple[str, str]] = []
         for row in rows:
             try:
-                conversation = gold_conversation(row, default_tools, agent)
+                conversation = gold_conversation(row, default_tools, agent, frame_budget=frame_budget, seed=seed)
                 length = encoded_length(conversation, processor, **self.budget)
             except (RowError, OSError, UnidentifiedImageError, ValueError) as e:
                 self.skipped.append((row.id, f"{type(e).__name__}: {e}"))
