@@ -345,9 +345,12 @@ def load(args: argparse.Namespace) -> Served:
     size = "small" if args.backend == "vllm" else "tiny"
     model_dir, note = pick_model(args.model, Path(args.runs), size=size)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # on a GPU the engine holds the weights; the policy (its processor, its frame) needs no second copy there
-    vllm_gpu = args.backend == "vllm" and device != "cpu"
-    policy = load_policy(model_dir, device="cpu" if vllm_gpu else device, dtype="bfloat16" if vllm_gpu else None)
+    placement = {"device": device}
+    if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy needs no second copy there
+        from vagent.rollout.vllm_backend import vllm_placement
+
+        _, placement = vllm_placement(device, None)
+    policy = load_policy(model_dir, **placement)
     tools, services = services_for(args.search_corpus)
     tools = [t for t in tools if t in PROFILES[args.agent].tools]  # what the agent's protocol can call
     limits = DemoLimits(max_upload_mb=args.max_upload_mb, max_image_pixels=args.max_image_pixels,

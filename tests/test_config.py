@@ -192,21 +192,31 @@ def test_a_partly_given_section_keeps_the_parents_defaults_for_the_rest():
     assert cfg.model.device == "cpu" and cfg.tiny.seed == 3
 
 
-def test_a_mapping_value_given_replaces_the_default_while_a_section_given_in_part_is_merged(tmp_path):
-    """``rewards.weights`` is a value, not a section: given (in a file or an override), it is the whole set of
-    reward components, never the defaults plus it (a judge-only or Tool-Star-only run must not also score crop IoU);
-    a sub-section given in part (``grpo.self_critic``) keeps its defaults for the rest."""
+def test_the_reward_weights_given_are_the_whole_set_and_everything_else_merges_into_the_defaults(tmp_path):
+    """``rewards.weights`` is a set: given as a mapping (in a file or as an override), it is every reward component,
+    never the defaults plus it (a judge-only or Tool-Star-only run must not also score crop IoU); one entry set with
+    a dotted override adds to the weights in force, the file's or the defaults'. Everything else merges key by key:
+    a sub-section given in part (``grpo.self_critic``), and ``rewards.options`` (one reward's options given in a
+    file keep the others' defaults: ``overlong``'s window stays the config's, not the function's)."""
     from vagent.config import GRPOConfig
 
+    defaults = GRPOConfig()
     config = tmp_path / "grpo.yaml"
-    config.write_text("model: {path: m}\ndata: {train: rows.jsonl}\nrewards:\n  weights: {judgment: 1.0}\n"
+    config.write_text("model: {path: m}\ndata: {train: rows.jsonl}\n"
+                      "rewards:\n  weights: {judgment: 1.0}\n  options: {call_budget: {budget: 2}}\n"
                       "grpo:\n  self_critic: {enabled: true}\n")  # fmt: skip
     cfg = load_config(GRPOConfig, config)
     assert cfg.rewards.weights == {"judgment": 1.0}
-    assert cfg.rewards.options == GRPOConfig().rewards.options  # the section's other key keeps its default
-    assert cfg.grpo.self_critic.enabled and cfg.grpo.self_critic.beta == GRPOConfig().grpo.self_critic.beta
-    cfg = load_config(GRPOConfig, config, ["rewards.weights={tool_star: 1.0}", "rewards.options={}"])
-    assert cfg.rewards.weights == {"tool_star": 1.0} and cfg.rewards.options == {}
+    assert cfg.rewards.options == {**defaults.rewards.options, "call_budget": {"budget": 2}}
+    assert cfg.grpo.self_critic.enabled and cfg.grpo.self_critic.beta == defaults.grpo.self_critic.beta
+    cfg = load_config(GRPOConfig, config, ["rewards.weights.tool_star=0.5"])
+    assert cfg.rewards.weights == {"judgment": 1.0, "tool_star": 0.5}
+    cfg = load_config(GRPOConfig, None, ["model.path=m", "data.train=r", "rewards.weights.tool_star=0.5",
+                                         "rewards.options.overlong.max_tokens=100"])  # fmt: skip
+    assert cfg.rewards.weights == {**defaults.rewards.weights, "tool_star": 0.5}
+    assert cfg.rewards.options["overlong"] == {**defaults.rewards.options["overlong"], "max_tokens": 100}
+    cfg = load_config(GRPOConfig, config, ["rewards.weights={tool_star: 1.0}"])
+    assert cfg.rewards.weights == {"tool_star": 1.0}
 
 
 def test_the_shipped_quickstart_yaml_is_the_built_in_default():

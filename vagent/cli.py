@@ -346,12 +346,14 @@ def _rollout(args: argparse.Namespace) -> int:
     if services.search is None and any("search" in task.tools for task in tasks):
         print("note: `search` is offered but no --search-corpus was given; its calls will fail", file=sys.stderr)
     limits = episode_limits(args)
-    device, dtype, engine_device = args.device, args.dtype, None
+    if args.tensor_parallel_size > 1 and args.backend != "vllm":
+        raise SystemExit("vagent rollout: error: --tensor-parallel-size shards vLLM's engine: add --backend vllm")
+    engine_device, placement = None, {"device": args.device, "dtype": args.dtype, "attn_implementation": args.attn}
     if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy stays on the CPU
         from vagent.rollout.vllm_backend import vllm_placement
 
-        engine_device, device, dtype = vllm_placement(args.device, args.dtype)
-    policy = load_policy(args.model, device=device, dtype=dtype, attn_implementation=args.attn)
+        engine_device, placement = vllm_placement(args.device, args.dtype, args.attn)
+    policy = load_policy(args.model, **placement)
     torch.manual_seed(args.seed)
     backend = episode_backend(args, policy, limits, device=engine_device)
 

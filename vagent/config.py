@@ -56,12 +56,15 @@ class ConfigError(ValueError):
     """A config that does not match its schema; the message names the key and the source."""
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a help string (the field's documentation, read here in the source)."""
+def option(default: Any, help: str, whole: bool = False) -> Any:
+    """A dataclass field with a default and a help string (the field's documentation, read here in the source).
+    ``whole``: a mapping given for it (in a file, or as ``key={...}``) replaces the default instead of being merged
+    into it (a set, such as the reward components; ``key.entry=value`` still sets one entry of the current value)."""
+    metadata = {"help": help, "whole": whole}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         # mutable defaults: each instance gets its own deep copy (nested lists included)
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -126,15 +129,18 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: key '{key}' has an unsupported annotation {tp!r}")  # a schema bug, not user error
 
 
-def _merge(cls: type, base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` over ``base``, both a section ``cls``'s keys: a sub-section given in part keeps ``base``'s values
-    for the rest; any other value given, a mapping included (``rewards.weights``), replaces ``base``'s whole."""
-    hints = typing.get_type_hints(cls)
+def _merge(cls: type | None, base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` over ``base``, merged key by key into mappings (sub-sections, and mapping values such as
+    ``rewards.options``), except into a field of section ``cls`` declared ``whole`` (``rewards.weights``), which the
+    given mapping replaces."""
+    fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+    hints = typing.get_type_hints(cls) if cls is not None else {}
     out = dict(base)
     for key, value in given.items():
-        section = hints.get(key)
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and dataclasses.is_dataclass(section):
-            value = _merge(section, out[key], value)
+        whole = key in fields and fields[key].metadata.get("whole")
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and not whole:
+            section = hints.get(key)
+            value = _merge(section if dataclasses.is_dataclass(section) else None, out[key], value)
         out[key] = value
     return out
 
@@ -214,6 +220,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         data = loaded or {}
     if overrides:
         source = f"{source} + overrides"
+        # onto the defaults: `rewards.weights.judge=1.0` adds to the weights in force, the file's or the defaults'
+        data = _merge(cls, dataclasses.asdict(cls()), data)
         for override in overrides:
             _set_override(data, override)
     return _build(cls, data, source)
@@ -795,7 +803,9 @@ class GRPOValConfig:
 class RewardConfig:
     weights: dict[str, float] = option(
         {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2, "overlong": 0.5},
-        "Reward name (vagent.rewards.REWARDS) -> weight in the total; each component is logged on its own.",
+        "Reward name (vagent.rewards.REWARDS) -> weight in the total; each component is logged on its own. Given as a "
+        "mapping, it is the whole set (not added to these defaults); `rewards.weights.NAME=w` sets one weight.",
+        whole=True,
     )
     options: dict[str, dict[str, Any]] = option(
         {"overlong": {"max_tokens": 192, "buffer": 48}}, "Reward name -> keyword arguments of that reward."

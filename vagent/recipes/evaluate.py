@@ -71,12 +71,12 @@ def run_eval(args: argparse.Namespace) -> int:
     try:
         # with vLLM on a GPU the engine holds the weights (sharded, with --tensor-parallel-size): the policy (its
         # processor, its config) stays on the CPU, no second copy on the device
-        device, dtype = env.device, args.dtype
+        placement = {"device": env.device, "dtype": args.dtype, "attn_implementation": args.attn}
         if args.backend == "vllm":
             from vagent.rollout.vllm_backend import vllm_placement
 
-            _, device, dtype = vllm_placement(str(env.device), args.dtype)  # bf16 for a GPU's engine under auto
-        policy = load_policy(args.model, device=device, dtype=dtype, attn_implementation=args.attn)
+            _, placement = vllm_placement(str(env.device), args.dtype, args.attn)  # bf16 for a GPU's engine (auto)
+        policy = load_policy(args.model, **placement)
         set_pixel_budget(policy, args.min_pixels, args.max_pixels)
         limits = episode_limits(args)
         _check_context(policy, limits, get_profile(args.agent).limits.max_turns, quiet=not env.is_main)

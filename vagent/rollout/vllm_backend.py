@@ -66,15 +66,18 @@ def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
     return out
 
 
-def vllm_placement(device: str | None, dtype: str | None) -> tuple[str, str, torch.dtype]:
-    """``(engine device, policy device, dtype)`` of a command that generates on vLLM on ``device`` (None: CUDA when
-    available): on a GPU the engine holds the weights (sharded, with tensor parallelism), so the HF policy (its
-    processor, config and tokenizer) stays on the CPU, loaded in the dtype the engine is to run in (``dtype``;
-    ``auto`` as on CUDA: ``VLLMBackend.for_policy`` takes the policy's); on a CPU both are there."""
+def vllm_placement(device: str | None, dtype: str | None, attn: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(engine device, load_policy keyword arguments)`` of a command that generates on vLLM on ``device`` (None:
+    CUDA when available), the policy asked for in ``dtype`` and ``attn``. On a GPU the engine holds the weights
+    (sharded, with tensor parallelism), so the HF policy (its processor, config and tokenizer; it runs no forward)
+    stays on the CPU with sdpa, loaded in the dtype the engine is to run in (``auto`` as on CUDA:
+    ``VLLMBackend.for_policy`` takes the policy's); on a CPU the policy is loaded as asked."""
     from vagent.model import resolve_dtype
 
     kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
-    return kind, "cpu" if kind != "cpu" else (device or "cpu"), resolve_dtype(dtype, torch.device(kind))
+    if kind == "cpu":
+        return kind, {"device": device or "cpu", "dtype": dtype, "attn_implementation": attn}
+    return kind, {"device": "cpu", "dtype": resolve_dtype(dtype, torch.device(kind)), "attn_implementation": "sdpa"}
 
 
 def vllm_unsupported(config: Any, device: str) -> str | None:
@@ -120,7 +123,7 @@ class VLLMBackend:
             own worker processes, one per shard, this process's engine driving them (``vagent serve``, the demo, a
             one-process ``vagent eval``; no weight sync). None: True under torch.distributed, else False.
 
-    The checkpoint's vision placeholders are never sampled (``vagent.rollout.vllm_logits``).
+    The checkpoint's vision placeholders are never sampled (``vagent.vllm_logits``).
     """
 
     # vLLM's processor makes the patches from the images sent: the rollout engine makes none for it (only the grids
@@ -159,7 +162,7 @@ class VLLMBackend:
                                      sleep=sleep and not self._workers, device=device, pixels=pixels,
                                      tensor_parallel_size=tensor_parallel_size, tp_ranks=tp_ranks)  # fmt: skip
         except Exception as e:  # vLLM reports a worker's failure as a bare Exception: its cause is in their log
-            if not self._workers or isinstance(e, (ImportError, ValueError)):
+            if not self._workers or type(e) is not Exception:
                 raise
             raise ValueError(f"vLLM's {self._workers} worker processes did not start ({type(e).__name__}: {e}); "
                              "their own error is in the log above") from e  # fmt: skip

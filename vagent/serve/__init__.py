@@ -88,12 +88,12 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.tensor_parallel_size > 1 and args.backend != "vllm":
         raise SystemExit("vagent serve: error: --tensor-parallel-size shards vLLM's engine: add --backend vllm")
-    device, dtype, engine_device = args.device, args.dtype, None
+    engine_device, placement = None, {"device": args.device, "dtype": args.dtype, "attn_implementation": args.attn}
     if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy stays on the CPU
         from vagent.rollout.vllm_backend import vllm_placement
 
-        engine_device, device, dtype = vllm_placement(args.device, args.dtype)
-    policy = load_policy(args.model, device=device, dtype=dtype, attn_implementation=args.attn)
+        engine_device, placement = vllm_placement(args.device, args.dtype, args.attn)
+    policy = load_policy(args.model, **placement)
     positions = policy.model.config.get_text_config().max_position_embeddings
     own = PROFILES[args.agent_profile].limits  # the agent's own limits, unless given
     options = ServerOptions(
@@ -116,8 +116,8 @@ def main(args: argparse.Namespace) -> int:
         from vagent.rollout.vllm_backend import VLLMBackend
 
         try:
-            engine = VLLMBackend.for_policy(policy, device=engine_device, max_model_len=options.max_model_len, max_num_seqs=args.max_queue,
-                                            max_images=options.max_images,
+            engine = VLLMBackend.for_policy(policy, device=engine_device, max_model_len=options.max_model_len,
+                                            max_num_seqs=args.max_queue, max_images=options.max_images,
                                             gpu_memory_utilization=args.gpu_memory_utilization, sleep=False,
                                             tensor_parallel_size=args.tensor_parallel_size, tp_ranks=False)  # fmt: skip
         except ValueError as e:
