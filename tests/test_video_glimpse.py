@@ -41,14 +41,15 @@ def test_the_first_view_marks_one_frame_and_never_shows_the_color_that_the_gold_
         clip = [Image.open(part.path) for part in tool.content if part.type == "image"]
         shown = [name for name, bgr in COLORS.items() if any(_shows(image, bgr) for image in clip)]
         assert shown == [row.answer], (row.id, shown)
-        # the gold clip is the marked frame's segment, and it covers most of the marker's span
+        # the gold clip starts at the marked frame's time as the prompt prints it, one segment long, and it covers
+        # most of the marker's span
         call = next(m for m in row.messages if m.role == "assistant").plain_text
-        segment = 12.0 / FRAMES
-        start = marked[0] * segment
-        assert f'"start": {round(start, 2)}' in call and f'"end": {round(start + segment, 2)}' in call
+        times = [part.timestamps[0] for part in first_view(0, row.videos[0], FRAMES) if part.type == "image"]
+        start, end = times[marked[0]], min(times[marked[0]] + 12.0 / FRAMES, 12.0)
+        assert f'"start": {round(start, 2)}' in call and f'"end": {round(end, 2)}' in call
         (lo, hi) = row.evidence.spans[0]
-        iou = (min(hi, start + segment) - max(lo, start)) / (max(hi, start + segment) - min(lo, start))
-        assert iou >= 0.75
+        iou = (min(hi, end) - max(lo, start)) / (max(hi, end) - min(lo, start))
+        assert iou >= 0.6
     assert len({row.answer for row in rows}) > 1 and len({tuple(row.evidence.spans[0]) for row in rows}) > 1
 
 

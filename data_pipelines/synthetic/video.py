@@ -92,14 +92,16 @@ def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 
 
 def glimpse_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 12.0, frames: int = 8,
                  fps: float = 8.0, flash_frames: int = 2, size: tuple[int, int] = (160, 120)) -> list[Row]:  # fmt: skip
-    """``n`` rows of the glimpse task, learnable by design (the quickstart's video proof): the prompt shows a first
-    view of ``frames`` frames (``rollout.frame_budget`` [frames, frames], at segment centres), and exactly one of them
-    shows a dark square: the marker, on screen for 0.8 of a segment around that frame's time. For ``flash_frames``
-    frames inside the marker's span, never the one the first view shows, the square is colored; the question asks the
-    color. So the first view says *when* to look and never *what*: without a tool the answer is a guess among
-    ``COLORS``; ``crop_clip`` on the marked frame's segment (every frame of it) shows the color. Rows carry the
-    marker's span as evidence (``temporal_iou``) and a gold trajectory: that ``crop_clip`` (run with the real tool),
-    then the answer; SFT shows them the same first view with ``data.frame_budget`` [frames, frames]."""
+    """``n`` rows of the glimpse task, learnable by design (the video proof's data): the prompt shows a first view of
+    ``frames`` frames (``rollout.frame_budget`` [frames, frames], at segment centres), and exactly one of them shows a
+    dark square: the marker, on screen from 0.2 of a segment before that frame's time to 0.8 after it. For
+    ``flash_frames`` frames after the shown one, inside the marker's span, the square is colored; the question asks
+    the color. So the first view says *when* to look and never *what*: without a tool the answer is a guess among
+    ``COLORS``; ``crop_clip`` from the marked frame's time, one segment long (every frame of it), shows the color: its
+    arguments are the times the prompt prints (the marked frame's, and the next one's or the video's length), copied
+    rather than computed. Rows carry the marker's span as evidence (``temporal_iou``: the gold clip's is 0.67) and a
+    gold trajectory: that ``crop_clip`` (run with the real tool), then the answer; SFT shows them the same first view
+    with ``data.frame_budget`` [frames, frames]."""
     from vagent.media import uniform_timestamps
 
     out = Path(out_dir)
@@ -107,25 +109,29 @@ def glimpse_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float 
     (out / "frames").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     segment = duration / frames
+    room = int(0.8 * segment * fps) - flash_frames  # flash starts after the shown frame and ends inside the marker
+    if room < 1:
+        raise ValueError(
+            f"a segment of {segment:.2f} s at {fps} frames/s leaves no room for {flash_frames} flash frames"
+        )
     rows = []
     for i in range(n):
         color, k = rng.choice(list(COLORS)), rng.randrange(frames)
         shown = round(uniform_timestamps(0.0, duration, frames)[k] * fps)  # the first view's frame of segment k
-        marker = ((shown / fps) - 0.4 * segment, (shown / fps) + 0.4 * segment)
-        # the flash: frames 2.. after the shown one, or before it, inside the marker's span
-        first = shown + 2 if rng.random() < 0.5 else shown - 1 - flash_frames
+        at = shown / fps  # its time, as the prompt prints it
+        marker = (at - 0.2 * segment, min(at + 0.8 * segment, duration))
+        first = shown + rng.randint(1, min(room, round(duration * fps) - 1 - shown - flash_frames))  # in the video
         flash = (first / fps - 0.5 / fps, (first + flash_frames) / fps - 0.5 / fps)
-        assert marker[0] < flash[0] and flash[1] < marker[1], "the flash must fit in the marker's span"
         stem = f"glimpse-{seed}-{i}"
         path = out / "clips" / f"{stem}.mp4"
         write_clip(path, rng, duration=duration, fps=fps, size=size, window=flash, color=color, marker=marker)
         context = ToolContext(videos=[str(path)])  # the engine's frame budget: the gold frames are the rollout's
-        window = {"start": round(k * segment, 2), "end": round((k + 1) * segment, 2)}
+        window = {"start": round(at, 2), "end": round(min(at + segment, duration), 2)}
         call, clip = tool_turn("crop_clip", window, context, out / "frames" / f"{stem}-crop_clip",
                                first_image=frames)  # fmt: skip
         messages = [
-            {"role": "assistant", "content": f"<think>The square shows at {shown / fps:.2f} s; I will look at that "
-                                             f"moment frame by frame.</think>\n{call}"},
+            {"role": "assistant", "content": f"<think>The square shows at t={at:.2f}s; I will look from there frame "
+                                             f"by frame.</think>\n{call}"},
             clip,
             {"role": "assistant", "content": f"<think>The square is {color}.</think>\n<answer>{color}</answer>"},
         ]  # fmt: skip
