@@ -345,11 +345,9 @@ def load(args: argparse.Namespace) -> Served:
     size = "small" if args.backend == "vllm" else "tiny"
     model_dir, note = pick_model(args.model, Path(args.runs), size=size)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    placement = {"device": device}
-    if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy needs no second copy there
-        from vagent.rollout.vllm_backend import vllm_placement
+    from vagent.rollout.vllm_backend import policy_placement
 
-        _, placement = vllm_placement(device, None)
+    _, placement = policy_placement(args.backend, device, None)  # with vLLM on a GPU: the engine holds the weights
     policy = load_policy(model_dir, **placement)
     tools, services = services_for(args.search_corpus)
     tools = [t for t in tools if t in PROFILES[args.agent].tools]  # what the agent's protocol can call

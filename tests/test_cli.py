@@ -432,3 +432,23 @@ def test_blind_crop_keeps_the_call_and_its_answer_but_shows_the_whole_image():
     assert np.asarray(seen.images[0])[..., 1].max() < 100  # the crop: all red
     assert np.asarray(blind.images[0])[..., 1].mean() > 150  # the blind crop: mostly the white image around it
     assert bad.error == "bad_box"  # calls the crop tool refuses are refused the same way
+
+
+def test_with_vllm_on_a_gpu_the_policy_stays_on_the_cpu_in_the_engines_dtype(monkeypatch):
+    """``vagent serve/rollout/eval`` and the demo load the HF policy where ``policy_placement`` says: as asked for the
+    HF backend or vLLM on a CPU; with vLLM on a GPU on the CPU (the engine holds the weights), with sdpa (it runs no
+    forward; flash-attn would refuse the CPU) and in the dtype the engine takes from it (bf16 under auto)."""
+    import torch
+
+    from vagent.rollout.vllm_backend import policy_placement
+
+    asked = {"device": None, "dtype": "auto", "attn_implementation": "flash_attention_2"}
+    assert policy_placement("hf", None, "auto", "flash_attention_2") == (None, asked)
+    assert policy_placement("vllm", "cpu", "float32", None) == ("cpu", {**asked, "device": "cpu", "dtype": "float32",
+                                                                         "attn_implementation": None})  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = ("cuda", {"device": "cpu", "dtype": torch.bfloat16, "attn_implementation": "sdpa"})
+    assert policy_placement("vllm", None, "auto", "flash_attention_2") == gpu
+    assert policy_placement("vllm", "cuda:0", None, None) == gpu
+    assert policy_placement("vllm", "cuda", "float16", None)[1]["dtype"] == torch.float16

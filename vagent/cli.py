@@ -348,12 +348,10 @@ def _rollout(args: argparse.Namespace) -> int:
     limits = episode_limits(args)
     if args.tensor_parallel_size > 1 and args.backend != "vllm":
         raise SystemExit("vagent rollout: error: --tensor-parallel-size shards vLLM's engine: add --backend vllm")
-    engine_device, placement = None, {"device": args.device, "dtype": args.dtype, "attn_implementation": args.attn}
-    if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy stays on the CPU
-        from vagent.rollout.vllm_backend import vllm_placement
+    from vagent.rollout.vllm_backend import policy_placement
 
-        engine_device, placement = vllm_placement(args.device, args.dtype, args.attn)
-    policy = load_policy(args.model, **placement)
+    engine_device, placement = policy_placement(args.backend, args.device, args.dtype, args.attn)
+    policy = load_policy(args.model, **placement)  # with vLLM on a GPU: on the CPU (the engine holds the weights)
     torch.manual_seed(args.seed)
     backend = episode_backend(args, policy, limits, device=engine_device)
 

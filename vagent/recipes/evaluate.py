@@ -71,11 +71,9 @@ def run_eval(args: argparse.Namespace) -> int:
     try:
         # with vLLM on a GPU the engine holds the weights (sharded, with --tensor-parallel-size): the policy (its
         # processor, its config) stays on the CPU, no second copy on the device
-        placement = {"device": env.device, "dtype": args.dtype, "attn_implementation": args.attn}
-        if args.backend == "vllm":
-            from vagent.rollout.vllm_backend import vllm_placement
+        from vagent.rollout.vllm_backend import policy_placement
 
-            _, placement = vllm_placement(str(env.device), args.dtype, args.attn)  # bf16 for a GPU's engine (auto)
+        _, placement = policy_placement(args.backend, str(env.device), args.dtype, args.attn)
         policy = load_policy(args.model, **placement)
         set_pixel_budget(policy, args.min_pixels, args.max_pixels)
         limits = episode_limits(args)

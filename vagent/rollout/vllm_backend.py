@@ -46,7 +46,7 @@ from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
 from vagent.rollout.vllm_engine import Watchdog, start_engine
 from vagent.rollout.vllm_group import RefusedRequest, TPGroup
 
-__all__ = ["VLLMBackend", "collapse_image_pads", "vllm_placement", "vllm_unsupported"]
+__all__ = ["VLLMBackend", "collapse_image_pads", "policy_placement", "vllm_unsupported"]
 
 # head sizes vLLM's CPU attention backend takes (cpu_attn: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -66,17 +66,22 @@ def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
     return out
 
 
-def vllm_placement(device: str | None, dtype: str | None, attn: str | None = None) -> tuple[str, dict[str, Any]]:
-    """``(engine device, load_policy keyword arguments)`` of a command that generates on vLLM on ``device`` (None:
-    CUDA when available), the policy asked for in ``dtype`` and ``attn``. On a GPU the engine holds the weights
-    (sharded, with tensor parallelism), so the HF policy (its processor, config and tokenizer; it runs no forward)
-    stays on the CPU with sdpa, loaded in the dtype the engine is to run in (``auto`` as on CUDA:
-    ``VLLMBackend.for_policy`` takes the policy's); on a CPU the policy is loaded as asked."""
+def policy_placement(backend: str, device: str | None, dtype: str | None,
+                     attn: str | None = None) -> tuple[str | None, dict[str, Any]]:  # fmt: skip
+    """``(engine device, load_policy keyword arguments)`` of a command whose ``backend`` (``hf``/``vllm``) generates
+    on ``device`` (None: CUDA when available), the policy asked for in ``dtype`` and ``attn``. With vLLM on a GPU the
+    engine holds the weights (sharded, with tensor parallelism), so the HF policy (its processor, config and
+    tokenizer; it runs no forward) stays on the CPU with sdpa, loaded in the dtype the engine is to run in (``auto``
+    as on CUDA: ``VLLMBackend.for_policy`` takes the policy's). Otherwise the policy is loaded as asked (the engine
+    device is None for ``hf``: the HF backend runs on the policy)."""
     from vagent.model import resolve_dtype
 
+    asked = {"device": device, "dtype": dtype, "attn_implementation": attn}
+    if backend != "vllm":
+        return None, asked
     kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
     if kind == "cpu":
-        return kind, {"device": device or "cpu", "dtype": dtype, "attn_implementation": attn}
+        return kind, {**asked, "device": device or "cpu"}
     return kind, {"device": "cpu", "dtype": resolve_dtype(dtype, torch.device(kind)), "attn_implementation": "sdpa"}
 
 

@@ -88,12 +88,10 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.tensor_parallel_size > 1 and args.backend != "vllm":
         raise SystemExit("vagent serve: error: --tensor-parallel-size shards vLLM's engine: add --backend vllm")
-    engine_device, placement = None, {"device": args.device, "dtype": args.dtype, "attn_implementation": args.attn}
-    if args.backend == "vllm":  # on a GPU the engine holds the weights: the policy stays on the CPU
-        from vagent.rollout.vllm_backend import vllm_placement
+    from vagent.rollout.vllm_backend import policy_placement
 
-        engine_device, placement = vllm_placement(args.device, args.dtype, args.attn)
-    policy = load_policy(args.model, **placement)
+    engine_device, placement = policy_placement(args.backend, args.device, args.dtype, args.attn)
+    policy = load_policy(args.model, **placement)  # with vLLM on a GPU: on the CPU (the engine holds the weights)
     positions = policy.model.config.get_text_config().max_position_embeddings
     own = PROFILES[args.agent_profile].limits  # the agent's own limits, unless given
     options = ServerOptions(
