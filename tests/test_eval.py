@@ -147,3 +147,18 @@ def test_an_option_keeps_a_letter_of_its_own_unless_every_option_is_lettered():
 
     assert options({"options": ["A. red", "B. blue"]}) == ["red", "blue"]
     assert options({"options": ["A. Lincoln", "Washington"]}) == ["A. Lincoln", "Washington"]  # a name, not a letter
+
+
+def test_the_metrics_name_the_tools_each_row_was_offered():
+    """``tools=None`` offers each row its own list where it has one, else the benchmark's defaults: the metrics'
+    label says which (a video set whose rows offer crop_clip is not labelled with the default crop)."""
+    from types import SimpleNamespace
+
+    from vagent.eval.runner import _tools_label
+
+    bench = SimpleNamespace(tools=["crop"])
+    own, plain = SimpleNamespace(tools=["crop_clip"]), SimpleNamespace(tools=None)
+    assert _tools_label(None, bench, [plain]) == "crop (default)"
+    assert _tools_label(None, bench, [own, own]) == "the rows' own: crop_clip"
+    assert _tools_label(None, bench, [own, plain]) == "the rows' own: crop_clip; else crop (default)"
+    assert _tools_label([], bench, [own]) == "none" and _tools_label(["search", "code"], bench, [own]) == "search,code"

@@ -130,6 +130,18 @@ def evaluate(policy: Policy | None, benchmark: Benchmark, rows: Sequence[Row], o
     return _merge(benchmark, rows, out_dir, world, skipped, tools, agent, limits)
 
 
+def _tools_label(tools: list[str] | None, benchmark: Benchmark, rows: Sequence[Row]) -> str:
+    """What the metrics say was offered: ``tools``, or (None) each row's own list where it has one, else the
+    benchmark's defaults."""
+    if tools is not None:
+        return ",".join(tools) or "none"
+    default = (",".join(benchmark.tools) or "none") + " (default)"
+    own = sorted({",".join(row.tools) or "none" for row in rows if row.tools is not None})
+    if not own:
+        return default
+    return "the rows' own: " + " | ".join(own) + ("" if all(r.tools is not None for r in rows) else f"; else {default}")
+
+
 def _chunks(todo: list[Row], batch_size: int, backend: GenerationBackend | None) -> list[list[Row]]:
     """The rows in chunks of ``batch_size``, so finished samples reach the log while the run goes on. The ranks of a
     vLLM TP group roll out together: each gets as many chunks (empty ones where it has fewer rows left)."""
@@ -222,9 +234,7 @@ def _merge(benchmark: Benchmark, rows: Sequence[Row], out_dir: Path, world: int,
     metrics["answered"] = sum(1 for s in merged if s["prediction"] is not None) / len(merged) if merged else 0.0
     metrics["well_formed"] = well_formed_share(merged)
     metrics["benchmark"] = benchmark.name
-    metrics["tools"] = (
-        "none" if tools == [] else ",".join(tools) if tools else (",".join(benchmark.tools) or "none") + " (default)"
-    )
+    metrics["tools"] = _tools_label(tools, benchmark, rows)
     metrics["agent"] = agent
     metrics["limits"] = dataclasses.asdict(limits) if limits is not None else {}
     metrics["skipped"] = [{"record": r, "reason": why} for r, why in skipped]
