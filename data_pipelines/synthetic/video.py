@@ -1,6 +1,6 @@
 """Video tasks: a generated clip where the answer is on screen only for a short window.
 
-    python -m data_pipelines.synthetic.video --out data/video --rows 100 --seed 0
+    python -m data_pipelines.synthetic.video --out data/video --rows 100 --seed 0 [--task glimpse --frames 8]
 
 Each clip (``duration`` s at ``fps``) shows drifting grey shapes; during one window of ``window`` seconds a
 colored square appears. The question asks its color, so the answer is visible only inside the window:
@@ -151,9 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--duration", type=float, default=12.0)
-    parser.add_argument("--window", type=float, default=1.0)
+    parser.add_argument("--window", type=float, default=1.0, help="--task window: seconds the color is on screen.")
+    parser.add_argument("--task", choices=["window", "glimpse"], default="window",
+                        help="window: a color shown in a short window (video_rows); glimpse: the first view marks "
+                        "when, crop_clip shows what (glimpse_rows; SFT and rollout with frame_budget [frames, frames]).")  # fmt: skip
+    parser.add_argument("--frames", type=int, default=8, help="--task glimpse: frames of the first view.")
+    parser.add_argument("--fps", type=float, default=8.0, help="Frame rate of the clips.")
     args = parser.parse_args(argv)
-    rows = video_rows(args.out, args.rows, seed=args.seed, duration=args.duration, window=args.window)
+    if args.task == "glimpse":
+        rows = glimpse_rows(args.out, args.rows, seed=args.seed, duration=args.duration, frames=args.frames,
+                            fps=args.fps)  # fmt: skip
+    else:
+        rows = video_rows(args.out, args.rows, seed=args.seed, duration=args.duration, window=args.window,
+                          fps=args.fps)  # fmt: skip
     print(f"wrote {len(rows)} rows to {write_rows(rows, Path(args.out) / 'rows.jsonl')}")
     return 0
 
