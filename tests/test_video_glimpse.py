@@ -70,3 +70,20 @@ def test_sft_with_the_frame_budget_trains_on_the_ids_the_rollout_produces(rows, 
     [episode] = run(policy, [task], limits=limits, batch_size=1)
     assert episode.stop_reason == "answered" and len(episode.tool_results) == 1
     assert episode.token_ids == encoded.input_ids.tolist()
+
+
+def test_the_window_tasks_gold_frames_are_the_ones_the_rollout_returns(tmp_path, tiny_qwen25):
+    """``video_rows`` (the older video task: a sample_frames overview, then crop_clip): its gold tool turns are made
+    at the engine's frame budget, so SFT trains on the ids a rollout of the same calls produces, frames included."""
+    from data_pipelines.synthetic.video import video_rows
+
+    policy = load_policy(tiny_qwen25, device="cpu", dtype="float32")
+    min_pixels, max_pixels = policy.pixel_budget
+    [row] = video_rows(tmp_path, 1, seed=2, duration=6.0)
+    encoded = encode_messages(gold_conversation(row, ["sample_frames", "crop_clip"]), policy.processor,
+                              min_pixels=min_pixels, max_pixels=max_pixels, factor=policy.image_factor)  # fmt: skip
+    task = Task.from_row(row, ["sample_frames", "crop_clip"])
+    task.scripted_turns = [m.plain_text for m in row.messages if m.role == "assistant"]
+    [episode] = run(policy, [task], limits=RolloutLimits(max_turns=4, max_new_tokens=64, max_images=24), batch_size=1)
+    assert episode.stop_reason == "answered" and len(episode.tool_results) == 2
+    assert episode.token_ids == encoded.input_ids.tolist()

@@ -55,7 +55,7 @@ def write_clip(path: Path, rng: random.Random, *, duration: float, fps: float, s
 
 
 def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 12.0, window: float = 1.0,
-               fps: float = 8.0, size: tuple[int, int] = (160, 120), frame_max_pixels: int = 28 * 28 * 16) -> list[Row]:  # fmt: skip
+               fps: float = 8.0, size: tuple[int, int] = (160, 120)) -> list[Row]:  # fmt: skip
     """Build ``n`` video rows with clips and gold trajectories under ``out_dir``."""
     out = Path(out_dir)
     (out / "clips").mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ def video_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float = 
         span = (t0, round(t0 + window, 2))
         path = out / "clips" / f"video-{seed}-{i}.mp4"
         write_clip(path, rng, duration=duration, fps=fps, size=size, window=span, color=color)
-        context = ToolContext(videos=[str(path)], frame_max_pixels=frame_max_pixels)
+        context = ToolContext(videos=[str(path)])  # the engine's frame budget: the gold frames are the rollout's
         stem = f"video-{seed}-{i}"
         overview_call, overview = tool_turn("sample_frames", {"num_frames": 8}, context,
                                             out / "frames" / f"{stem}-sample_frames")  # fmt: skip
