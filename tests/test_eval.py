@@ -162,3 +162,4 @@ def test_the_metrics_name_the_tools_each_row_was_offered():
     assert _tools_label(None, bench, [own, own]) == "the rows' own: crop_clip"
     assert _tools_label(None, bench, [own, plain]) == "the rows' own: crop_clip; else crop (default)"
     assert _tools_label([], bench, [own]) == "none" and _tools_label(["search", "code"], bench, [own]) == "search,code"
+    assert _tools_label(None, bench, [SimpleNamespace(tools=[])]) == "none"  # rows that offer nothing

@@ -131,7 +131,7 @@ def test_vagent_eval_endpoint_and_checkpoint(fake, tmp_path, tiny_qwen25, capsys
     metrics = json.loads((tmp_path / "ckpt" / "metrics.json").read_text())
     assert {"agreement", "unparseable", "consistency", "first_preference", "pairs"} <= set(metrics)
     assert metrics["samples"] == 7 and metrics["pairs"] == 4
-    assert metrics["tools"] == "none (default)"  # judge-pairs offers no tools
+    assert metrics["tools"] == "none"  # judge-pairs rows offer no tools
     with pytest.raises(SystemExit):  # neither --model nor --endpoint (nor --rerun): a usage error, named
         main(["eval", "--benchmark", "judge-pairs", "--data", str(data), "--out", str(tmp_path / "x")])
     assert "--model or --endpoint required" in capsys.readouterr().err

@@ -137,9 +137,12 @@ def _tools_label(tools: list[str] | None, benchmark: Benchmark, rows: Sequence[R
         return ",".join(tools) or "none"
     default = (",".join(benchmark.tools) or "none") + " (default)"
     own = sorted({",".join(row.tools) or "none" for row in rows if row.tools is not None})
+    every = all(row.tools is not None for row in rows)
     if not own:
         return default
-    return "the rows' own: " + " | ".join(own) + ("" if all(r.tools is not None for r in rows) else f"; else {default}")
+    if own == ["none"] and every:  # the loader's rows offer none (judge-pairs)
+        return "none"
+    return "the rows' own: " + " | ".join(own) + ("" if every else f"; else {default}")
 
 
 def _chunks(todo: list[Row], batch_size: int, backend: GenerationBackend | None) -> list[list[Row]]:
