@@ -312,7 +312,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="--backend vllm on a GPU: the engine's share of the device memory (%(default)s).")  # fmt: skip
-    p.add_argument("--tensor-parallel-size", type=_positive, default=1, help="--backend vllm: the model sharded over this "
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--backend vllm: the model sharded over this "
                    "many devices, one vLLM worker process each (%(default)s).")  # fmt: skip
     p.add_argument("--search-corpus", help="JSONL corpus (title, text, url) that enables the offline `search` tool.")
     p.add_argument("--max-upload-mb", type=float, default=DemoLimits.max_upload_mb)
@@ -324,15 +324,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent", default="vagent", choices=sorted(PROFILES),
                    help="Agent profile the checkpoint speaks (docs/guide/agents.md), e.g. deepeyes. Default: vagent.")  # fmt: skip
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error(f"--tensor-parallel-size must be a positive integer, got {args.tensor_parallel_size}")
     if args.tensor_parallel_size > 1 and args.backend != "vllm":
         p.error("--tensor-parallel-size shards vLLM's engine: add --backend vllm")
     return args
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
 
 
 def load(args: argparse.Namespace) -> Served:

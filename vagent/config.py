@@ -413,8 +413,7 @@ class RolloutConfig:
         if self.max_tool_calls is not None and self.max_tool_calls <= 0:
             raise ValueError(f"max_tool_calls must be positive (or null), got {self.max_tool_calls}")
         if self.frame_budget is not None:
-            if len(self.frame_budget) != 2 or not 1 <= self.frame_budget[0] <= self.frame_budget[1]:
-                raise ValueError(f"frame_budget must be [lo, hi] with 1 <= lo <= hi, got {self.frame_budget}")
+            _check_frame_budget(self.frame_budget, "frame_budget")
             if self.frame_budget[1] >= self.max_images:  # the prompt's frames count toward max_images
                 raise ValueError(
                     f"frame_budget {self.frame_budget} leaves no room under max_images "
@@ -425,6 +424,12 @@ class RolloutConfig:
                     "frame_budget does not apply to pixel-reasoner: its select_frames only re-shows the "
                     "16 frames of its prompt, so a smaller first view would hide frames for good"
                 )
+
+
+def _check_frame_budget(budget: list[int], key: str) -> None:
+    """A frame budget (rollout's or SFT's, read alike) is ``[lo, hi]`` with ``1 <= lo <= hi``."""
+    if len(budget) != 2 or not 1 <= budget[0] <= budget[1]:
+        raise ValueError(f"{key} must be [lo, hi] with 1 <= lo <= hi, got {budget}")
 
 
 @dataclass
@@ -471,10 +476,8 @@ class SFTDataConfig:
                 raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        if self.frame_budget is not None and (
-            len(self.frame_budget) != 2 or not 1 <= self.frame_budget[0] <= self.frame_budget[1]
-        ):
-            raise ValueError(f"data.frame_budget must be [lo, hi] with 1 <= lo <= hi, got {self.frame_budget}")
+        if self.frame_budget is not None:
+            _check_frame_budget(self.frame_budget, "data.frame_budget")
 
 
 @dataclass
