@@ -1,8 +1,10 @@
-"""The quickstart's configuration: the toy task, its warm-up, and the knobs of the stages it runs."""
+"""The proofs' configurations: what every proof shares (``ProofConfig``: splits, warm-up, SFT, GRPO, evaluation), the
+crop task's (``QuickstartConfig``, ``make run``) and the video task's (``VideoConfig``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from vagent.config import (
@@ -15,11 +17,16 @@ from vagent.config import (
     option,
 )
 
-__all__ = ["QuickstartConfig"]
+__all__ = ["ClipConfig", "ProofConfig", "QuickstartConfig", "VideoConfig", "config_class"]
 
 
 @dataclass
-class QuickstartConfig:
+class ProofConfig:
+    """What every proof shares: the policy, the splits, the warm-up, SFT, GRPO and the evaluations' knobs."""
+
+    # the warm-up phases a proof knows (warmup_phases)
+    PHASES = ("grounding", "perception", "reading")
+
     out_dir: str = option("runs/quickstart", "Everything the quickstart writes: data, checkpoints, evals, report.md.")
     seed: int = option(0, "Seed of the data, the training order and sampling.")
     model: ModelConfig = option(
@@ -47,13 +54,6 @@ class QuickstartConfig:
         "Samples of each test row at GRPO's temperature for the SFT and GRPO policies: what the GRPO target compares "
         "(0: greedy evaluations only, and the target compares greedy accuracies).",
     )
-    image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
-    grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
-    tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
-    glyph: Literal["stripes", "digit"] = option(
-        "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
-    )
-    direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
     warmup_rows: int = option(3000, "Images (apart from train and test) whose rows warm up SFT (see warmup_phases).")
     warmup_epochs: float | list[float] = option(
         [2.0, 2.0],
@@ -103,12 +103,8 @@ class QuickstartConfig:
         return [self.warmup_epochs] * len(self.warmup_phases)
 
     def validate(self) -> None:
-        if len(self.image_size) != 2 or min(self.image_size) < 64:
-            raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
-        if not 8 <= self.tile <= min(self.image_size) // 2:
-            raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
-        if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0 or not 0 <= self.direct_share <= 1:
-            raise ValueError("need train_rows, test_rows >= 2, grpo_steps >= 0 and direct_share in [0, 1]")
+        if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0:
+            raise ValueError("need train_rows, test_rows >= 2 and grpo_steps >= 0")
         if min(self.val_rows, self.grpo_val_every, self.grpo_val_samples, self.sampled_test_samples) < 0:
             raise ValueError("need val_rows, grpo_val_every, grpo_val_samples and sampled_test_samples >= 0, got "
                              f"{self.val_rows}, {self.grpo_val_every}, {self.grpo_val_samples}, "
@@ -131,6 +127,92 @@ class QuickstartConfig:
                              f"{self.warmup_phases}; give one per phase, or one number for all")  # fmt: skip
         if min(epochs, default=0) < 0 or self.sft_epochs <= 0:
             raise ValueError("need warmup_epochs >= 0 and sft_epochs > 0")
-        unknown = set(self.warmup_phases) - {"grounding", "perception", "reading"}
+        unknown = set(self.warmup_phases) - set(self.PHASES)
         if unknown:
-            raise ValueError(f"warmup_phases must be grounding, perception or reading; got {sorted(unknown)}")
+            raise ValueError(f"warmup_phases must be among {', '.join(self.PHASES)}; got {sorted(unknown)}")
+
+
+@dataclass
+class QuickstartConfig(ProofConfig):
+    """The crop proof (``make run``): a tile whose stripes blur in the global view and read after a crop."""
+
+    task: Literal["crop"] = option("crop", "Which proof: crop (this one, make run) or video (VideoConfig).")
+    image_size: list[int] = option([672, 504], "Original image size: well above the model's view, so the stripes blur.")
+    grid: int = option(2, "Tiles sit at the centers of a grid x grid layout (0 = anywhere).")
+    tile: int = option(126, "Side of the target tile in original pixels (its 1-px stripes blur at any size).")
+    glyph: Literal["stripes", "digit"] = option(
+        "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
+    )
+    direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.image_size) != 2 or min(self.image_size) < 64:
+            raise ValueError(f"image_size must be [width, height] with both >= 64, got {self.image_size}")
+        if not 8 <= self.tile <= min(self.image_size) // 2:
+            raise ValueError(f"tile must be in [8, {min(self.image_size) // 2}] for images of {self.image_size}")
+        if not 0 <= self.direct_share <= 1:
+            raise ValueError(f"direct_share must be in [0, 1], got {self.direct_share}")
+
+
+@dataclass
+class ClipConfig:
+    duration: float = option(12.0, "Length of each clip in seconds.")
+    frames: int = option(
+        6, "Frames of the first view the prompt shows (rollout.frame_budget must be [frames, frames])."
+    )
+    fps: float = option(4.0, "Frame rate of the clips (crop_clip shows every frame of the span it cuts).")
+    flash_frames: int = option(3, "Frames during which the marked square shows its color, after the marked frame.")
+    size: list[int] = option([112, 84], "Frame size [width, height]; the square's side is a third of the height.")
+
+
+@dataclass
+class VideoConfig(ProofConfig):
+    """The video proof: a first view of a clip marks when to look; only crop_clip shows what."""
+
+    PHASES = ("perception", "grounding")
+
+    task: Literal["video"] = option("video", "Which proof: video (this one) or crop (QuickstartConfig).")
+    out_dir: str = option("runs/quickstart-video", "Everything the video proof writes: data, checkpoints, report.md.")
+    clip: ClipConfig = option(ClipConfig(), "The glimpse clips (data_pipelines.synthetic.video.glimpse_rows).")
+    test_rows: int = option(128, "Held-out clips the policies are evaluated on.")
+    warmup_rows: int = option(
+        3000, "Clips (apart from train, test and val) whose rows warm up SFT (see warmup_phases)."
+    )
+    warmup_phases: list[str] = option(
+        ["perception", "grounding"],
+        "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. perception: read "
+        "the color from the gold clip's frames shown alone; grounding: give the marked frame's time from the first view.",
+    )
+    sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
+    rollout: RolloutConfig = option(
+        RolloutConfig(max_turns=3, max_new_tokens=64, max_images=16, temperature=0.7, frame_budget=[6, 6]),
+        "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy); frame_budget is the first view.",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        frames = self.clip.frames
+        if self.rollout.frame_budget != [frames, frames]:
+            raise ValueError(f"rollout.frame_budget must be [{frames}, {frames}] (clip.frames): the glimpse task marks "
+                             f"one of the first view's {frames} frames, got {self.rollout.frame_budget}")  # fmt: skip
+        if len(self.clip.size) != 2 or min(self.clip.size) < 28:
+            raise ValueError(f"clip.size must be [width, height] with both >= 28, got {self.clip.size}")
+
+
+def config_class(path: str | None, overrides: list[str]) -> type[ProofConfig]:
+    """The proof a YAML (its ``task``) or a ``task=`` override names: crop (``QuickstartConfig``) or video."""
+    import yaml
+
+    task = "crop"
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            loaded = None  # load_config reports it
+        if isinstance(loaded, dict) and isinstance(loaded.get("task"), str):
+            task = loaded["task"]
+    for override in overrides:
+        if override.startswith("task="):
+            task = override.removeprefix("task=")
+    return {"video": VideoConfig}.get(task, QuickstartConfig)  # an unknown task: QuickstartConfig's check names it

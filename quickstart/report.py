@@ -66,7 +66,7 @@ def write_report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path
     names = list(results)
     metrics = [m for _, m in results.values()]
     bar_chart(metrics, names, out / "results.png", title="held-out test split")
-    _curves(cfg, out)
+    curves(cfg, out)
     direct = {r.id for r in test_rows if r.extra.get("difficulty", {}).get("direct")}
     split_lines = []
     samples = {name: read_samples(run_dir / "samples.jsonl") for name, (run_dir, _) in results.items()}
@@ -93,7 +93,7 @@ def write_report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path
         f"Total time **{total / 60:.1f} min** on this machine ({', '.join(f'{k} {v:.0f}s' for k, v in times.items())}).",
         f"Policy: a random tiny Qwen2.5-VL ({cfg.tiny.size} preset) trained from scratch on "
         f"{cfg.train_rows} synthetic zoom rows; {len(test_rows)} held-out test rows ({len(direct)} with a large, "
-        f"readable tile). Greedy decoding, except the runs named sampled ({_sampling(cfg, cfg.sampled_test_samples)}, "
+        f"readable tile). Greedy decoding, except the runs named sampled ({sampling(cfg, cfg.sampled_test_samples)}, "
         "as GRPO samples).",
         "",
         "## Results on the held-out test split",
@@ -105,15 +105,15 @@ def write_report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path
         f"{low:.2f}-{high:.2f} over {len(samples[best])} rows) vs the no-tool baseline {baseline:.2f} (chance is "
         f"{'0.25 for stripes' if cfg.glyph == 'stripes' else '0.10 for a digit'}).",
         "",
-        *_grpo_vs_sft(samples, results),
-        *_grpo_kept(cfg, out),
+        *grpo_vs_sft(samples, results),
+        *grpo_kept(cfg, out),
         "## Targets",
         "",
         *_targets(cfg, results, samples, best, direct, out, total),
         "",
         "## Which answers does each policy get right?",
         "",
-        *_per_answer(samples),
+        *per_answer(samples),
         "",
         "## Does the agent look closer when it needs to?",
         "",
@@ -154,25 +154,25 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _sampling(cfg: QuickstartConfig, samples: int) -> str:
+def sampling(cfg: Any, samples: int) -> str:
     """How a sampled run samples: "1 sample a row at temperature 0.7"."""
     return f"{samples} sample{'s' if samples > 1 else ''} a row at temperature {cfg.rollout.temperature:g}"
 
 
-def _grpo_vs_sft(
-    samples: dict[str, list[dict[str, Any]]], results: dict[str, tuple[Path, dict[str, Any]]]
-) -> list[str]:
-    """GRPO against its own SFT start on the same rows: which rows it fixed and which it broke (greedy), and their
-    accuracies sampled."""
-    if "grpo + crop" not in samples:
+def grpo_vs_sft(samples: dict[str, list[dict[str, Any]]], results: dict[str, tuple[Path, dict[str, Any]]],
+                label: str = "crop") -> list[str]:  # fmt: skip
+    """GRPO against its own SFT start on the same rows (runs ``grpo + <label>``, ``sft + <label>``): which rows it
+    fixed and which it broke (greedy), and their accuracies sampled."""
+    grpo_name, sft_name = f"grpo + {label}", f"sft + {label}"
+    if grpo_name not in samples:
         return []
-    sft_right = {s["id"]: s["accuracy"] for s in samples["sft + crop"]}
-    fixed = sum(1 for s in samples["grpo + crop"] if s["accuracy"] > sft_right.get(s["id"], 1.0))
-    broke = sum(1 for s in samples["grpo + crop"] if s["accuracy"] < sft_right.get(s["id"], 0.0))
+    sft_right = {s["id"]: s["accuracy"] for s in samples[sft_name]}
+    fixed = sum(1 for s in samples[grpo_name] if s["accuracy"] > sft_right.get(s["id"], 1.0))
+    broke = sum(1 for s in samples[grpo_name] if s["accuracy"] < sft_right.get(s["id"], 0.0))
     lines = [f"GRPO against its SFT start on the same rows, greedy: {fixed} answered right that SFT got wrong, "
              f"{broke} the other way round."]  # fmt: skip
-    if "grpo + crop" + SAMPLED in results:
-        grpo, sft = (results[name + SAMPLED][1]["accuracy"] for name in ("grpo + crop", "sft + crop"))
+    if grpo_name + SAMPLED in results:
+        grpo, sft = (results[name + SAMPLED][1]["accuracy"] for name in (grpo_name, sft_name))
         lines.append(f"Sampled as GRPO samples, GRPO answers {grpo:.3f} and its SFT start {sft:.3f} "
                      f"({(grpo - sft) * 100:+.1f} points): what GRPO optimizes is the sampled policy.")  # fmt: skip
     return [" ".join(lines), ""]
@@ -183,7 +183,6 @@ def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any
              total: float) -> list[str]:  # fmt: skip
     """The table of ``TARGETS`` for ``best``, the best policy with the crop tool: each target, what this run
     measured, and whether it is met."""
-    import resource
     import statistics
 
     accuracy, baseline = results[best][1]["accuracy"], results["no-tool baseline"][1]["accuracy"]
@@ -204,22 +203,39 @@ def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any
         how = "sampled" if key else "greedy"
         rows.append((f"GRPO at least {TARGETS['grpo_gain'] * 100:g} points above its SFT start ({how}, test rows)",
                      f"{gain * 100:+.1f} points", gain >= TARGETS["grpo_gain"] - 1e-9))  # fmt: skip
-        rewards = [r["reward"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "reward" in r]
-        third = max(1, len(rewards) // 3)
-        first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
-        rows.append(("GRPO's rollout reward rises (mean of its last third of steps over its first third)",
-                     f"{first:.2f} -> {last:.2f} over {len(rewards)} steps", len(rewards) > 1 and last > first))  # fmt: skip
-        rows += _greedy_kept(samples["grpo + crop"], samples["sft + crop"])
-    # ru_maxrss is in KiB on Linux; the children are the processes run beside the main one
-    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
+        rows.append(reward_rises(out))
+        rows += greedy_kept(samples["grpo + crop"], samples["sft + crop"])
+    peak = peak_rss_gb()
     rows += [(f"within {TARGETS['minutes']:g} minutes", f"{total / 60:.1f} min", total / 60 <= TARGETS["minutes"]),
              (f"within {TARGETS['memory_gb']:g} GB of RAM", f"{peak:.1f} GB (the largest process's peak RSS)",
               peak <= TARGETS["memory_gb"])]  # fmt: skip
+    return targets_table(cfg, rows)
+
+
+def targets_table(cfg: Any, rows: list[tuple[str, str, bool]]) -> list[str]:
+    """The Targets table of (target, measured, met) rows, and how many are met."""
     met = sum(ok for _, _, ok in rows)
     return ["| target | measured | met |", "|---|---|---|",
             *[f"| {target} | {measured} | {'yes' if ok else '**no**'} |" for target, measured, ok in rows],
             "", f"{met} of {len(rows)} targets met at seed {cfg.seed} (another seed, or another CPU's float sums, is "
             "another draw: docs/quickstart.md gives several)."]  # fmt: skip
+
+
+def reward_rises(out: Path) -> tuple[str, str, bool]:
+    """The target that GRPO's rollout reward rises: the mean of its last third of steps over its first third."""
+    rewards = [r["reward"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "reward" in r]
+    third = max(1, len(rewards) // 3)
+    first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+    return ("GRPO's rollout reward rises (mean of its last third of steps over its first third)",
+            f"{first:.2f} -> {last:.2f} over {len(rewards)} steps", len(rewards) > 1 and last > first)  # fmt: skip
+
+
+def peak_rss_gb() -> float:
+    """The peak RSS of the largest process, this one or the ones run beside it, in GB."""
+    import resource
+
+    # ru_maxrss is in KiB on Linux; the children are the processes run beside the main one
+    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
 
 
 def slips(samples: list[dict[str, Any]]) -> tuple[float, float]:
@@ -229,7 +245,7 @@ def slips(samples: list[dict[str, Any]]) -> tuple[float, float]:
     return sum(1 for s in samples if s["tool_errors"]) / len(samples), 1.0 - well_formed_share(samples)
 
 
-def _greedy_kept(grpo: list[dict[str, Any]], sft: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
+def greedy_kept(grpo: list[dict[str, Any]], sft: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
     """The targets that GRPO keeps its SFT start's greedy policy: accuracy, tool errors, answers (``TARGETS``)."""
     slack = TARGETS["greedy_slack"]
     acc = [sum(s["accuracy"] for s in run) / len(run) for run in (grpo, sft)]
@@ -245,7 +261,7 @@ def _greedy_kept(grpo: list[dict[str, Any]], sft: list[dict[str, Any]]) -> list[
     ]  # fmt: skip
 
 
-def _grpo_kept(cfg: QuickstartConfig, out: Path) -> list[str]:
+def grpo_kept(cfg: Any, out: Path) -> list[str]:
     """Which GRPO step the report's GRPO policy is, and the validation accuracy of each step checked."""
     records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     if not records:
@@ -253,11 +269,11 @@ def _grpo_kept(cfg: QuickstartConfig, out: Path) -> list[str]:
     best = records[-1].get("val/best_step", records[-1]["step"])
     checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}" for r in records)
     kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
-    how = _sampling(cfg, cfg.grpo_val_samples) if cfg.grpo_val_samples else "greedy"
+    how = sampling(cfg, cfg.grpo_val_samples) if cfg.grpo_val_samples else "greedy"
     return [f"GRPO policy = {kept} (accuracy on the {cfg.val_rows} val rows, {how}: {checks}).", ""]
 
 
-def _per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+def per_answer(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Accuracy per gold answer (rows: policies): a policy that guesses one answer shows it here, not in the mean."""
     golds = sorted({str(s["gold"][0]) for rows in samples.values() for s in rows if s["gold"]})
     if not golds or len(golds) > 8:
@@ -285,7 +301,9 @@ def _running_mean(values: list[float], n: int) -> list[float]:
     return means
 
 
-def _curves(cfg: QuickstartConfig, out: Path) -> None:
+def curves(cfg: Any, out: Path, keys: tuple[str, ...] = ("reward", "accuracy", "reward/crop_iou", "tool_calls_per_traj")
+           ) -> None:  # fmt: skip
+    """sft_loss.png (every SFT run's loss) and grpo.png (``keys`` of GRPO's metrics per step, and its validations)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -317,7 +335,7 @@ def _curves(cfg: QuickstartConfig, out: Path) -> None:
         records = [r for r in records if "reward" in r]
         steps = [r["step"] for r in records]
         how = "sampled" if cfg.grpo_val_samples else "greedy"
-        for key in ("reward", "accuracy", "reward/crop_iou", "tool_calls_per_traj"):
+        for key in keys:
             values = [r.get(key, float("nan")) for r in records]
             (line,) = ax.plot(steps, values, label=key, marker=".", alpha=0.35)
             # each point is one step's few rollouts; the trend is their running mean (as TensorBoard smooths)

@@ -8,14 +8,14 @@ import json
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
 
-from quickstart.config import QuickstartConfig
+from quickstart.config import ProofConfig, QuickstartConfig, config_class
 from quickstart.data import build_data, warmup_runs
 from quickstart.parallel import Beside
 from quickstart.report import SAMPLED, check_line, write_report
@@ -68,15 +68,39 @@ class _Evaluation:
     samples: int = 0  # of each row, for a run named ``... SAMPLED``, at GRPO's temperature (``sampled``)
     sampled: RolloutLimits | None = None
     seed: int = 0  # every sampled run draws from it: SFT and GRPO are compared on the same random numbers
+    benchmark: str = "synthetic"  # how the samples are scored (vagent.eval.BENCHMARKS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """What one proof plugs into the stages ``run`` takes every proof through."""
+
+    data_title: str  # stage 2's header
+    tools: tuple[str, ...]  # the policy's tools: SFT's gold rows name them, GRPO and the evaluations offer them
+    label: str  # the runs' names: "sft + <label>", "grpo + <label>"
+    benchmark: str  # how the evaluations score (vagent.eval.BENCHMARKS)
+    rewards: dict[str, float]  # GRPO's reward weights
+    build_data: Callable[[Any, Path, Any], dict[str, Path]]  # (cfg, data dir, policy) -> the splits' files
+    warmup: Callable[[Any, Path, Path, dict[str, Path]], tuple[Path, dict[str, Any]]]  # -> (checkpoint, checks)
+    report: Callable[..., str]  # write_report's signature
+    ablation: str | None = None  # a run of the SFT policy under a context (_evaluate's ABLATIONS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m quickstart [--config YAML] [key=value ...]`` (``make run``, ``vagent quickstart``)."""
+    """``python -m quickstart [--config YAML] [key=value ...]`` (``make run``, ``vagent quickstart``): the proof the
+    YAML's ``task`` names (crop by default)."""
+    from quickstart.video import VIDEO
+
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path = None
     if argv[:1] == ["--config"] and len(argv) > 1:
         config_path, argv = argv[1], argv[2:]
-    cfg = load_config(QuickstartConfig, config_path, argv)
+    cfg = load_config(config_class(config_path, argv), config_path, argv)
+    return run(cfg, {"crop": CROP, "video": VIDEO}[cfg.task])
+
+
+def run(cfg: Any, proof: Proof) -> int:
+    """Take ``proof`` through the stages: checkpoint, data, SFT (+ baseline), GRPO, evaluation, report."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
@@ -92,29 +116,30 @@ def main(argv: list[str] | None = None) -> int:
     base = tiny_checkpoint(cfg, out)
     policy = load_policy(base, device=_device(cfg))  # its pixel budget and coordinate convention
     done()
-    done = stage(2, "synthetic zoom tasks", "data")
-    data = build_data(cfg, out / "data", policy)
+    done = stage(2, proof.data_title, "data")
+    data = proof.build_data(cfg, out / "data", policy)
     del policy
     done()
-    done = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the crop-tool cold start and the no-tool "
-                    "baseline", "sft")  # fmt: skip
+    done = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the {proof.label}-tool cold start and "
+                    "the no-tool baseline", "sft")  # fmt: skip
     evaluation = _Evaluation(load_rows(data["test"]), out, _greedy(cfg), cfg.toolbox, _device(cfg),
-                             cfg.sampled_test_samples, _limits(cfg), cfg.seed)  # fmt: skip
-    start, checks = _warmup(cfg, out, base, data)
+                             cfg.sampled_test_samples, _limits(cfg), cfg.seed, proof.benchmark)  # fmt: skip
+    start, checks = proof.warmup(cfg, out, base, data)
     sft_model, notool_model, notool_eval = _sft_stage(cfg, out, start, data, evaluation)
     done()
     done = stage(4, "GRPO from the SFT policy")
+    sft_name, grpo_name, tools = f"sft + {proof.label}", f"grpo + {proof.label}", list(proof.tools)
     # The SFT policy's evaluations run beside GRPO (on CPU, with parallel_eval), the rest after it.
-    sft_runs = {"sft + crop": (sft_model, ["crop"]), BLIND: (sft_model, ["crop"])}
+    sft_runs = {sft_name: (sft_model, tools), **({proof.ablation: (sft_model, tools)} if proof.ablation else {})}
     if cfg.sampled_test_samples and cfg.grpo_steps:  # the GRPO target's measure: sampled as GRPO samples
-        sft_runs["sft + crop" + SAMPLED] = (sft_model, ["crop"])
+        sft_runs[sft_name + SAMPLED] = (sft_model, tools)
     beside = Beside.start(cfg.parallel_eval and cfg.grpo_steps > 0, _device(cfg), out / "eval" / "log-sft.txt",
                           f"the SFT policy's evaluations ({', '.join(sft_runs)})", _evaluate_runs, sft_runs,
                           evaluation)  # fmt: skip
     try:
         grpo_model = None
         if cfg.grpo_steps:
-            grpo_model = grpo.train(grpo_config(cfg, out, sft_model, data),
+            grpo_model = grpo.train(grpo_config(cfg, out, sft_model, data, proof),
                                     before_step=beside.hand_over(GRPO_HANDOVER) if beside else None)  # fmt: skip
         done("grpo (SFT evaluated beside it)" if beside else "grpo")
         done = stage(5, "evaluation on the held-out test split", "eval")
@@ -127,23 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     if grpo_model is not None:  # when it kept its SFT start, that policy's evaluation is already there
         kept_start = _same_weights(grpo_model, sft_model)
         if kept_start:
-            print("GRPO kept its SFT start (no step beat it on the val rows): its evaluations are SFT + crop's")
-        for name in ("grpo + crop", *(["grpo + crop" + SAMPLED] if cfg.sampled_test_samples else [])):
-            sft_name = name.replace("grpo", "sft")
-            results[name] = results[sft_name] if kept_start else _evaluate(name, grpo_model, ["crop"], evaluation)
-    order = ("grpo + crop", "sft + crop", "no-tool baseline", BLIND, "grpo + crop" + SAMPLED, "sft + crop" + SAMPLED)
+            print(f"GRPO kept its SFT start (no step beat it on the val rows): its evaluations are {sft_name}'s")
+        for name in (grpo_name, *([grpo_name + SAMPLED] if cfg.sampled_test_samples else [])):
+            start_name = name.replace("grpo", "sft")
+            results[name] = results[start_name] if kept_start else _evaluate(name, grpo_model, tools, evaluation)
+    order = (grpo_name, sft_name, "no-tool baseline", proof.ablation, grpo_name + SAMPLED, sft_name + SAMPLED)
     results = {name: results[name] for name in order if name in results}
     done()
     done = stage(6, "report", "report")
     times["report"] = 0.0
-    report = write_report(cfg, out, results, evaluation.test_rows, checks, times, time.perf_counter() - t_start)
+    report = proof.report(cfg, out, results, evaluation.test_rows, checks, times, time.perf_counter() - t_start)
     done()
     print(report)
-    print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see the crops.")
+    print(f"\nwrote {out / 'report.md'}; open the trajectories.html files it links to see what the policy looked at.")
     return 0
 
 
-def tiny_checkpoint(cfg: QuickstartConfig, out: Path) -> Path:
+def tiny_checkpoint(cfg: ProofConfig, out: Path) -> Path:
     """``model.path``, or the tiny random checkpoint under ``out``, built once (rebuilt when its recipe changed)."""
     if cfg.model.path:
         return Path(cfg.model.path)
@@ -161,11 +186,11 @@ def tiny_checkpoint(cfg: QuickstartConfig, out: Path) -> Path:
     return target
 
 
-def _device(cfg: QuickstartConfig) -> str:
+def _device(cfg: ProofConfig) -> str:
     return cfg.model.device or "cpu"
 
 
-def _limits(cfg: QuickstartConfig) -> RolloutLimits:
+def _limits(cfg: ProofConfig) -> RolloutLimits:
     """The rollout's episode limits, sampled at GRPO's temperature."""
     return RolloutLimits(
         **{
@@ -177,15 +202,16 @@ def _limits(cfg: QuickstartConfig) -> RolloutLimits:
     )
 
 
-def _greedy(cfg: QuickstartConfig) -> RolloutLimits:
+def _greedy(cfg: ProofConfig) -> RolloutLimits:
     """The evaluations' episode limits: the rollout's, sampled greedily."""
     return dataclasses.replace(_limits(cfg), temperature=0.0)
 
 
-def sft_config(cfg: QuickstartConfig, out_dir: Path, model: Path, train: Path, epochs: float,
+def sft_config(cfg: ProofConfig, out_dir: Path, model: Path, train: Path, epochs: float,
                tools: list[str] | None = None) -> SFTConfig:  # fmt: skip
     """One of the quickstart's SFT runs (warm-up phases, the crop-tool cold start, the no-tool baseline)."""
-    data = SFTDataConfig(train=str(train), micro_batch_size=8)
+    # a video row's prompt shows the first view the rollout shows (None: the profile's own view)
+    data = SFTDataConfig(train=str(train), micro_batch_size=8, frame_budget=cfg.rollout.frame_budget)
     if tools is not None:
         data.tools = tools
     return check_config(SFTConfig(
@@ -195,7 +221,7 @@ def sft_config(cfg: QuickstartConfig, out_dir: Path, model: Path, train: Path, e
     ))  # fmt: skip
 
 
-def grpo_config(cfg: QuickstartConfig, out: Path, model: Path, data: dict[str, Path]) -> GRPOConfig:
+def grpo_config(cfg: ProofConfig, out: Path, model: Path, data: dict[str, Path], proof: Proof) -> GRPOConfig:
     """GRPO from the SFT policy, checking itself on the val rows every few steps and keeping its best."""
     val = GRPOValConfig()
     if cfg.val_rows:
@@ -207,8 +233,8 @@ def grpo_config(cfg: QuickstartConfig, out: Path, model: Path, data: dict[str, P
                           negative_scale=cfg.grpo_negative_scale, kl_coef=cfg.grpo_kl_coef)  # fmt: skip
     return check_config(GRPOConfig(
         out_dir=str(out / "grpo"), seed=cfg.seed, model=ModelConfig(path=str(model), device=_device(cfg)),
-        data=GRPODataConfig(train=str(data["train"]), tools=["crop"]), rollout=dataclasses.replace(cfg.rollout), grpo=algo, val=val,
-        rewards=RewardConfig(weights=dict(REWARDS)), optim=OptimConfig(lr=cfg.grpo_lr),
+        data=GRPODataConfig(train=str(data["train"]), tools=list(proof.tools)), rollout=dataclasses.replace(cfg.rollout),
+        grpo=algo, val=val, rewards=RewardConfig(weights=dict(proof.rewards)), optim=OptimConfig(lr=cfg.grpo_lr),
         train=TrainConfig(max_steps=cfg.grpo_steps, precision="fp32", save_every=0, resume="auto"),
     ))  # fmt: skip
 
@@ -229,7 +255,7 @@ def _warmup(cfg: QuickstartConfig, out: Path, base: Path, data: dict[str, Path])
     return start, checks
 
 
-def _sft_stage(cfg: QuickstartConfig, out: Path, start: Path, data: dict[str, Path],
+def _sft_stage(cfg: ProofConfig, out: Path, start: Path, data: dict[str, Path],
                evaluation: _Evaluation) -> tuple[Path, Path, tuple[Path, dict] | None]:  # fmt: skip
     """The crop-tool cold start, and beside it (on CPU) the no-tool baseline's SFT and evaluation: (the SFT model,
     the baseline model, the baseline's evaluation if it ran beside)."""
@@ -267,7 +293,7 @@ def _evaluate(name: str, model_dir: Path, tools: list[str], evaluation: _Evaluat
     if sampled:
         torch.manual_seed(evaluation.seed)
     with blind_crop() if name == BLIND else contextlib.nullcontext():
-        return run_dir, evaluate(policy, BENCHMARKS["synthetic"], evaluation.test_rows, run_dir, tools=tools,
+        return run_dir, evaluate(policy, BENCHMARKS[evaluation.benchmark], evaluation.test_rows, run_dir, tools=tools,
                                  limits=evaluation.sampled if sampled else evaluation.limits,
                                  n_samples=evaluation.samples if sampled else 1, batch_size=16,
                                  services=tool_services(evaluation.toolbox), label=name)  # fmt: skip
@@ -325,3 +351,7 @@ def _baseline(cfg: SFTConfig, evaluation: _Evaluation | None) -> tuple[Path, tup
     """Train the no-tool baseline and, given ``evaluation``, evaluate it: (its model dir, its evaluation)."""
     model_dir = sft.train(cfg)
     return model_dir, _evaluate("no-tool baseline", model_dir, [], evaluation) if evaluation else None
+
+
+# The crop proof (``make run``).
+CROP = Proof("synthetic zoom tasks", ("crop",), "crop", "synthetic", REWARDS, build_data, _warmup, write_report, BLIND)

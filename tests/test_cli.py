@@ -208,7 +208,7 @@ def test_the_warm_up_checks_say_when_a_phase_has_not_learned_its_skill():
 def test_the_greedy_targets_count_slips_the_answered_share_does_not_show():
     """GRPO's greedy targets: accuracy at most 2 points below SFT's; episodes with a tool error, and without a
     well-formed answer (none, or one whose turn broke the grammar), each at most 2 points above SFT's share."""
-    from quickstart.report import _greedy_kept, slips
+    from quickstart.report import greedy_kept, slips
 
     def sample(accuracy=1.0, prediction="rising", tool_errors=0, malformed_answer=False):
         return {"accuracy": accuracy, "prediction": prediction, "tool_errors": tool_errors,
@@ -217,12 +217,12 @@ def test_the_greedy_targets_count_slips_the_answered_share_does_not_show():
     sft = [sample() for _ in range(100)]
     swallowed = sample(0.0, "rising</think>\n<tool_call>", malformed_answer=True)  # an <answer> left open
     assert slips([sample(tool_errors=1), sample(), sample(prediction=None), swallowed]) == (0.25, 0.5)
-    (_, measured, ok), (_, slipped, kept) = _greedy_kept([*[sample()] * 98, *[swallowed] * 2], sft)
+    (_, measured, ok), (_, slipped, kept) = greedy_kept([*[sample()] * 98, *[swallowed] * 2], sft)
     assert ok and kept and "-2.0 points" in measured  # 2 points: within the slack
     assert "without a well-formed answer 2.0% (SFT 0.0%)" in slipped and "with a tool error 0.0%" in slipped
-    (_, measured, ok), (_, slipped, kept) = _greedy_kept([*[sample()] * 97, *[swallowed] * 3], sft)
+    (_, measured, ok), (_, slipped, kept) = greedy_kept([*[sample()] * 97, *[swallowed] * 3], sft)
     assert not ok and not kept and "-3.0 points" in measured  # 3 points: beyond it
-    assert not _greedy_kept([*[sample()] * 97, *[sample(tool_errors=1)] * 3], sft)[1][2]
+    assert not greedy_kept([*[sample()] * 97, *[sample(tool_errors=1)] * 3], sft)[1][2]
 
 
 def test_wilson_interval_matches_the_textbook_values():

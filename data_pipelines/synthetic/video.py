@@ -120,7 +120,7 @@ def glimpse_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float 
         shown = round(uniform_timestamps(0.0, duration, frames)[k] * fps)  # the first view's frame of segment k
         at = shown / fps  # its time, as the prompt prints it
         marker = (at - 0.2 * segment, min(at + 0.8 * segment, duration))
-        first = shown + rng.randint(1, min(room, round(duration * fps) - 1 - shown - flash_frames))  # in the video
+        first = shown + rng.randint(1, min(room, round(duration * fps) - shown - flash_frames))  # in the video
         flash = (first / fps - 0.5 / fps, (first + flash_frames) / fps - 0.5 / fps)
         stem = f"glimpse-{seed}-{i}"
         path = out / "clips" / f"{stem}.mp4"
@@ -141,7 +141,7 @@ def glimpse_rows(out_dir: str | Path, n: int, *, seed: int = 0, duration: float 
                         videos=[str(path)], source="synthetic/video-glimpse", evidence=Evidence(spans=[span]),
                         tools=["crop_clip"], messages=messages,
                         extra={"difficulty": {"duration": duration, "frames": frames, "fps": fps,
-                                              "flash_frames": flash_frames}}))  # fmt: skip
+                                              "flash_frames": flash_frames}, "marked": round(at, 2)}))  # fmt: skip
     return rows
 
 

@@ -1,7 +1,9 @@
 """The repo's own synthetic benchmarks (``data_pipelines/synthetic``): canonical rows JSONL.
 
 Metrics: ``accuracy`` by the row's answer type (the reward's scorer) and ``crop_iou`` (best IoU of a crop
-with the evidence box: did it look in the right place); the runner adds the tool-use statistics.
+with the evidence box: did it look in the right place); ``synthetic-video`` (the video tasks, ``video.py``) scores
+``temporal_iou`` instead (best IoU of a span the policy sampled or cut with the evidence span: did it look at the
+right moment). The runner adds the tool-use statistics.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from vagent.data import Row, RowError, load_rows
 from vagent.eval.benchmarks import Benchmark
-from vagent.rewards import accuracy, crop_iou
+from vagent.rewards import accuracy, crop_iou, temporal_iou
 from vagent.toolbox import TOOLS
 from vagent.types import Trajectory
 
@@ -29,4 +31,15 @@ def score(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, f
     }
 
 
-BENCHMARK = Benchmark("synthetic", load, score, ("accuracy", "crop_iou"), ("crop",))
+def score_video(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
+    return {
+        "accuracy": accuracy([trajectory], [row])[0],
+        "temporal_iou": temporal_iou([trajectory], [row])[0],
+    }
+
+
+VARIANTS = (
+    Benchmark("synthetic", load, score, ("accuracy", "crop_iou"), ("crop",)),
+    Benchmark("synthetic-video", load, score_video, ("accuracy", "temporal_iou"), ("sample_frames", "crop_clip")),
+)
+BENCHMARK = VARIANTS[0]
