@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from quickstart.config import QuickstartConfig
+from quickstart.config import QuickstartConfig, VideoConfig, config_class
 from vagent.config import CONFIGS, ConfigError, TinyModelConfig, load_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -15,8 +15,9 @@ def test_every_yaml_in_configs_loads_and_starts_with_its_launch_command():
     all_yamls = sorted(CONFIG_DIR.rglob("*.yaml"))
     assert all_yamls, "configs/ holds no YAML"
     assert YAMLS == all_yamls, "every configs/<stage>/ must be a key of vagent.config.CONFIGS (or the quickstart)"
-    for path in all_yamls:
-        load_config(STAGES[path.parent.name], path)
+    for path in all_yamls:  # a quickstart YAML names its proof (task: crop or video)
+        cls = config_class(str(path), []) if path.parent.name == "quickstart" else STAGES[path.parent.name]
+        load_config(cls, path)
         assert path.read_text().startswith("# Launch:"), f"{path} must start with its launch command"
 
 
@@ -34,7 +35,7 @@ def test_every_field_has_a_help_string():
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name])
 
-    for cls in STAGES.values():
+    for cls in (*STAGES.values(), VideoConfig):
         walk(cls)
     assert {c.__name__ for c in seen} >= {"ModelConfig", "RolloutConfig", "TinyModelConfig"}  # nested ones visited
 
@@ -92,7 +93,7 @@ def test_validation_and_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="vocab_size"):
         load_config(TinyModelConfig, None, ["vocab_size=10"])
     with pytest.raises(
-        ConfigError, match=r"warmup_phases must be grounding, perception or reading; got \['percepton'\]"
+        ConfigError, match=r"warmup_phases must be among grounding, perception, reading; got \['percepton'\]"
     ):
         load_config(QuickstartConfig, None, ["warmup_phases=[grounding, percepton]"])
     with pytest.raises(ConfigError, match=r"warmup_epochs lists 2 numbers for 3 warmup_phases"):
@@ -223,3 +224,13 @@ def test_the_shipped_quickstart_yaml_is_the_built_in_default():
     """`vagent quickstart` without --config runs the configuration `make run` runs and the docs measured."""
     shipped = load_config(QuickstartConfig, CONFIG_DIR / "quickstart" / "tiny_cpu.yaml", ["model.device=null"])
     assert shipped == load_config(QuickstartConfig)
+    video = CONFIG_DIR / "quickstart" / "video_cpu.yaml"
+    assert config_class(str(video), []) is VideoConfig and config_class(None, ["task=video"]) is VideoConfig
+    assert load_config(VideoConfig, video, ["model.device=null"]) == load_config(VideoConfig)
+
+
+def test_the_video_proofs_first_view_is_its_clips():
+    with pytest.raises(ConfigError, match=r"rollout.frame_budget must be \[6, 6\]"):
+        load_config(VideoConfig, None, ["rollout.frame_budget=[4, 6]"])
+    with pytest.raises(ConfigError, match="task"):
+        load_config(QuickstartConfig, None, ["task=video"])  # the crop proof's class refuses another task
