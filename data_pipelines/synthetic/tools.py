@@ -1,0 +1,303 @@
+"""Tool-choice tasks in the format of MAT (Visual-ARFT's Multimodal Agentic Tool bench): every row offers ``search``,
+``code`` and ``crop``, and which one helps, if any, depends on the question. Made to be learnable by the quickstart's
+tiny random-weight Qwen2.5-VL trained from scratch: small closed sets, no text to read in images, and every answer
+copied from an observation (or the image) rather than computed in the model's head.
+
+    python -m data_pipelines.synthetic.tools --out data/tools --rows 400 --test-rows 100 --seed 0
+
+Four kinds of rows (``shares`` sets the mix; ``extra["kind"]`` says which):
+
+* **search**: the image shows one entity of a closed set, a large shape of one of ``COLORS`` x ``SHAPES`` (24),
+  and the question asks one of its ``PROPERTIES`` ("What is the home city of the object in the image?"). Only the
+  corpus states it. Gold: name the entity, ``search`` for "<entity> <property>" (the real BM25 hits over
+  ``write_corpus``'s corpus), then copy the value that ends the first hit.
+* **code**: exact arithmetic on numbers in the question ("What is 4821 times 37?", a sum of 3-4 numbers). Gold: a
+  ``code`` call whose program copies the question's numbers (``print(4821 * 37)``), the real sandboxed output, then
+  the printed number copied into the answer. The row shows an entity picture all the same, as every non-crop row
+  does: whether there is an image never tells which tool to use; the question does.
+* **crop**: ``zoom.zoom_rows``' stripes tile (the quickstart's crop proof; its defaults in ``CROP``): the gold crop,
+  then the direction read off the crop.
+* **direct**: the search rows' entity images asked what is visible (color, shape or both). Gold: the answer, no tool.
+
+Why the no-tool baseline cannot answer search and code rows: a code row's numbers are drawn per row, and a 4-digit
+product or a sum of 3-4 numbers is beyond a tiny model's head. Search values are made-up words drawn per
+``corpus_seed`` (the world: the corpus and every value in it), each value unique, so none can be known in advance;
+but one corpus serves train and test, and a model could memorize from training answers which value goes with which
+entity and property. So each entity keeps one property out of training (``held_out``): ``split="train"`` rows ask
+only the other pairs, ``split="test"`` rows only the held-out ones. A test row's answer is then never a training
+answer, and as values are single words, no training answer earns F1 or EM on it; what a tool policy needs there was
+all trained: it has named that entity (direct rows, other properties), searched that property (other entities), and
+copied from the first hit. The held-out values do appear in training observations (as other hits), which are
+context, never targets.
+
+Answers are lists of strings with ``answer_type="f1"``: MAT's token F1 / EM, max over the golds, as Visual-ARFT's
+evaluation code scores them (``vagent.eval.benchmarks.mat_search``, ``mat_coding``). Every tool turn is the real
+tool's output (``gold.tool_turn``), as the rollout engine would show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from data_pipelines.gold import tool_turn
+from data_pipelines.synthetic.zoom import zoom_rows
+from vagent.data import Row, write_rows
+from vagent.geometry import Convention
+from vagent.toolbox import ToolContext
+from vagent.toolbox.search import BM25Backend
+
+__all__ = [
+    "COLORS",
+    "CROP",
+    "ENTITIES",
+    "KINDS",
+    "PROPERTIES",
+    "SHAPES",
+    "TOOLS",
+    "draw_entity",
+    "held_out",
+    "tool_rows",
+    "world",
+    "write_corpus",
+]
+
+TOOLS = ["search", "code", "crop"]  # offered on every row: the policy chooses
+KINDS = ("search", "code", "crop", "direct")  # the order of ``shares``
+COLORS = {"red": (210, 40, 40), "green": (30, 150, 50), "blue": (40, 70, 210), "yellow": (225, 185, 20)}
+# Outlines that differ at the tiny model's coarse view (16x16 patches of a 224-px image), all filled but the ring.
+SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
+ENTITIES = [f"{color} {shape}" for color in COLORS for shape in SHAPES]
+# What the corpus states about each entity; the question names one, and the gold query copies it.
+PROPERTIES = ("code name", "home city", "keeper", "motto")
+# Corpus entities never drawn: their entries share words with the real ones, so BM25 has near misses to rank below.
+DECOY_COLORS = ("orange", "purple")
+# The crop kind: the quickstart's learnable zoom task (docs/decisions/quickstart-task.md); ``crop=`` overrides.
+CROP = dict(size=(672, 504), tile=126, grid=2, glyph="stripes", margin=0, clutter=30, distractors=0, direct_share=0.0)
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+_RESERVED = {*COLORS, *SHAPES, *DECOY_COLORS, *" ".join(PROPERTIES).split()}
+_DIRECT = {  # question, what the answer is read off
+    "color": "What color is the object in the image?",
+    "shape": "What shape is the object in the image?",
+    "name": "What is the object in the image? Answer with its color and shape.",
+}
+
+
+def _word(rng: random.Random) -> str:
+    """A made-up word of 2 syllables and maybe a final consonant ("talmo", "zorvik"): a few BPE pieces to copy."""
+    syllables = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(2))
+    return syllables + (rng.choice(_CONSONANTS) if rng.random() < 0.5 else "")
+
+
+def world(seed: int = 0) -> dict[tuple[str, str], str]:
+    """The facts of corpus ``seed``: ``(entity, property) -> value``, decoy entities included; every value a distinct
+    made-up word."""
+    rng = random.Random(f"tools-world/{seed}")
+    decoys = [f"{color} {shape}" for color in DECOY_COLORS for shape in SHAPES]
+    facts, used = {}, set(_RESERVED)
+    for entity in ENTITIES + decoys:
+        for prop in PROPERTIES:
+            value = _word(rng)
+            while value in used:
+                value = _word(rng)
+            used.add(value)
+            facts[entity, prop] = value
+    return facts
+
+
+def held_out(entity: str, prop: str) -> bool:
+    """Whether test rows (and only they) ask this pair: one property per entity, each property for a quarter of
+    them (entity ``j`` keeps back ``PROPERTIES[j % 4]``), so every entity and every property is searched in
+    training."""
+    return PROPERTIES[ENTITIES.index(entity) % len(PROPERTIES)] == prop
+
+
+def write_corpus(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write corpus ``seed`` as ``out_dir/corpus-<seed>.jsonl`` in the format ``BM25Backend`` reads (``title``,
+    ``text``, ``id``; no ``url``, which would only lengthen the hits) and return its path. One entry per fact: the
+    other properties of the same entity, the same property of other entities and the decoys are its distractors.
+    The same seed writes the same file, so train and test builds may both call it."""
+    path = Path(out_dir) / f"corpus-{seed}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"id": f"{entity}/{prop}".replace(" ", "-"), "title": f"{entity.capitalize()}: {prop}",
+                    "text": f"The {prop} of the {entity} is {value}."})
+        for (entity, prop), value in world(seed).items()
+    ]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def draw_entity(entity: str, rng: random.Random, size: tuple[int, int] = (224, 224)) -> Image.Image:
+    """A large ``entity`` ("blue triangle") on a plain background, its size and place jittered so that no single
+    picture stands for it."""
+    color, shape = entity.split()
+    width, height = size
+    image = Image.new("RGB", size, (235, 235, 228))
+    draw = ImageDraw.Draw(image)
+    side = int(min(size) * rng.uniform(0.55, 0.8))
+    x0, y0 = rng.randint(0, width - side), rng.randint(0, height - side)
+    x1, y1, mx, my, fill = x0 + side, y0 + side, x0 + side // 2, y0 + side // 2, COLORS[color]
+    if shape == "circle":
+        draw.ellipse((x0, y0, x1, y1), fill=fill)
+    elif shape == "square":
+        draw.rectangle((x0, y0, x1, y1), fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(mx, y0), (x1, y1), (x0, y1)], fill=fill)
+    elif shape == "diamond":
+        draw.polygon([(mx, y0), (x1, my), (mx, y1), (x0, my)], fill=fill)
+    elif shape == "cross":
+        arm = side // 6
+        draw.rectangle((mx - arm, y0, mx + arm, y1), fill=fill)
+        draw.rectangle((x0, my - arm, x1, my + arm), fill=fill)
+    else:  # ring: as wide as the circle, hollow
+        draw.ellipse((x0, y0, x1, y1), outline=fill, width=max(4, side // 7))
+    return image
+
+
+def tool_rows(out_dir: str | Path, n: int, *, seed: int = 0, corpus_seed: int = 0, split: str = "train",
+              shares: tuple[float, float, float, float] = (0.4, 0.2, 0.2, 0.2), size: tuple[int, int] = (224, 224),
+              search_k: int = 3, crop: dict | None = None, min_pixels: int = 3136, max_pixels: int = 200704,
+              factor: int = 28, convention: Convention = "absolute") -> list[Row]:  # fmt: skip
+    """Build ``n`` tool-choice rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``) and
+    write the corpus their search calls read (``write_corpus(out_dir, corpus_seed)``; serve it with
+    ``toolbox.search_corpus``).
+
+    Args:
+        seed: Draws the rows (kinds, entities, numbers, pictures); train and test take different seeds.
+        corpus_seed: Draws the world (``world``); train and test take the same one.
+        split: ``"train"`` search rows ask only the pairs not ``held_out``, ``"test"`` ones only the held-out pairs.
+        shares: Fractions of search, code, crop and direct rows (``KINDS``), normalized; counts round to ``n``.
+        size: (width, height) of the entity images (search, code and direct rows).
+        search_k: The gold search's ``k``: few hits keep the observation short.
+        crop: Overrides of the crop rows' ``zoom_rows`` knobs (``CROP``).
+        min_pixels, max_pixels, factor, convention: The policy's frame (``Policy.frame``), for the gold crop.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    corpus = write_corpus(out, corpus_seed)
+    facts = world(corpus_seed)
+    asked = [pair for pair in facts if pair[0] in ENTITIES and held_out(*pair) == (split == "test")]
+    kinds = _kinds(n, shares, random.Random(f"tools/{seed}/kinds"))
+    frame = dict(min_pixels=min_pixels, max_pixels=max_pixels, image_factor=factor, convention=convention)
+    crops = iter(zoom_rows(out, kinds.count("crop"), seed=seed, **{**CROP, **(crop or {})}, min_pixels=min_pixels,
+                           max_pixels=max_pixels, factor=factor, convention=convention))  # fmt: skip
+    search, common = BM25Backend(corpus), {"split": split, "corpus": corpus.name}
+    rows = []
+    for i, kind in enumerate(kinds):
+        row_id = f"tools-{seed}-{i}"
+        if kind == "crop":
+            zoom = next(crops)
+            rows.append(dataclasses.replace(zoom, id=row_id, source="synthetic/tools-crop", answer=[zoom.answer],
+                                            answer_type="f1", tools=list(TOOLS),
+                                            extra={**zoom.extra, "kind": "crop", **common}))  # fmt: skip
+            continue
+        rng = random.Random(f"tools/{seed}/{i}")
+        entity, prop = rng.choice(asked) if kind == "search" else (rng.choice(ENTITIES), None)
+        image, image_path = draw_entity(entity, rng, size), out / "images" / f"{row_id}.png"
+        image.save(image_path)
+        context = ToolContext(images=[image], search=search, **frame)  # as the engine's: the row's image, the corpus
+        if kind == "search":
+            question, answer, messages, extra = _search(entity, prop, facts[entity, prop], context, search_k,
+                                                        out / "images" / f"{row_id}-search")  # fmt: skip
+        elif kind == "code":
+            question, answer, messages, extra = _code(rng, context, out / "images" / f"{row_id}-code")
+        else:
+            question, answer, messages, extra = _direct(entity, rng)
+        rows.append(Row(id=row_id, source=f"synthetic/tools-{kind}", images=[str(image_path)], question=question,
+                        answer=[answer], answer_type="f1", tools=list(TOOLS), messages=messages,
+                        extra={"kind": kind, **common, **extra}))  # fmt: skip
+    return rows
+
+
+def _kinds(n: int, shares: tuple[float, ...], rng: random.Random) -> list[str]:
+    """``n`` kinds in ``shares``' proportions (largest remainders), shuffled."""
+    if len(shares) != len(KINDS) or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError(f"shares must be {len(KINDS)} non-negative fractions ({', '.join(KINDS)}), got {shares}")
+    exact = [n * s / sum(shares) for s in shares]
+    counts = [int(x) for x in exact]
+    for k in sorted(range(len(KINDS)), key=lambda k: counts[k] - exact[k])[: n - sum(counts)]:
+        counts[k] += 1
+    kinds = [kind for kind, count in zip(KINDS, counts, strict=True) for _ in range(count)]
+    rng.shuffle(kinds)
+    return kinds
+
+
+def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, stem: Path):
+    """Name the entity, search "<entity> <property>", copy the value that ends the first hit."""
+    call, hits = tool_turn("search", {"query": f"{entity} {prop}", "k": k}, context, stem)
+    messages = [
+        {"role": "assistant", "content": f"<think>The image shows a {entity}. Its {prop} is not in the image, so I "
+                                         f"will search for it.</think>\n{call}"},
+        hits,
+        {"role": "assistant", "content": f"<think>The first result says the {prop} of the {entity} is {value}."
+                                         f"</think>\n<answer>{value}</answer>"},
+    ]  # fmt: skip
+    question = f"What is the {prop} of the object in the image?"
+    return question, value, messages, {"entity": entity, "property": prop, "query": f"{entity} {prop}"}
+
+
+def _code(rng: random.Random, context: ToolContext, stem: Path):
+    """A product of a 4-digit and a 2-digit number, or a sum of 3-4 numbers of 3 digits; the program copies them."""
+    if rng.random() < 0.5:
+        a, b = rng.randint(1000, 9999), rng.randint(12, 99)
+        question, program, answer = f"What is {a} times {b}?", f"print({a} * {b})", a * b
+    else:
+        terms = [rng.randint(100, 999) for _ in range(rng.choice((3, 4)))]
+        question = f"What is the sum of {', '.join(map(str, terms[:-1]))} and {terms[-1]}?"
+        program, answer = f"print({' + '.join(map(str, terms))})", sum(terms)
+    call, output = tool_turn("code", {"code": program}, context, stem)
+    answer = str(answer)  # what the sandbox prints (the tests check they agree)
+    messages = [
+        {"role": "assistant", "content": f"<think>This needs exact arithmetic, so I will run code.</think>\n{call}"},
+        output,
+        {"role": "assistant", "content": f"<think>The program printed {answer}.</think>\n<answer>{answer}</answer>"},
+    ]
+    return question, answer, messages, {"program": program}
+
+
+def _direct(entity: str, rng: random.Random):
+    """Ask what the picture shows: its color, its shape, or both; answer without a tool."""
+    asked = rng.choice(list(_DIRECT))
+    color, shape = entity.split()
+    answer = {"color": color, "shape": shape, "name": entity}[asked]
+    reply = f"<think>The image shows a {entity}.</think>\n<answer>{answer}</answer>"
+    messages = [{"role": "assistant", "content": reply}]
+    return _DIRECT[asked], answer, messages, {"entity": entity, "asked": asked}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
+    parser.add_argument("--out", required=True, help="output dir (rows.jsonl, test.jsonl, corpus-<seed>.jsonl, images)")
+    parser.add_argument("--rows", type=int, default=400, help="train rows (rows.jsonl)")
+    parser.add_argument("--test-rows", type=int, default=0, help="also write test.jsonl: held-out pairs, other images")
+    parser.add_argument("--seed", type=int, default=0, help="the train rows' seed; test rows take seed + 10000")
+    parser.add_argument("--corpus-seed", type=int, default=0, help="the world: corpus and values, shared by both")
+    parser.add_argument("--shares", type=float, nargs=4, default=[0.4, 0.2, 0.2, 0.2], metavar=KINDS)
+    parser.add_argument("--model", help="checkpoint dir whose pixel budget and coordinate convention the gold crops "
+                                        "use (default: Qwen2.5-VL's pixels, 3136-200704)")  # fmt: skip
+    args = parser.parse_args(argv)
+    frame = {}
+    if args.model:
+        from vagent.model import load_policy
+
+        frame = load_policy(args.model, device="cpu").frame
+    knobs = dict(corpus_seed=args.corpus_seed, shares=tuple(args.shares), **frame)
+    rows = tool_rows(args.out, args.rows, seed=args.seed, split="train", **knobs)
+    print(f"wrote {len(rows)} rows to {write_rows(rows, Path(args.out) / 'rows.jsonl')}")
+    if args.test_rows:
+        test = tool_rows(args.out, args.test_rows, seed=args.seed + 10_000, split="test", **knobs)
+        print(f"wrote {len(test)} rows to {write_rows(test, Path(args.out) / 'test.jsonl')}")
+    print(f"search corpus: {write_corpus(args.out, args.corpus_seed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""The tool-choice rows (``data_pipelines.synthetic.tools``) hold what makes them a fair test of tool choice: every
+kind is built, every gold tool turn is what the real tool returns, a search row's answer ends its first hit among
+distractors, a code row's answer is what the sandbox printed, no training answer scores on a test search row, and
+the rows survive the file and the SFT encoder. Answers are scored with MAT's token F1 / EM, the metric of
+Visual-ARFT's evaluation code (``vagent.eval.benchmarks.mat_search``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data_pipelines.synthetic.tools import ENTITIES, KINDS, PROPERTIES, TOOLS, held_out, main, tool_rows, world
+from vagent.chat import observation_content, parse_turn
+from vagent.data import load_rows, write_rows
+from vagent.eval.metrics import f1_em_metrics
+from vagent.media import smart_resize
+from vagent.toolbox import TOOLS as TOOLBOX
+from vagent.toolbox import ToolContext, call_tool
+from vagent.toolbox.sandbox import Sandbox
+from vagent.toolbox.search import BM25Backend
+
+# the code rows' gold calls run in bubblewrap, as tests/test_tool_training.py's do
+pytestmark = pytest.mark.skipif(not Sandbox().available(), reason="bubblewrap (bwrap) is missing or does not work here")
+FRAME = dict(min_pixels=3136, max_pixels=200704, factor=28, convention="absolute")  # tool_rows' default frame
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(train rows, test rows, corpus path): one world, two row seeds, the test split search-heavy."""
+    out = tmp_path_factory.mktemp("tools")
+    train = tool_rows(out, 25, seed=0, split="train")
+    test = tool_rows(out, 12, seed=1, split="test", shares=(0.5, 0.25, 0.0, 0.25))
+    return train, test, out / "corpus-0.jsonl"
+
+
+def _tool_turns(row):
+    """(the parsed gold call, the tool turn after it) of each call in the row's gold trajectory."""
+    for call, result in zip(row.messages, row.messages[1:], strict=False):
+        if call.role == "assistant" and "<tool_call>" in call.plain_text:
+            [tool_call] = parse_turn(call.plain_text).tool_calls
+            assert result.role == "tool"
+            yield tool_call, result
+
+
+def test_every_kind_is_built_offering_every_tool_and_scored_by_mat_f1(built):
+    train, test, _ = built
+    assert Counter(r.extra["kind"] for r in train) == {"search": 10, "code": 5, "crop": 5, "direct": 5}
+    assert set(KINDS) == {r.extra["kind"] for r in train}
+    for row in train + test:
+        assert row.tools == TOOLS and row.source == f"synthetic/tools-{row.extra['kind']}"
+        assert row.answer_type == "f1" and isinstance(row.answer, list) and all(isinstance(a, str) for a in row.answer)
+        calls = [call.name for call, _ in _tool_turns(row)]
+        assert calls == ([] if row.extra["kind"] == "direct" else [row.extra["kind"]])
+        final = parse_turn(row.messages[-1].plain_text).answer  # the gold answer scores 1 on MAT's F1 and EM
+        assert f1_em_metrics(final, row.answer) == {"f1": 1.0, "em": 1.0}, row.id
+
+
+def test_every_gold_tool_turn_is_what_the_toolbox_returns(built):
+    """Each gold call, run again through ``call_tool`` with the engine's context (the row's image, the corpus, the
+    policy's frame), gives the tool turn the row holds: the same text, the same pixels."""
+    train, test, corpus = built
+    search = BM25Backend(corpus)
+    for row in train + test:
+        image = Image.open(row.images[0]).convert("RGB")
+        height, width = smart_resize(image.height, image.width, min_pixels=FRAME["min_pixels"],
+                                     max_pixels=FRAME["max_pixels"], factor=FRAME["factor"])  # fmt: skip
+        context = ToolContext(images=[image], model_sizes=[(width, height)], convention=FRAME["convention"],
+                              min_pixels=FRAME["min_pixels"], max_pixels=FRAME["max_pixels"],
+                              image_factor=FRAME["factor"], search=search)  # fmt: skip
+        for call, turn in _tool_turns(row):
+            observation = call_tool(call, context, offered=TOOLS)
+            assert observation.error is None, (row.id, observation.text)
+            observation = dataclasses.replace(observation, first_image=1)  # labelled after the prompt's image
+            expected, images = observation_content(observation), iter(observation.images)
+            assert [p["type"] for p in expected] == [p.type for p in turn.content]
+            for want, got in zip(expected, turn.content, strict=True):
+                if got.type == "text":
+                    assert got.text == want["text"], row.id
+                else:
+                    assert np.array_equal(np.asarray(Image.open(got.path).convert("RGB")), np.asarray(next(images)))
+
+
+def test_the_first_search_hit_holds_the_answer_and_the_others_are_distractors(built):
+    train, test, corpus = built
+    records = [json.loads(line) for line in corpus.read_text().splitlines()]
+    facts = world(0)
+    assert len(records) == len(facts) > len(ENTITIES) * len(PROPERTIES)  # decoy entities beside the real ones
+    assert len(set(facts.values())) == len(facts)  # each value names one fact
+    search = BM25Backend(corpus)
+    for entity in ENTITIES:  # every pair a row may ask, not only those drawn here
+        for prop in PROPERTIES:
+            hits = search.search(f"{entity} {prop}", 3)
+            assert hits[0].snippet.endswith(f" is {facts[entity, prop]}.")
+            assert len(hits) == 3 and all(facts[entity, prop] not in hit.snippet for hit in hits[1:])
+    searched = [row for row in train + test if row.extra["kind"] == "search"]
+    assert searched
+    for row in searched:
+        [(call, turn)] = _tool_turns(row)
+        assert call.arguments["query"] == f"{row.extra['entity']} {row.extra['property']}"
+        first, *others = turn.content[0].text.split("\n2. ")
+        assert f"is {row.answer[0]}." in first and row.answer[0] not in "".join(others), row.id
+        assert row.question == f"What is the {row.extra['property']} of the object in the image?"
+
+
+def test_a_code_rows_answer_is_the_sandboxs_output_and_the_exact_result(built):
+    train, test, _ = built
+    coded = [row for row in train + test if row.extra["kind"] == "code"]
+    assert {"times" in row.question for row in coded} == {True, False}  # products and sums
+    for row in coded:
+        [(call, turn)] = _tool_turns(row)
+        assert turn.content[0].text == f"stdout:\n{row.answer[0]}"
+        numbers = [int(n) for n in re.findall(r"\d+", row.question)]
+        assert int(row.answer[0]) == (math.prod(numbers) if "times" in row.question else sum(numbers))
+        assert all(str(n) in call.arguments["code"] for n in numbers)  # the program copies the question's numbers
+
+
+def test_no_training_answer_scores_on_a_test_search_row(built):
+    """The baseline without tools can only answer a test search row from what training taught it: none of the
+    training answers (of any kind) earns F1 or EM on one, as the held-out pairs are never asked in training."""
+    train, test, _ = built
+    assert all(not held_out(r.extra["entity"], r.extra["property"]) for r in train if r.extra["kind"] == "search")
+    tested = [r for r in test if r.extra["kind"] == "search"]
+    assert tested and all(held_out(r.extra["entity"], r.extra["property"]) for r in tested)
+    facts = world(0)  # the answers of these training rows, and of every search row a training set may hold
+    taught = {a for row in train for a in row.answer} | {
+        v for (e, p), v in facts.items() if e in ENTITIES and not held_out(e, p)
+    }
+    for row in tested:
+        assert all(f1_em_metrics(answer, row.answer) == {"f1": 0.0, "em": 0.0} for answer in taught), row.id
+    # every entity and every property is searched in training: only the pair is new
+    assert sum(held_out(e, p) for e in ENTITIES for p in PROPERTIES) == len(ENTITIES)
+    assert {p for e in ENTITIES for p in PROPERTIES if held_out(e, p)} == set(PROPERTIES)
+
+
+def test_rows_round_trip_through_the_file_and_the_same_seeds_build_the_same_rows(built, tmp_path):
+    train, _, _ = built
+    path = write_rows(train, tmp_path / "rows.jsonl")
+    assert [r.to_dict() for r in load_rows(path, known_tools=TOOLBOX)] == [r.to_dict() for r in train]
+    again = tool_rows(tmp_path / "again", 25, seed=0, split="train")  # elsewhere: only the media paths differ
+    assert [(r.id, r.question, r.answer, r.extra) for r in again] == [
+        (r.id, r.question, r.answer, r.extra) for r in train
+    ]
+    assert (tmp_path / "again" / "corpus-0.jsonl").read_text() == built[2].read_text()
+    assert np.array_equal(np.asarray(Image.open(again[0].images[0])), np.asarray(Image.open(train[0].images[0])))
+
+
+def test_the_sft_encoder_takes_a_batch_of_every_kind(built, tiny_qwen25):
+    """A micro-batch of one row of each kind encodes, and its loss mask trains the calls and answers, never the
+    hits or the program's output."""
+    from vagent.model import load_policy
+    from vagent.training.data import SFTDataset
+
+    train, _, _ = built
+    rows = [next(r for r in train if r.extra["kind"] == kind) for kind in KINDS]
+    policy = load_policy(tiny_qwen25, device="cpu", dtype="float32")
+    min_pixels, max_pixels = policy.pixel_budget
+    data = SFTDataset(rows, policy.processor, default_tools=[], max_length=10**5, micro_batch_size=4, seed=0,
+                      group_by_length=False, group_batches=1, min_pixels=min_pixels, max_pixels=max_pixels,
+                      factor=policy.image_factor)  # fmt: skip
+    assert data.skipped == [] and len(data) == 1
+    batch = data[0]
+    texts = [policy.tokenizer.decode(ids) for ids in batch["input_ids"]]
+    trained = [policy.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(batch["input_ids"], batch["loss_mask"],
+                                                                                strict=True)]  # fmt: skip
+    for row in rows:
+        [k] = [k for k, text in enumerate(texts) if row.question in text]
+        assert all(f'"name": "{tool}"' in texts[k] for tool in TOOLS)  # the system prompt offers all three
+        assert f"{row.answer[0]}</answer>" in trained[k]
+        for _, turn in _tool_turns(row):
+            observed = next(p.text for p in turn.content if p.type == "text")
+            assert observed in texts[k] and observed not in trained[k], row.id  # context, never a target
+
+
+def test_the_cli_writes_train_and_test_rows_and_the_corpus(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--rows", "4", "--test-rows", "4", "--shares", "1", "0", "0", "1"]) == 0
+    assert "corpus-0.jsonl" in capsys.readouterr().out
+    train, test = load_rows(tmp_path / "rows.jsonl"), load_rows(tmp_path / "test.jsonl")
+    assert len(train) == len(test) == 4 and (tmp_path / "corpus-0.jsonl").is_file()
+    assert all(r.extra["split"] == "test" for r in test)
