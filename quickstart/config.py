@@ -1,5 +1,6 @@
 """The proofs' configurations: what every proof shares (``ProofConfig``: splits, warm-up, SFT, GRPO, evaluation), the
-crop task's (``QuickstartConfig``, ``make run``) and the video task's (``VideoConfig``)."""
+crop task's (``QuickstartConfig``, ``make run``), the video task's (``VideoConfig``) and the search-and-code task's
+(``ToolsConfig``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from vagent.config import (
     option,
 )
 
-__all__ = ["ClipConfig", "ProofConfig", "QuickstartConfig", "VideoConfig", "config_class"]
+__all__ = ["ClipConfig", "ProofConfig", "QuickstartConfig", "ToolsConfig", "VideoConfig", "config_class"]
 
 
 @dataclass
@@ -170,7 +171,7 @@ class ClipConfig:
 class VideoConfig(ProofConfig):
     """The video proof: a first view of a clip marks when to look; only crop_clip shows what."""
 
-    PHASES = ("perception", "grounding")
+    PHASES = ("perception", "grounding", "both")
 
     task: Literal["video"] = option("video", "Which proof: video (this one) or crop (QuickstartConfig).")
     out_dir: str = option("runs/quickstart-video", "Everything the video proof writes: data, checkpoints, report.md.")
@@ -179,10 +180,16 @@ class VideoConfig(ProofConfig):
     warmup_rows: int = option(
         3000, "Clips (apart from train, test and val) whose rows warm up SFT (see warmup_phases)."
     )
+    warmup_epochs: float | list[float] = option(
+        [2.0, 0.25],
+        "Passes of each warm-up phase over its rows: one number for every phase, or a list in warmup_phases' order "
+        "(0 skips a phase).",
+    )
     warmup_phases: list[str] = option(
-        ["perception", "grounding"],
+        ["perception", "both"],
         "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. perception: read "
-        "the color from the gold clip's frames shown alone; grounding: give the marked frame's time from the first view.",
+        "the color from the gold clip's frames shown alone; grounding: give the marked frame's time from the first "
+        "view; both: the two kinds of rows together (one epoch is twice as long; docs/decisions/video-glimpse-task.md).",
     )
     sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
     rollout: RolloutConfig = option(
@@ -201,7 +208,7 @@ class VideoConfig(ProofConfig):
 
 
 def config_class(path: str | None, overrides: list[str]) -> type[ProofConfig]:
-    """The proof a YAML (its ``task``) or a ``task=`` override names: crop (``QuickstartConfig``) or video."""
+    """The proof a YAML (its ``task``) or a ``task=`` override names: crop (``QuickstartConfig``), video or tools."""
     import yaml
 
     task = "crop"
@@ -215,4 +222,56 @@ def config_class(path: str | None, overrides: list[str]) -> type[ProofConfig]:
     for override in overrides:
         if override.startswith("task="):
             task = override.removeprefix("task=")
-    return {"video": VideoConfig}.get(task, QuickstartConfig)  # an unknown task: QuickstartConfig's check names it
+    return {"video": VideoConfig, "tools": ToolsConfig}.get(task, QuickstartConfig)  # unknown: its check names it
+
+
+@dataclass
+class ToolsConfig(ProofConfig):
+    """The search-and-code proof (``quickstart.tools``): MAT-style rows that need a fact of the offline corpus, an
+    exact computation, a crop, or nothing, every tool offered on every row."""
+
+    PHASES = ("perception", "grounding", "entity", "copy")
+
+    task: Literal["tools"] = option("tools", "Which proof: tools (this one), crop (QuickstartConfig) or video.")
+    out_dir: str = option("runs/quickstart-tools", "Everything the tools proof writes: data, checkpoints, report.md.")
+    shares: list[float] = option(
+        [0.35, 0.25, 0.15, 0.25],
+        "Fractions of search, code, crop and direct rows in every split (data_pipelines.synthetic.tools.KINDS). Crop "
+        "rows are the fewest: they need the crop proof's two warm-up phases, which a smaller pool of tiles keeps short.",
+    )
+    corpus_seed: int = option(
+        0, "The world: the search corpus and its facts, one for every split; GRPO and the evaluations search it."
+    )
+    train_rows: int = option(448, "Tool-choice rows with gold trajectories for SFT (and prompts for GRPO).")
+    test_rows: int = option(192, "Held-out rows the policies are evaluated on (search rows ask the held-out facts).")
+    val_rows: int = option(
+        64,
+        "Held-out rows GRPO answers every grpo_val_every steps, keeping its best step (search rows ask the held-out "
+        "facts, as test rows do; other pictures and numbers); also the rows of each warm-up phase's check (0: neither).",
+    )
+    warmup_rows: int = option(
+        1500, "Rows of each warm-up phase (tiles for perception and grounding, pictures, copy rows), apart from train."
+    )
+    warmup_phases: list[str] = option(
+        ["perception", "grounding", "entity", "copy"],
+        "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. perception: read "
+        "the stripes from a gold crop; grounding: give the tile's box; entity: name the pictured object's color and "
+        "shape; copy: answer with a fact or numbers copied from the question (made-up facts of other worlds).",
+    )
+    warmup_epochs: float | list[float] = option(
+        [2.0, 2.0, 1.0, 2.0], "Passes of each warm-up phase over its rows: one number, or one per warmup_phases entry."
+    )
+    rollout: RolloutConfig = option(
+        RolloutConfig(max_turns=3, max_new_tokens=96, max_images=4, temperature=0.7),
+        "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy); a gold call turn is up to "
+        "about 70 tokens.",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.shares) != 4 or min(self.shares) < 0 or min(self.shares[:2]) <= 0:
+            raise ValueError(f"shares must be 4 fractions >= 0 (search, code, crop, direct), search and code above 0 "
+                             f"(the targets score them), got {self.shares}")  # fmt: skip
+        if self.toolbox.search_corpus or self.toolbox.search_url:
+            raise ValueError("leave toolbox.search_corpus and toolbox.search_url null: the tools proof serves the corpus "
+                             "its rows were built with (<out_dir>/data/corpus-<corpus_seed>.jsonl)")  # fmt: skip

@@ -89,6 +89,7 @@ class Proof:
 def main(argv: list[str] | None = None) -> int:
     """``python -m quickstart [--config YAML] [key=value ...]`` (``make run``, ``vagent quickstart``): the proof the
     YAML's ``task`` names (crop by default)."""
+    from quickstart.tools import SEARCH_CODE
     from quickstart.video import VIDEO
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--config"] and len(argv) > 1:
         config_path, argv = argv[1], argv[2:]
     cfg = load_config(config_class(config_path, argv), config_path, argv)
-    return run(cfg, {"crop": CROP, "video": VIDEO}[cfg.task])
+    return run(cfg, {"crop": CROP, "video": VIDEO, "tools": SEARCH_CODE}[cfg.task])
 
 
 def run(cfg: Any, proof: Proof) -> int:
@@ -236,6 +237,7 @@ def grpo_config(cfg: ProofConfig, out: Path, model: Path, data: dict[str, Path],
         data=GRPODataConfig(train=str(data["train"]), tools=list(proof.tools)), rollout=dataclasses.replace(cfg.rollout),
         grpo=algo, val=val, rewards=RewardConfig(weights=dict(proof.rewards)), optim=OptimConfig(lr=cfg.grpo_lr),
         train=TrainConfig(max_steps=cfg.grpo_steps, precision="fp32", save_every=0, resume="auto"),
+        toolbox=dataclasses.replace(cfg.toolbox),  # the proof's search corpus, if it has one
     ))  # fmt: skip
 
 

@@ -34,7 +34,7 @@ from quickstart.report import (
     wilson_interval,
 )
 from quickstart.run import Proof, _greedy, sft_config
-from quickstart.video_data import build_video_data
+from quickstart.video_data import CHECKS, build_video_data
 from vagent.data import load_rows
 from vagent.eval import BENCHMARKS
 from vagent.eval.runner import evaluate, read_samples, write_table
@@ -60,12 +60,14 @@ LEGEND = (
 
 
 def warmup(cfg: VideoConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
-    """The warm-up SFT runs in order, each from the last, each checked right after it on the val clips' rows of its
-    phase: (the last checkpoint, the checks by run)."""
+    """The warm-up SFT runs in order, each from the last, each checked right after it on the val clips' rows of the
+    skills it trains: (the last checkpoint, the checks by run and skill)."""
     start, checks = base, {}
     for run, phase, epochs in warmup_runs(cfg):
         start = sft.train(sft_config(cfg, out / run, start, data[f"warmup_{phase}"], epochs, tools=[]))
-        checks[run] = check(run, phase, start, data[f"check_{phase}"], out, cfg)
+        for skill in CHECKS[phase]:
+            name = run if phase == skill else f"{run} ({skill})"
+            checks[name] = check(name, skill, start, data[f"check_{skill}"], out, cfg)
     return start, checks
 
 
@@ -74,10 +76,11 @@ def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg
     read from the gold clip's frames; the marked frame's time read from the first view)."""
     rows = load_rows(rows_path)
     limits = dataclasses.replace(_greedy(cfg), max_turns=1, max_new_tokens=32)
-    evaluate(load_policy(model_dir, device=cfg.model.device or "cpu"), BENCHMARKS["synthetic"], rows, out / "eval" / run,
+    run_dir = out / "eval" / run.replace(" ", "-").replace("(", "").replace(")", "")
+    evaluate(load_policy(model_dir, device=cfg.model.device or "cpu"), BENCHMARKS["synthetic"], rows, run_dir,
              tools=[], limits=limits, batch_size=16, label=f"{run}: {len(rows)} val clips")  # fmt: skip
     scores: dict[str, list[float]] = {}
-    for s in read_samples(out / "eval" / run / "samples.jsonl"):
+    for s in read_samples(run_dir / "samples.jsonl"):
         scores.setdefault(str(s["gold"][0]), []).append(s["accuracy"])
     result = {"phase": phase, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)

@@ -10,8 +10,11 @@ from pathlib import Path
 from vagent.data import Row, write_rows
 
 # Warm-up phases of the video proof, each a plain SFT run on other clips' rows: perception (the color, read from the
-# gold clip's frames shown alone) and grounding (the time of the marked frame, read from the first view).
-VIDEO_WARMUP = ("perception", "grounding")
+# gold clip's frames shown alone), grounding (the time of the marked frame, read from the first view), and both (the
+# two kinds of rows together: grounding learned while perception is kept; docs/decisions/video-glimpse-task.md).
+VIDEO_WARMUP = ("perception", "grounding", "both")
+# The skills a phase's checkpoint is checked on (the val clips' rows of each).
+CHECKS = {"perception": ("perception",), "grounding": ("grounding",), "both": ("perception", "grounding")}
 
 
 def build_video_data(cfg, out: Path) -> dict[str, Path]:
@@ -22,7 +25,7 @@ def build_video_data(cfg, out: Path) -> dict[str, Path]:
     from data_pipelines.synthetic.video import glimpse_rows
 
     names = ("train", "test", "val", "sft_mix", "sft_mix_notool",
-             *(f"warmup_{p}" for p in VIDEO_WARMUP), *(f"check_{p}" for p in VIDEO_WARMUP))  # fmt: skip
+             *(f"warmup_{p}" for p in VIDEO_WARMUP), *(f"check_{p}" for p in ("perception", "grounding")))  # fmt: skip
     paths = {name: out / f"{name}.jsonl" for name in names}
     if all(p.is_file() for p in paths.values()):
         return paths
@@ -38,10 +41,11 @@ def build_video_data(cfg, out: Path) -> dict[str, Path]:
     write_rows(train, paths["train"])
     write_rows(test, paths["test"])
     write_rows(val[: cfg.val_rows], paths["val"])
-    for phase in VIDEO_WARMUP:
+    for phase in ("perception", "grounding"):
         write_rows(warmup[phase], paths[f"warmup_{phase}"])
         write_rows(checks[phase], paths[f"check_{phase}"])
-    shared = [row for phase in VIDEO_WARMUP for row in support[phase]]
+    write_rows(warmup["perception"] + warmup["grounding"], paths["warmup_both"])
+    shared = support["perception"] + support["grounding"]
     again = [dataclasses.replace(row, id=f"{row.id}-again") for row in notool]  # the gold rows have two trained turns
     write_rows(train + shared, paths["sft_mix"])
     write_rows(notool + again + shared, paths["sft_mix_notool"])

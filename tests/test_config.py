@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from quickstart.config import QuickstartConfig, VideoConfig, config_class
+from quickstart.config import QuickstartConfig, ToolsConfig, VideoConfig, config_class
 from vagent.config import CONFIGS, ConfigError, TinyModelConfig, load_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -35,7 +35,7 @@ def test_every_field_has_a_help_string():
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name])
 
-    for cls in (*STAGES.values(), VideoConfig):
+    for cls in (*STAGES.values(), VideoConfig, ToolsConfig):
         walk(cls)
     assert {c.__name__ for c in seen} >= {"ModelConfig", "RolloutConfig", "TinyModelConfig"}  # nested ones visited
 
@@ -227,6 +227,9 @@ def test_the_shipped_quickstart_yaml_is_the_built_in_default():
     video = CONFIG_DIR / "quickstart" / "video_cpu.yaml"
     assert config_class(str(video), []) is VideoConfig and config_class(None, ["task=video"]) is VideoConfig
     assert load_config(VideoConfig, video, ["model.device=null"]) == load_config(VideoConfig)
+    tools = CONFIG_DIR / "quickstart" / "tools_cpu.yaml"
+    assert config_class(str(tools), []) is ToolsConfig
+    assert load_config(ToolsConfig, tools, ["model.device=null"]) == load_config(ToolsConfig)
 
 
 def test_the_video_proofs_first_view_is_its_clips():

@@ -78,7 +78,7 @@ def test_every_benchmarks_primary_metric_is_zero_without_an_answer():
     rows = {"mat-coding": Row("r", "q", ["stop"], "f1"), "mat-search": Row("r", "q", ["x"], "f1"),
             "vstar": Row("r", "q", "A", "choice", choices=["a", "b"]), "video-mc": Row("r", "q", "A", "choice", choices=["a", "b"]),
             "temporal-grounding": Row("r", "q", [1.0, 2.0], "span"), "synthetic": Row("r", "q", "x", "exact"),
-            "synthetic-video": Row("r", "q", "x", "exact"),
+            "synthetic-video": Row("r", "q", "x", "exact"), "synthetic-tools": Row("r", "q", ["x"], "f1"),
             **{name: Row("r", "q", "A", "choice", choices=["a", "b"])
                for name in ("video-mme", "video-mme-sub", "longvideobench", "longvideobench-nosub")},
             **{name: Row("r", "q", "A", "choice", choices=["a", "b"])

@@ -3,7 +3,9 @@
 Metrics: ``accuracy`` by the row's answer type (the reward's scorer) and ``crop_iou`` (best IoU of a crop
 with the evidence box: did it look in the right place); ``synthetic-video`` (the video tasks, ``video.py``) scores
 ``temporal_iou`` instead (best IoU of a span the policy sampled or cut with the evidence span: did it look at the
-right moment). The runner adds the tool-use statistics.
+right moment); ``synthetic-tools`` (the tool-choice rows, ``tools.py``, MAT's format) scores MAT's token ``f1`` and
+``em`` as ``mat-search`` and ``mat-coding`` do (Visual-ARFT's metric), and ``crop_iou``. The runner adds the tool-use
+statistics.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from vagent.data import Row, RowError, load_rows
 from vagent.eval.benchmarks import Benchmark
+from vagent.eval.metrics import f1_em_metrics
 from vagent.rewards import accuracy, crop_iou, temporal_iou
 from vagent.toolbox import TOOLS
 from vagent.types import Trajectory
@@ -38,8 +41,17 @@ def score_video(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[
     }
 
 
+def score_tools(row: Row, trajectory: Trajectory, rule: str = "vagent") -> dict[str, float]:
+    golds = row.answer if isinstance(row.answer, list) else [row.answer]
+    return {
+        **f1_em_metrics(trajectory.answer, [str(g) for g in golds]),
+        "crop_iou": crop_iou([trajectory], [row])[0],
+    }
+
+
 VARIANTS = (
     Benchmark("synthetic", load, score, ("accuracy", "crop_iou"), ("crop",)),
     Benchmark("synthetic-video", load, score_video, ("accuracy", "temporal_iou"), ("sample_frames", "crop_clip")),
+    Benchmark("synthetic-tools", load, score_tools, ("f1", "em", "crop_iou"), ("search", "code", "crop")),
 )
 BENCHMARK = VARIANTS[0]

@@ -1,0 +1,111 @@
+"""The search-and-code proof (``python -m quickstart --config configs/quickstart/tools_cpu.yaml``): every stage on a toy
+budget, and (slow) the default run's targets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data_pipelines.synthetic.tools import TOOLS, held_out
+from vagent.data import load_rows
+from vagent.toolbox.sandbox import Sandbox
+from vagent.training.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+VAGENT = str(Path(sys.executable).parent / "vagent")
+CONFIG = str(ROOT / "configs/quickstart/tools_cpu.yaml")
+# the code rows' gold calls run in bubblewrap, as tests/test_tool_choice_rows.py's do
+pytestmark = pytest.mark.skipif(not Sandbox().available(), reason="bubblewrap (bwrap) is missing or does not work here")
+
+
+def _run(*args, timeout=900):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _metrics(out: Path, run: str) -> dict:
+    return json.loads((out / "eval" / run / "metrics.json").read_text())
+
+
+def test_the_tools_proof_runs_every_stage(tmp_path):
+    """Data and corpus, the four warm-up phases with their checks, both SFTs, GRPO offering every tool with the
+    corpus, five evaluations scored with MAT's F1 and EM and the report, on a toy budget; the viewer shows a search's
+    query and hits and a program and its output."""
+    done = _run(VAGENT, "quickstart", "--config", CONFIG, f"out_dir={tmp_path}", "tiny.size=tiny", "train_rows=8",
+                "test_rows=4", "val_rows=2", "warmup_rows=4", "warmup_epochs=1", "sft_epochs=1", "grpo_steps=1",
+                "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = tmp_path / "data"
+    corpus = data / "corpus-0.jsonl"
+    (state,) = (tmp_path / "grpo" / "checkpoints").glob("step-*/trainer_state.json")
+    grpo = json.loads(state.read_text())["config"]
+    assert grpo["data"]["tools"] == TOOLS and grpo["rewards"]["weights"]["accuracy"] == 1.0
+    assert grpo["toolbox"]["search_corpus"] == str(corpus.resolve())  # GRPO searches the rows' world
+    train, test = load_rows(data / "train.jsonl"), load_rows(data / "test.jsonl")
+    assert all(r.tools == TOOLS and r.answer_type == "f1" for r in train + test)
+    assert all(not held_out(r.extra["entity"], r.extra["property"]) for r in train if r.extra["kind"] == "search")
+    assert all(held_out(r.extra["entity"], r.extra["property"]) for r in test if r.extra["kind"] == "search")
+    # the baseline's mix: as many rows as the tool mix (as many steps), none offering or calling a tool
+    mix, notool = load_rows(data / "sft_mix.jsonl"), load_rows(data / "sft_mix_notool.jsonl")
+    assert len(mix) == len(notool) and all(r.tools == [] and len(r.messages) == 1 for r in notool)
+    for phase in ("perception", "grounding", "entity", "copy"):  # tool-free warm-up rows, checked after each phase
+        rows = load_rows(data / f"warmup_{phase}.jsonl")
+        assert len(rows) == 4 and all(r.tools == [] for r in rows), phase
+        assert (tmp_path / "eval" / f"sft-warmup-{phase}" / "samples.jsonl").is_file(), phase
+    copied = load_rows(data / "warmup_copy.jsonl")
+    assert all(word in r.question for r in copied for word in r.answer.split() if word not in "*+")  # copied out of it
+    tools, baseline = _metrics(tmp_path, "sft-with-tools"), _metrics(tmp_path, "no-tool-baseline")
+    assert tools["benchmark"] == "synthetic-tools" and tools["tools"] == "search,code,crop"
+    assert {"f1", "em", "crop_iou"} <= set(tools) and set(tools["by_kind"]) <= {"search", "code", "crop", "direct"}
+    assert baseline["tools"] == "none" and baseline["tool_calls_per_sample"] == 0
+    checks = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
+    assert [r["step"] for r in checks] == [0, 1]
+    report = (tmp_path / "report.md").read_text()
+    for needed in ("## Targets", "search rows: F1 at least 2x the no-tool baseline's",
+                   "code rows: F1 at least 2x the no-tool baseline's", "the right tool called first on at least 70%",
+                   "GRPO keeps its SFT start's greedy accuracy", "## F1 and EM by row kind", "| search F1 | search EM |",
+                   "row kind x first tool called", "| sft + tools | search |", "sft-warmup-copy: a fact or numbers",
+                   "trajectories.html"):  # fmt: skip
+        assert needed in report, needed
+    assert (tmp_path / "results.png").is_file() and (tmp_path / "sft_loss.png").is_file()
+    _the_corpus_is_served_and_the_viewer_shows_calls_and_observations(tmp_path, train)
+
+
+def _the_corpus_is_served_and_the_viewer_shows_calls_and_observations(out: Path, train) -> None:
+    """The data stage points the run's toolbox (which GRPO and the evaluations are given) at the rows' corpus; the
+    trajectory viewer shows a search's query and hits, and a program and its output (gold episodes here: the toy
+    policy calls nothing sensible)."""
+    from quickstart.config import ToolsConfig
+    from quickstart.tools import build_tools_data
+    from vagent.config import load_config
+    from vagent.recipes.common import tool_services
+    from vagent.rollout.export import write_html
+    from vagent.types import Trajectory
+
+    cfg = load_config(ToolsConfig, CONFIG, [f"out_dir={out}"])
+    build_tools_data(cfg, out / "data", None)  # the files are there: it only points the toolbox at the corpus
+    search = next(r for r in train if r.extra["kind"] == "search")
+    hits = tool_services(cfg.toolbox).search.search(search.extra["query"], 3)
+    assert hits[0].snippet.endswith(f" is {search.answer[0]}.")
+    code = next(r for r in train if r.extra["kind"] == "code")
+    episodes = [Trajectory(task_id=r.id, messages=list(r.messages), answer=r.answer[0]) for r in (search, code)]
+    page = write_html(episodes, out / "gold.html").read_text()
+    assert "search(query=" in page and search.extra["query"] in page and hits[1].snippet in page
+    assert "code(code=" in page and code.extra["program"] in page and f"stdout:\n{code.answer[0]}" in page
+
+
+@pytest.mark.slow
+def test_the_default_tools_proof_meets_its_targets(tmp_path):
+    """The search-and-code proof at its default config and seed 0 (meant to take under 20 minutes alone on 2 cores;
+    not measured yet): with its tools the policy's F1 is at least twice the no-tool baseline's on the search and on
+    the code rows, it calls the right tool first on at least 70% of the rows that need one, and GRPO gains on its SFT
+    start while keeping its greedy policy."""
+    done = _run(VAGENT, "quickstart", "--config", CONFIG, f"out_dir={tmp_path}", timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    targets = report.split("## Targets")[1].split("\n## ")[0]
+    missed = [line for line in targets.splitlines() if line.endswith("| **no** |") and "minutes" not in line]
+    assert not missed, missed  # the time target depends on what else the machine runs: the report states it
