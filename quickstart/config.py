@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from vagent.config import (
+    ConfigError,
     GRPOAlgoConfig,
     ModelConfig,
     OptimConfig,
@@ -166,6 +167,20 @@ class ClipConfig:
     flash_frames: int = option(3, "Frames during which the marked square shows its color, after the marked frame.")
     size: list[int] = option([112, 84], "Frame size [width, height]; the square's side is a third of the height.")
 
+    def validate(self) -> None:
+        if self.duration <= 0 or self.fps <= 0 or self.frames < 2 or self.flash_frames < 1:
+            raise ValueError(f"need duration, fps > 0, frames >= 2 and flash_frames >= 1, got {self.duration}, "
+                             f"{self.fps}, {self.frames}, {self.flash_frames}")  # fmt: skip
+        if int(0.8 * self.duration / self.frames * self.fps) - self.flash_frames < 1:  # as glimpse_rows places it
+            raise ValueError(f"a segment of {self.duration / self.frames:.2f} s at {self.fps:g} frames/s leaves no "
+                             f"room for {self.flash_frames} flash frames after the marked one: raise fps or duration")  # fmt: skip
+        if len(self.size) != 2 or min(self.size) < 28:
+            raise ValueError(f"size must be [width, height] with both >= 28, got {self.size}")
+
+    def clip_frames(self) -> int:
+        """Frames a one-segment crop_clip returns: every frame of the segment."""
+        return round(self.duration / self.frames * self.fps)
+
 
 @dataclass
 class VideoConfig(ProofConfig):
@@ -205,8 +220,9 @@ class VideoConfig(ProofConfig):
         if self.rollout.frame_budget != [frames, frames]:
             raise ValueError(f"rollout.frame_budget must be [{frames}, {frames}] (clip.frames): the glimpse task marks "
                              f"one of the first view's {frames} frames, got {self.rollout.frame_budget}")  # fmt: skip
-        if len(self.clip.size) != 2 or min(self.clip.size) < 28:
-            raise ValueError(f"clip.size must be [width, height] with both >= 28, got {self.clip.size}")
+        if self.rollout.max_images < frames + self.clip.clip_frames():
+            raise ValueError(f"rollout.max_images ({self.rollout.max_images}) must hold the first view ({frames}) and "
+                             f"the gold clip ({self.clip.clip_frames()} frames)")  # fmt: skip
 
 
 def config_class(path: str | None, overrides: list[str]) -> type[ProofConfig]:
@@ -224,7 +240,10 @@ def config_class(path: str | None, overrides: list[str]) -> type[ProofConfig]:
     for override in overrides:
         if override.startswith("task="):
             task = override.removeprefix("task=")
-    return {"video": VideoConfig, "tools": ToolsConfig}.get(task, QuickstartConfig)  # unknown: its check names it
+    classes = {"crop": QuickstartConfig, "video": VideoConfig, "tools": ToolsConfig}
+    if task not in classes:
+        raise ConfigError(f"{path or '<defaults>'}: task must be one of {', '.join(classes)}, got {task!r}")
+    return classes[task]
 
 
 @dataclass

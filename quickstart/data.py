@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +29,20 @@ def warmup_runs(cfg: QuickstartConfig) -> list[tuple[str, str, float]]:
             for i, (phase, n) in enumerate(zip(phases, cfg.phase_epochs(), strict=True)) if n > 0]  # fmt: skip
 
 
+def built(out: Path, paths: dict[str, Path], recipe: dict) -> bool:
+    """Whether ``paths`` all exist and were built from ``recipe`` (the task's knobs, ``out/recipe.json``, written by
+    ``mark_built``): a rerun in the same out_dir with another seed, row count or task knob rebuilds its data instead of
+    training on the old."""
+    marker = out / "recipe.json"
+    return (all(p.is_file() for p in paths.values()) and marker.is_file()
+            and json.loads(marker.read_text()) == json.loads(json.dumps(recipe)))  # fmt: skip
+
+
+def mark_built(out: Path, recipe: dict) -> None:
+    """Record that ``out``'s data was built from ``recipe`` (``built``), once every file is written."""
+    (out / "recipe.json").write_text(json.dumps(recipe))
+
+
 def build_data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
     """train (gold crop-then-answer / direct rows, GRPO's prompts), each warm-up phase's rows (of other images),
     the grounding and perception rows of the val images (the warm-up's checks), the two SFT mixes (train + the
@@ -46,7 +61,9 @@ def build_data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
         *(["val"] if cfg.val_rows else []),
     )
     paths = {name: out / f"{name}.jsonl" for name in names}
-    if all(p.is_file() for p in paths.values()):
+    recipe = {"seed": cfg.seed, "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows],
+              "image": [cfg.image_size, cfg.grid, cfg.tile, cfg.glyph, cfg.direct_share], "frame": policy.frame}  # fmt: skip
+    if built(out, paths, recipe):
         return paths
     # margin 0: the gold crop is the tile's box, the box the grounding rows answer
     knobs = dict(size=tuple(cfg.image_size), tile=cfg.tile, clutter=30, distractors=0, direct_share=cfg.direct_share,
@@ -87,6 +104,7 @@ def build_data(cfg: QuickstartConfig, out: Path, policy) -> dict[str, Path]:
           f"+ {len(shared)} perception and grounding rows for both SFT mixes and {len(reading)} reading rows for the "
           f"crop-tool one, {len(warmup)} warm-up rows of other images, {len(test)} test rows, "
           f"{len(val)} val rows for GRPO, images {cfg.image_size[0]}x{cfg.image_size[1]} in {out}")  # fmt: skip
+    mark_built(out, recipe)
     return paths
 
 

@@ -83,7 +83,7 @@ class Proof:
     build_data: Callable[[Any, Path, Any], dict[str, Path]]  # (cfg, data dir, policy) -> the splits' files
     warmup: Callable[[Any, Path, Path, dict[str, Path]], tuple[Path, dict[str, Any]]]  # -> (checkpoint, checks)
     report: Callable[..., str]  # write_report's signature
-    ablation: str | None = None  # a run of the SFT policy under a context (_evaluate's ABLATIONS)
+    ablation: str | None = None  # an extra run of the SFT policy: only BLIND (the crop proof's blind crops, _evaluate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from data_pipelines.synthetic.tools import CROP, ENTITIES, KINDS, PROPERTIES, TOOLS, draw_entity, tool_rows, world
 from quickstart.config import ToolsConfig
-from quickstart.data import support_rows, warmup_runs
+from quickstart.data import built, mark_built, support_rows, warmup_runs
 from quickstart.report import (
     SAMPLED,
     TARGETS,
@@ -76,7 +76,9 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    if all(p.is_file() for p in (*paths.values(), corpus)):
+    recipe = {"seed": cfg.seed, "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
+              "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
+    if corpus.is_file() and built(out, paths, recipe):
         return paths
     knobs = dict(corpus_seed=cfg.corpus_seed, shares=tuple(cfg.shares), **policy.frame)
     train = _grouped(tool_rows(out, cfg.train_rows, seed=cfg.seed, split="train", **knobs))
@@ -101,6 +103,7 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     print(f"{len(train)} train rows ({', '.join(f'{kinds[k]} {k}' for k in KINDS)}) + {len(reading)} reading and "
           f"{len(shared)} perception, grounding and naming rows for the SFT mixes, {cfg.warmup_rows} rows of each "
           f"warm-up phase, {len(test)} test rows, {len(val)} val rows, corpus {cfg.toolbox.search_corpus}")  # fmt: skip
+    mark_built(out, recipe)
     return paths
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from quickstart.data import built, mark_built
 from vagent.data import Row, write_rows
 
 # Warm-up phases of the video proof, each a plain SFT run on other clips' rows: perception (the color, read from the
@@ -20,14 +21,16 @@ CHECKS = {"perception": ("perception",), "grounding": ("grounding",), "both": ("
 def build_video_data(cfg, out: Path) -> dict[str, Path]:
     """train (gold crop_clip-then-answer rows, GRPO's prompts), test, val, each warm-up phase's rows (other clips),
     each warm-up phase's check rows (the val clips'), and the two SFT mixes: ``sft_mix`` (train + its rows' perception
-    and grounding rows) and ``sft_mix_notool`` (the train rows answered from the first view without a tool, twice, so
-    both SFT runs take as many steps; + the same perception and grounding rows)."""
+    and grounding rows) and ``sft_mix_notool`` (the train rows answered from the first view without a tool, + the same
+    perception and grounding rows): as many rows, so both SFT runs take as many steps."""
     from data_pipelines.synthetic.video import glimpse_rows
 
     names = ("train", "test", "val", "sft_mix", "sft_mix_notool",
              *(f"warmup_{p}" for p in VIDEO_WARMUP), *(f"check_{p}" for p in ("perception", "grounding")))  # fmt: skip
     paths = {name: out / f"{name}.jsonl" for name in names}
-    if all(p.is_file() for p in paths.values()):
+    recipe = {"seed": cfg.seed, "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows],
+              "clip": dataclasses.asdict(cfg.clip)}  # fmt: skip
+    if built(out, paths, recipe):
         return paths
     clip = cfg.clip
     knobs = dict(duration=clip.duration, frames=clip.frames, fps=clip.fps, flash_frames=clip.flash_frames,
@@ -46,12 +49,12 @@ def build_video_data(cfg, out: Path) -> dict[str, Path]:
         write_rows(checks[phase], paths[f"check_{phase}"])
     write_rows(warmup["perception"] + warmup["grounding"], paths["warmup_both"])
     shared = support["perception"] + support["grounding"]
-    again = [dataclasses.replace(row, id=f"{row.id}-again") for row in notool]  # the gold rows have two trained turns
     write_rows(train + shared, paths["sft_mix"])
-    write_rows(notool + again + shared, paths["sft_mix_notool"])
+    write_rows(notool + shared, paths["sft_mix_notool"])
     print(f"{len(train)} train clips + {len(shared)} perception and grounding rows of theirs for both SFT mixes, "
           f"{len(pool)} warm-up clips, {len(test)} test clips, {cfg.val_rows} val clips for GRPO, "
           f"{clip.size[0]}x{clip.size[1]} at {clip.fps:g} frames/s, in {out}")  # fmt: skip
+    mark_built(out, recipe)
     return paths
 
 

@@ -86,7 +86,10 @@ def _the_corpus_is_served_and_the_viewer_shows_calls_and_observations(out: Path,
     from vagent.types import Trajectory
 
     cfg = load_config(ToolsConfig, CONFIG, [f"out_dir={out}"])
-    build_tools_data(cfg, out / "data", None)  # the files are there: it only points the toolbox at the corpus
+    from vagent.model import load_policy
+
+    policy = load_policy(out / "tiny-qwen2_5_vl-tiny")  # its frame is part of the data's recipe
+    build_tools_data(cfg, out / "data", policy)  # the files are there: it only points the toolbox at the corpus
     search = next(r for r in train if r.extra["kind"] == "search")
     hits = tool_services(cfg.toolbox).search.search(search.extra["query"], 3)
     assert hits[0].snippet.endswith(f" is {search.answer[0]}.")

@@ -26,6 +26,20 @@ def _samples(out: Path, run: str) -> list[dict]:
     return [json.loads(line) for line in (out / "eval" / run / "samples.jsonl").read_text().splitlines()]
 
 
+def test_a_video_config_that_cannot_work_is_refused_before_anything_runs():
+    from quickstart.config import VideoConfig, config_class
+    from vagent.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="no room for 3 flash frames"):
+        load_config(VideoConfig, CONFIG, ["clip.fps=1"])
+    with pytest.raises(ConfigError, match="flash_frames >= 1"):
+        load_config(VideoConfig, CONFIG, ["clip.flash_frames=0"])
+    with pytest.raises(ConfigError, match=r"max_images \(10\) must hold the first view \(6\) and the gold clip \(8"):
+        load_config(VideoConfig, CONFIG, ["rollout.max_images=10"])
+    with pytest.raises(ConfigError, match="task must be one of crop, video, tools, got 'vidoe'"):
+        config_class(None, ["task=vidoe"])
+
+
 def test_the_video_proof_runs_every_stage(tmp_path):
     """Data, both warm-up phases with their checks, both SFTs, GRPO on crop_clip with temporal IoU, five
     evaluations and the report, on a toy budget."""
@@ -37,7 +51,7 @@ def test_the_video_proof_runs_every_stage(tmp_path):
     grpo = json.loads(state.read_text())["config"]
     assert grpo["data"]["tools"] == ["crop_clip"] and grpo["rollout"]["frame_budget"] == [6, 6]
     assert grpo["rewards"]["weights"]["temporal_iou"] == 0.5 and "crop_iou" not in grpo["rewards"]["weights"]
-    for run in ("sft", "sft-notool", "sft-warmup-perception", "sft-warmup-grounding"):  # every SFT sees the first view
+    for run in ("sft", "sft-notool", "sft-warmup-perception", "sft-warmup-both"):  # every SFT sees the first view
         (state,) = (tmp_path / run / "checkpoints").glob("step-*/trainer_state.json")
         assert json.loads(state.read_text())["config"]["data"]["frame_budget"] == [6, 6], run
     # the warm-up rows: the color from the gold clip's frames alone (4 frames where the video ends first), the marked
@@ -51,12 +65,15 @@ def test_the_video_proof_runs_every_stage(tmp_path):
     tool_samples = _samples(tmp_path, "sft-with-clip")
     assert len(tool_samples) == 3 and all("temporal_iou" in s for s in tool_samples)
     assert not any(s["tool_calls"] for s in _samples(tmp_path, "no-tool-baseline"))
+    mixes = {name: load_rows(tmp_path / "data" / f"{name}.jsonl") for name in ("sft_mix", "sft_mix_notool")}
+    assert len(mixes["sft_mix"]) == len(mixes["sft_mix_notool"])  # as many rows: the baseline takes as many steps
     checks = [r for r in read_metrics(tmp_path / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     assert [r["step"] for r in checks] == [0, 1]
     report = (tmp_path / "report.md").read_text()
     for needed in ("## Targets", "median temporal IoU of the clip cut", "at least 2x the no-tool baseline",
                    "GRPO keeps its SFT start's greedy accuracy", "## Where does the policy cut?",
-                   "sft-warmup-grounding: the marked frame's time on 2 val clips", "trajectories.html"):  # fmt: skip
+                   "sft-warmup-both (grounding): the marked frame's time on 2 val clips",
+                   "sft-warmup-both (perception): the color read", "trajectories.html"):  # fmt: skip
         assert needed in report, needed
     viewer = (tmp_path / "eval" / "sft-with-clip" / "trajectories.html").read_text()
     assert all(f"t={t:.2f}s" in viewer for t in (1, 3, 5, 7, 9, 11))  # the first view's frames, captioned by time
