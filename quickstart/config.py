@@ -206,9 +206,7 @@ class VideoConfig(ProofConfig):
         "the color from the gold clip's frames shown alone; grounding: give the marked frame's time from the first "
         "view; both: the two kinds of rows together (one epoch is twice as long; docs/decisions/video-glimpse-task.md).",
     )
-    sft_epochs: float = option(
-        1.0, "SFT passes over the training mix (the no-tool baseline gets the same steps); GRPO sharpens its samples."
-    )
+    sft_epochs: float = option(2.0, "SFT passes over the training mix (the no-tool baseline gets the same steps).")
     rollout: RolloutConfig = option(
         RolloutConfig(max_turns=3, max_new_tokens=64, max_images=16, temperature=0.7, frame_budget=[6, 6]),
         "Episode limits for GRPO (its sampling temperature) and the evaluations (greedy); frame_budget is the first view.",
