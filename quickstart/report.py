@@ -122,25 +122,21 @@ def write_report(cfg: QuickstartConfig, out: Path, results: dict[str, tuple[Path
         *split_lines,
         "",
         *learned,
-        "## Training curves",
-        "",
-        "![SFT loss](sft_loss.png)",
-        "",
-        "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
-        "",
-        "## Trajectories",
-        "",
-        *[
-            f"- {name}: [{run_dir.relative_to(out)}/trajectories.html]({run_dir.relative_to(out)}/trajectories.html)"
-            for name, (run_dir, _) in results.items()
-        ],
-        "",
-        LEGEND,
-        "",
+        *report_tail(out, results, LEGEND),
     ]
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
     return text
+
+
+def report_tail(out: Path, results: dict[str, tuple[Path, dict[str, Any]]], legend: str) -> list[str]:
+    """The end every proof's report shares: the training curves, the links to each run's trajectory viewer, and
+    ``legend`` (what the runs and metrics are)."""
+    grpo = "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)"
+    links = [f"- {name}: [{run_dir.relative_to(out)}/trajectories.html]({run_dir.relative_to(out)}/trajectories.html)"
+             for name, (run_dir, _) in results.items()]  # fmt: skip
+    return ["## Training curves", "", "![SFT loss](sft_loss.png)", "", grpo, "", "## Trajectories", "", *links, "",
+            legend, ""]  # fmt: skip
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -30,6 +30,7 @@ from quickstart.report import (
     grpo_kept,
     grpo_vs_sft,
     peak_rss_gb,
+    report_tail,
     reward_rises,
     sampling,
     targets_table,
@@ -261,21 +262,7 @@ def write_report(cfg: ToolsConfig, out: Path, results: dict[str, tuple[Path, dic
         *_tool_choice(samples, kinds),
         "",
         *(["## What the warm-up learned", "", *learned, ""] if learned else []),
-        "## Training curves",
-        "",
-        "![SFT loss](sft_loss.png)",
-        "",
-        "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
-        "",
-        "## Trajectories",
-        "",
-        *[
-            f"- {name}: [{run_dir.relative_to(out)}/trajectories.html]({run_dir.relative_to(out)}/trajectories.html)"
-            for name, (run_dir, _) in results.items()
-        ],
-        "",
-        LEGEND,
-        "",
+        *report_tail(out, results, LEGEND),
     ]
     text = "\n".join(lines)
     (out / "report.md").write_text(text)

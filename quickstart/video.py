@@ -28,6 +28,7 @@ from quickstart.report import (
     grpo_vs_sft,
     peak_rss_gb,
     per_answer,
+    report_tail,
     reward_rises,
     sampling,
     targets_table,
@@ -144,21 +145,7 @@ def write_report(cfg: VideoConfig, out: Path, results: dict[str, tuple[Path, dic
         *_cuts(samples),
         "",
         *(["## What the warm-up learned", "", *learned, ""] if learned else []),
-        "## Training curves",
-        "",
-        "![SFT loss](sft_loss.png)",
-        "",
-        "![GRPO](grpo.png)" if (out / "grpo.png").is_file() else "(GRPO was skipped.)",
-        "",
-        "## Trajectories",
-        "",
-        *[
-            f"- {name}: [{run_dir.relative_to(out)}/trajectories.html]({run_dir.relative_to(out)}/trajectories.html)"
-            for name, (run_dir, _) in results.items()
-        ],
-        "",
-        LEGEND,
-        "",
+        *report_tail(out, results, LEGEND),
     ]
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
