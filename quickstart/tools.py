@@ -3,8 +3,8 @@
 MAT-style rows (``data_pipelines.synthetic.tools``) offer ``search``, ``code`` and ``crop`` on every row, and the
 question says which one helps: a made-up fact of the pictured object that only the offline corpus states (search), an
 exact product or sum (code, run in the sandbox), the stripes of a small tile (crop), or what the picture shows (none).
-Test search rows ask the facts held out of training, so only a search answers them. The stages are the crop proof's
-(``quickstart.run.run``): a warm-up of four tool-free phases on other rows (the crop proof's perception and grounding
+Test search rows ask facts held out of training (val rows others), so only a search answers them. The stages are the
+crop proof's (``quickstart.run.run``): a warm-up of four tool-free phases on other rows (the crop proof's perception and grounding
 on a smaller pool of tiles, naming the pictured object, copying a fact or numbers out of the question), SFT on the gold
 trajectories beside a no-tool baseline on the same rows answered directly, GRPO, evaluation scored with MAT's F1 and EM
 (``vagent eval --benchmark synthetic-tools``), and ``report.md`` with the row kind x tool called table.
@@ -44,12 +44,14 @@ from vagent.recipes import sft
 from vagent.recipes.evaluate import bar_chart
 
 # GRPO's rewards: the answer (F1, the row's answer type), the format, the crop's IoU with the tile (crop rows; 0
-# elsewhere), a bonus for a call that led to a right answer, a penalty for a failed call (the crop proof's).
-REWARDS = {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "tool_bonus": 0.2, "invalid_calls": 0.2}
+# elsewhere), a penalty for a failed call (the crop proof's). No tool_bonus: it would pay a call on a direct row that
+# is answered right without one, and on a search or code row the F1 already takes the right call.
+REWARDS = {"accuracy": 1.0, "format": 0.2, "crop_iou": 0.5, "invalid_calls": 0.2}
 # What the proof sets out to show (the issue): with its tools, F1 at least 2x the no-tool baseline's on the search rows
-# and on the code rows; the right tool called first on at least 70% of the rows that need one; and the crop proof's
-# GRPO, greedy, time and memory targets (F1 standing for accuracy).
-TOOLS_TARGETS = {**TARGETS, "ratio": 2.0, "right_tool": 0.7}
+# and on the code rows, and at least 0.5 (the baseline scores near 0 there, so the ratio alone asks almost nothing);
+# the right tool called first on at least 70% of the rows that need one; and the crop proof's GRPO, greedy, time and
+# memory targets (F1 standing for accuracy).
+TOOLS_TARGETS = {**TARGETS, "ratio": 2.0, "f1_floor": 0.5, "right_tool": 0.7}
 NAME_QUESTION = "What is the object in the image? Answer with its color and shape."
 # What each warm-up phase's check reads (the report's lines).
 WHAT = {"perception": "the stripes read from a gold crop", "grounding": "the tile's box (IoU >= 0.5)",
@@ -67,7 +69,7 @@ LEGEND = (
 
 
 def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
-    """The corpus, train (gold rows, GRPO's prompts), test and val (the held-out facts), each warm-up phase's rows and
+    """The corpus, train (gold rows, GRPO's prompts), test and val (each its own held-out facts), each warm-up phase's rows and
     their checks, and the two SFT mixes: ``sft_mix`` (train, the crop rows' reading rows, and the perception, grounding
     and naming rows of train's pictures) and ``sft_mix_notool`` (the same rows, each tool trajectory answered directly:
     as many rows, so as many steps). Points ``cfg.toolbox.search_corpus`` at the corpus: the run's GRPO and evaluations
@@ -77,14 +79,14 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    recipe = {"seed": cfg.seed, "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
+    recipe = {"splits": "val-pairs", "seed": cfg.seed, "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
               "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
         return paths
     knobs = dict(corpus_seed=cfg.corpus_seed, shares=tuple(cfg.shares), **policy.frame)
     train = _grouped(tool_rows(out, cfg.train_rows, seed=cfg.seed, split="train", **knobs))
     test = _grouped(tool_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, split="test", **knobs))
-    val = _grouped(tool_rows(out, cfg.val_rows, seed=cfg.seed + 30_000, split="test", **knobs)) if cfg.val_rows else []
+    val = _grouped(tool_rows(out, cfg.val_rows, seed=cfg.seed + 30_000, split="val", **knobs)) if cfg.val_rows else []
     warmup = skill_rows(out, cfg.warmup_rows, cfg.seed + 20_000, cfg.corpus_seed, policy)
     checks = skill_rows(out, cfg.val_rows, cfg.seed + 40_000, cfg.corpus_seed, policy)
     crops = [dataclasses.replace(r, answer=r.answer[0]) for r in train if r.extra["kind"] == "crop"]
@@ -282,11 +284,11 @@ def _targets(cfg: ToolsConfig, results: dict[str, tuple[Path, dict[str, Any]]], 
              as_accuracy: dict[str, list[dict]], kinds: dict[str, str], best: str, out: Path,
              total: float) -> list[tuple[str, str, bool]]:  # fmt: skip
     """``TOOLS_TARGETS`` for ``best``, the best policy with tools: (target, measured, met)."""
-    ratio, rows = TOOLS_TARGETS["ratio"], []
+    ratio, floor, rows = TOOLS_TARGETS["ratio"], TOOLS_TARGETS["f1_floor"], []
     for kind in ("search", "code"):
         f1, base = (_mean([s for s in samples[n] if kinds[s["id"]] == kind], "f1") for n in (best, "no-tool baseline"))
-        rows.append((f"{kind} rows: F1 at least {ratio:g}x the no-tool baseline's (and above 0)",
-                     f"{f1:.3f} / {base:.3f} ({best})", f1 > 0 and f1 >= ratio * base))  # fmt: skip
+        rows.append((f"{kind} rows: F1 at least {ratio:g}x the no-tool baseline's and at least {floor:g}",
+                     f"{f1:.3f} / {base:.3f} ({best})", f1 >= floor and f1 >= ratio * base))  # fmt: skip
     right = _right_tool(samples[best], kinds)
     share = sum(right) / len(right) if right else 0.0
     rows.append((f"the right tool called first on at least {TOOLS_TARGETS['right_tool']:.0%} of the rows that need one",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_pipelines.synthetic.tools import ENTITIES, KINDS, PROPERTIES, TOOLS, held_out, main, tool_rows, world
+from data_pipelines.synthetic.tools import ENTITIES, KINDS, PROPERTIES, TOOLS, main, split_of, tool_rows, world
 from vagent.chat import observation_content, parse_turn
 from vagent.data import load_rows, write_rows
 from vagent.eval.metrics import f1_em_metrics
@@ -33,11 +33,12 @@ FRAME = dict(min_pixels=3136, max_pixels=200704, factor=28, convention="absolute
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(train rows, test rows, corpus path): one world, two row seeds, the test split search-heavy."""
+    """(train rows, test rows, corpus path, val rows): one world, three row seeds, test and val search-heavy."""
     out = tmp_path_factory.mktemp("tools")
     train = tool_rows(out, 25, seed=0, split="train")
     test = tool_rows(out, 12, seed=1, split="test", shares=(0.5, 0.25, 0.0, 0.25))
-    return train, test, out / "corpus-0.jsonl"
+    val = tool_rows(out, 8, seed=2, split="val", shares=(1.0, 0.0, 0.0, 0.0))
+    return train, test, out / "corpus-0.jsonl", val
 
 
 def _tool_turns(row):
@@ -50,7 +51,7 @@ def _tool_turns(row):
 
 
 def test_every_kind_is_built_offering_every_tool_and_scored_by_mat_f1(built):
-    train, test, _ = built
+    train, test, _, _ = built
     assert Counter(r.extra["kind"] for r in train) == {"search": 10, "code": 5, "crop": 5, "direct": 5}
     assert set(KINDS) == {r.extra["kind"] for r in train}
     for row in train + test:
@@ -65,7 +66,7 @@ def test_every_kind_is_built_offering_every_tool_and_scored_by_mat_f1(built):
 def test_every_gold_tool_turn_is_what_the_toolbox_returns(built):
     """Each gold call, run again through ``call_tool`` with the engine's context (the row's image, the corpus, the
     policy's frame), gives the tool turn the row holds: the same text, the same pixels."""
-    train, test, corpus = built
+    train, test, corpus, _ = built
     search = BM25Backend(corpus)
     for row in train + test:
         image = Image.open(row.images[0]).convert("RGB")
@@ -88,7 +89,7 @@ def test_every_gold_tool_turn_is_what_the_toolbox_returns(built):
 
 
 def test_the_first_search_hit_holds_the_answer_and_the_others_are_distractors(built):
-    train, test, corpus = built
+    train, test, corpus, _ = built
     records = [json.loads(line) for line in corpus.read_text().splitlines()]
     facts = world(0)
     assert len(records) == len(facts) > len(ENTITIES) * len(PROPERTIES)  # decoy entities beside the real ones
@@ -110,7 +111,7 @@ def test_the_first_search_hit_holds_the_answer_and_the_others_are_distractors(bu
 
 
 def test_a_code_rows_answer_is_the_sandboxs_output_and_the_exact_result(built):
-    train, test, _ = built
+    train, test, _, _ = built
     coded = [row for row in train + test if row.extra["kind"] == "code"]
     assert {"times" in row.question for row in coded} == {True, False}  # products and sums
     for row in coded:
@@ -123,24 +124,30 @@ def test_a_code_rows_answer_is_the_sandboxs_output_and_the_exact_result(built):
 
 def test_no_training_answer_scores_on_a_test_search_row(built):
     """The baseline without tools can only answer a test search row from what training taught it: none of the
-    training answers (of any kind) earns F1 or EM on one, as the held-out pairs are never asked in training."""
-    train, test, _ = built
-    assert all(not held_out(r.extra["entity"], r.extra["property"]) for r in train if r.extra["kind"] == "search")
+    training answers (of any kind) earns F1 or EM on one, as the held-out pairs are never asked in training; and val
+    (which picks a run's checkpoint) asks other held-out pairs than test."""
+    train, test, _, val = built
+    for split, rows in (("train", train), ("test", test), ("val", val)):
+        asked = [r for r in rows if r.extra["kind"] == "search"]
+        assert asked and all(split_of(r.extra["entity"], r.extra["property"]) == split for r in asked), split
     tested = [r for r in test if r.extra["kind"] == "search"]
-    assert tested and all(held_out(r.extra["entity"], r.extra["property"]) for r in tested)
     facts = world(0)  # the answers of these training rows, and of every search row a training set may hold
     taught = {a for row in train for a in row.answer} | {
-        v for (e, p), v in facts.items() if e in ENTITIES and not held_out(e, p)
+        v for (e, p), v in facts.items() if e in ENTITIES and split_of(e, p) == "train"
     }
     for row in tested:
         assert all(f1_em_metrics(answer, row.answer) == {"f1": 0.0, "em": 0.0} for answer in taught), row.id
-    # every entity and every property is searched in training: only the pair is new
-    assert sum(held_out(e, p) for e in ENTITIES for p in PROPERTIES) == len(ENTITIES)
-    assert {p for e in ENTITIES for p in PROPERTIES if held_out(e, p)} == set(PROPERTIES)
+    # each entity keeps one pair for test and one for val; every property is searched in training: only pairs are new
+    for split in ("test", "val"):
+        assert sum(split_of(e, p) == split for e in ENTITIES for p in PROPERTIES) == len(ENTITIES)
+        assert {p for e in ENTITIES for p in PROPERTIES if split_of(e, p) == split} == set(PROPERTIES)
+    assert {p for e in ENTITIES for p in PROPERTIES if split_of(e, p) == "train"} == set(PROPERTIES)
+    with pytest.raises(ValueError, match="split must be one of"):
+        tool_rows("unused", 1, split="dev")
 
 
 def test_rows_round_trip_through_the_file_and_the_same_seeds_build_the_same_rows(built, tmp_path):
-    train, _, _ = built
+    train, _, _, _ = built
     path = write_rows(train, tmp_path / "rows.jsonl")
     assert [r.to_dict() for r in load_rows(path, known_tools=TOOLBOX)] == [r.to_dict() for r in train]
     again = tool_rows(tmp_path / "again", 25, seed=0, split="train")  # elsewhere: only the media paths differ
@@ -157,7 +164,7 @@ def test_the_sft_encoder_takes_a_batch_of_every_kind(built, tiny_qwen25):
     from vagent.model import load_policy
     from vagent.training.data import SFTDataset
 
-    train, _, _ = built
+    train, _, _, _ = built
     rows = [next(r for r in train if r.extra["kind"] == kind) for kind in KINDS]
     policy = load_policy(tiny_qwen25, device="cpu", dtype="float32")
     min_pixels, max_pixels = policy.pixel_budget

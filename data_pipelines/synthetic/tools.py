@@ -22,13 +22,14 @@ Four kinds of rows (``shares`` sets the mix; ``extra["kind"]`` says which):
 Why the no-tool baseline cannot answer search and code rows: a code row's numbers are drawn per row, and a 4-digit
 product or a sum of 3-4 numbers is beyond a tiny model's head. Search values are made-up words drawn per
 ``corpus_seed`` (the world: the corpus and every value in it), each value unique, so none can be known in advance;
-but one corpus serves train and test, and a model could memorize from training answers which value goes with which
-entity and property. So each entity keeps one property out of training (``held_out``): ``split="train"`` rows ask
-only the other pairs, ``split="test"`` rows only the held-out ones. A test row's answer is then never a training
-answer, and as values are single words, no training answer earns F1 or EM on it; what a tool policy needs there was
-all trained: it has named that entity (direct rows, other properties), searched that property (other entities), and
-copied from the first hit. The held-out values do appear in training observations (as other hits), which are
-context, never targets.
+but one corpus serves every split, and a model could memorize from training answers which value goes with which
+entity and property. So each entity keeps two properties out of training (``split_of``): one that only
+``split="test"`` rows ask, one that only ``split="val"`` rows ask (a run's model selection then never sees a test
+fact), and ``split="train"`` rows ask the other two. A test row's answer is then never a training answer, and as
+values are single words, no training answer earns F1 or EM on it; what a tool policy needs there was all trained: it
+has named that entity (direct rows, other properties), searched that property (other entities), and copied from the
+first hit. The held-out values do appear in training observations (as other hits), which are context, never
+targets.
 
 Answers are lists of strings with ``answer_type="f1"``: MAT's token F1 / EM, max over the golds, as Visual-ARFT's
 evaluation code scores them (``vagent.eval.benchmarks.mat_search``, ``mat_coding``). Every tool turn is the real
@@ -61,7 +62,7 @@ __all__ = [
     "SHAPES",
     "TOOLS",
     "draw_entity",
-    "held_out",
+    "split_of",
     "tool_rows",
     "world",
     "write_corpus",
@@ -110,11 +111,15 @@ def world(seed: int = 0) -> dict[tuple[str, str], str]:
     return facts
 
 
-def held_out(entity: str, prop: str) -> bool:
-    """Whether test rows (and only they) ask this pair: one property per entity, each property for a quarter of
-    them (entity ``j`` keeps back ``PROPERTIES[j % 4]``), so every entity and every property is searched in
-    training."""
-    return PROPERTIES[ENTITIES.index(entity) % len(PROPERTIES)] == prop
+SPLITS = ("train", "val", "test")
+
+
+def split_of(entity: str, prop: str) -> str:
+    """The split whose search rows ask this pair: entity ``j`` keeps ``PROPERTIES[j % 4]`` for test and
+    ``PROPERTIES[(j + 1) % 4]`` for val, and trains on the other two; so every property is held out of training for
+    half the entities and searched in training for the other half."""
+    j = ENTITIES.index(entity) - PROPERTIES.index(prop)
+    return {0: "test", len(PROPERTIES) - 1: "val"}.get(j % len(PROPERTIES), "train")
 
 
 def write_corpus(out_dir: str | Path, seed: int = 0) -> Path:
@@ -171,20 +176,20 @@ def tool_rows(out_dir: str | Path, n: int, *, seed: int = 0, corpus_seed: int = 
     Args:
         seed: Draws the rows (kinds, entities, numbers, pictures); train and test take different seeds.
         corpus_seed: Draws the world (``world``); train and test take the same one.
-        split: ``"train"`` search rows ask only the pairs not ``held_out``, ``"test"`` ones only the held-out pairs.
+        split: ``"train"``, ``"val"`` or ``"test"``: the search rows ask only the pairs of that split (``split_of``).
         shares: Fractions of search, code, crop and direct rows (``KINDS``), normalized; counts round to ``n``.
         size: (width, height) of the entity images (search, code and direct rows).
         search_k: The gold search's ``k``: few hits keep the observation short.
         crop: Overrides of the crop rows' ``zoom_rows`` knobs (``CROP``).
         min_pixels, max_pixels, factor, convention: The policy's frame (``Policy.frame``), for the gold crop.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     corpus = write_corpus(out, corpus_seed)
     facts = world(corpus_seed)
-    asked = [pair for pair in facts if pair[0] in ENTITIES and held_out(*pair) == (split == "test")]
+    asked = [pair for pair in facts if pair[0] in ENTITIES and split_of(*pair) == split]
     kinds = _kinds(n, shares, random.Random(f"tools/{seed}/kinds"))
     frame = dict(min_pixels=min_pixels, max_pixels=max_pixels, image_factor=factor, convention=convention)
     crops = iter(zoom_rows(out, kinds.count("crop"), seed=seed, **{**CROP, **(crop or {})}, min_pixels=min_pixels,
