@@ -262,11 +262,17 @@ class ToolsConfig(ProofConfig):
         0, "The world: the search corpus and its facts, one for every split; GRPO and the evaluations search it."
     )
     train_rows: int = option(448, "Tool-choice rows with gold trajectories for SFT (and prompts for GRPO).")
-    test_rows: int = option(192, "Held-out rows the policies are evaluated on (search rows ask the held-out facts).")
+    test_rows: int = option(192, "Held-out rows the policies are evaluated on (search rows ask test's held-out facts).")
     val_rows: int = option(
         64,
-        "Held-out rows GRPO answers every grpo_val_every steps, keeping its best step (search rows ask the held-out "
-        "facts, as test rows do; other pictures and numbers); also the rows of each warm-up phase's check (0: neither).",
+        "Held-out rows GRPO answers every grpo_val_every steps, keeping its best step (search rows ask facts held out "
+        "for val, never test's); also the rows of each warm-up phase's check (0: neither).",
+    )
+    toolstar_steps: int = option(
+        12,
+        "After the proof's own runs, two more GRPO runs from its SFT policy with Tool-Star's reward alone, plain and "
+        "with grpo.self_critic, this many steps each (the same seed and settings as grpo_steps' run; 0 skips them); "
+        "each run's last step is evaluated and reported apart, with no target.",
     )
     warmup_rows: int = option(
         1500, "Rows of each warm-up phase (tiles for perception and grounding, pictures, copy rows), apart from train."

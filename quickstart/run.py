@@ -84,6 +84,9 @@ class Proof:
     warmup: Callable[[Any, Path, Path, dict[str, Path]], tuple[Path, dict[str, Any]]]  # -> (checkpoint, checks)
     report: Callable[..., str]  # write_report's signature
     ablation: str | None = None  # an extra run of the SFT policy: only BLIND (the crop proof's blind crops, _evaluate)
+    # more runs from the SFT policy after the proof's own, reported apart: (cfg, out, SFT model, data, proof,
+    # evaluation) -> {name: (eval dir, metrics)}; timed as "comparison" (the tools proof's Tool-Star runs)
+    comparison: Callable[..., dict[str, tuple[Path, dict[str, Any]]]] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +163,10 @@ def run(cfg: Any, proof: Proof) -> int:
     order = (grpo_name, sft_name, "no-tool baseline", proof.ablation, grpo_name + SAMPLED, sft_name + SAMPLED)
     results = {name: results[name] for name in order if name in results}
     done()
+    if proof.comparison:
+        done = stage(5, "more runs from the SFT policy, reported apart", "comparison")
+        results.update(proof.comparison(cfg, out, sft_model, data, proof, evaluation))
+        done()
     done = stage(6, "report", "report")
     times["report"] = 0.0
     report = proof.report(cfg, out, results, evaluation.test_rows, checks, times, time.perf_counter() - t_start)

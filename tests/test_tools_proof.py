@@ -36,7 +36,7 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
     query and hits and a program and its output."""
     done = _run(VAGENT, "quickstart", "--config", CONFIG, f"out_dir={tmp_path}", "tiny.size=tiny", "train_rows=8",
                 "test_rows=4", "val_rows=2", "warmup_rows=4", "warmup_epochs=1", "sft_epochs=1", "grpo_steps=1",
-                "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8")  # fmt: skip
+                "group_size=2", "prompts_per_step=2", "rollout.max_new_tokens=8", "toolstar_steps=1")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     data = tmp_path / "data"
     corpus = data / "corpus-0.jsonl"
@@ -74,7 +74,28 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
                    "trajectories.html"):  # fmt: skip
         assert needed in report, needed
     assert (tmp_path / "results.png").is_file() and (tmp_path / "sft_loss.png").is_file()
+    _the_tool_star_runs_start_from_sft_and_differ_only_by_the_self_critic(tmp_path, report)
     _the_corpus_is_served_and_the_viewer_shows_calls_and_observations(tmp_path, train)
+
+
+def _the_tool_star_runs_start_from_sft_and_differ_only_by_the_self_critic(out: Path, report: str) -> None:
+    """Both Tool-Star runs start from the tool SFT's model with the reward tool_star alone and the main GRPO's seed
+    and tools, keep their last step, and differ in grpo.self_critic alone; both are evaluated and reported."""
+    configs = {}
+    for run in ("grpo-tool-star", "grpo-tool-star-self-critic"):
+        (state,) = (out / run / "checkpoints").glob("step-*/trainer_state.json")
+        configs[run] = json.loads(state.read_text())["config"]
+        assert (out / "eval" / run / "metrics.json").is_file(), run
+    plain, critic = configs["grpo-tool-star"], configs["grpo-tool-star-self-critic"]
+    assert plain["rewards"]["weights"] == {"tool_star": 1.0} and plain["model"]["path"] == str(out / "sft" / "model")
+    assert plain["train"]["max_steps"] == 1 and plain["val"]["keep_best"] is False
+    assert not plain["grpo"]["self_critic"]["enabled"] and critic["grpo"]["self_critic"]["enabled"]
+    critic["grpo"]["self_critic"]["enabled"] = False
+    critic["out_dir"] = plain["out_dir"]
+    assert critic == plain
+    for needed in ("## Tool-Star's reward, plain and with self-critic (no target)", "| grpo tool-star + self-critic |",
+                   "episodes with 2+ kinds of tool", "mean Tool-Star reward"):  # fmt: skip
+        assert needed in report, needed
 
 
 def _the_corpus_is_served_and_the_viewer_shows_calls_and_observations(out: Path, train) -> None:
