@@ -294,6 +294,8 @@ class ToolsConfig(ProofConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.toolstar_steps < 0:
+            raise ValueError(f"toolstar_steps must be >= 0 (0 skips the Tool-Star runs), got {self.toolstar_steps}")
         if len(self.shares) != 4 or min(self.shares) < 0 or min(self.shares[:2]) <= 0:
             raise ValueError(f"shares must be 4 fractions >= 0 (search, code, crop, direct), search and code above 0 "
                              f"(the targets score them), got {self.shares}")  # fmt: skip

@@ -270,7 +270,7 @@ def write_report(cfg: ToolsConfig, out: Path, results: dict[str, tuple[Path, dic
         "",
         *_tool_choice({n: rows for n, rows in samples.items() if results[n][1]["tools"] != "none"}, kinds),
         "",
-        *toolstar_section(out, results, "sft + tools", cfg.toolstar_steps),
+        *toolstar_section(out, results, "sft + tools", cfg),
         *(["## What the warm-up learned", "", *learned, ""] if learned else []),
         *report_tail(out, results, LEGEND),
     ]

@@ -169,6 +169,7 @@ def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample
               "gold": gold_answers(row.answer, row.answer_type), **scores,
               "tool_calls": [r.name for r in trajectory.tool_results],
               "tool_errors": sum(1 for r in trajectory.tool_results if r.error),
+              "tools_ok": [r.name for r in trajectory.tool_results if r.ok],  # the calls that succeeded
               "parse_errors": {k.removeprefix("parse_error/"): int(v) for k, v in trajectory.metrics.items()
                                if k.startswith("parse_error/") and v},  # malformed tags and calls, by kind
               "malformed_answer": bool(trajectory.metrics.get("malformed_answer")),  # its turn broke the grammar
