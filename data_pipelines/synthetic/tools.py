@@ -1,7 +1,7 @@
 """Tool-choice tasks in the format of MAT (Visual-ARFT's Multimodal Agentic Tool bench): every row offers ``search``,
 ``code`` and ``crop``, and which one helps, if any, depends on the question. Made to be learnable by the quickstart's
 tiny random-weight Qwen2.5-VL trained from scratch: small closed sets, no text to read in images, and every answer
-copied from an observation (or the image) rather than computed in the model's head.
+read from an observation (or the image) rather than computed in the model's head.
 
     python -m data_pipelines.synthetic.tools --out data/tools --rows 400 --test-rows 100 --seed 0
 
@@ -10,26 +10,26 @@ Four kinds of rows (``shares`` sets the mix; ``extra["kind"]`` says which):
 * **search**: the image shows one entity of a closed set, a large shape of one of ``COLORS`` x ``SHAPES`` (24),
   and the question asks one of its ``PROPERTIES`` ("What is the home city of the object in the image?"). Only the
   corpus states it. Gold: name the entity, ``search`` for "<entity> <property>" (the real BM25 hits over
-  ``write_corpus``'s corpus), then copy the value that ends the first hit.
-* **code**: exact arithmetic on numbers in the question ("What is 4821 times 37?", a sum of 3-4 numbers). Gold: a
-  ``code`` call whose program copies the question's numbers (``print(4821 * 37)``), the real sandboxed output, then
-  the printed number copied into the answer. The row shows an entity picture all the same, as every non-crop row
+  ``write_corpus``'s corpus, one hit), then the value that ends it. Values are one of ``VALUES``' 8 made-up words:
+  the model reads which one the hit states, as it reads a color off an image; it does not learn to copy an arbitrary
+  string at this scale (``docs/decisions/tool-choice-task.md``).
+* **code**: exact arithmetic on two-digit numbers in the question ("What is 47 times 38?", a sum of three numbers).
+  Gold: a ``code`` call whose program copies the question's numbers (``print(47 * 38)``), the real sandboxed output,
+  then the printed number copied into the answer. The row shows an entity picture all the same, as every non-crop row
   does: whether there is an image never tells which tool to use; the question does.
 * **crop**: ``zoom.zoom_rows``' stripes tile (the quickstart's crop proof; its defaults in ``CROP``): the gold crop,
   then the direction read off the crop.
 * **direct**: the search rows' entity images asked what is visible (color, shape or both). Gold: the answer, no tool.
 
-Why the no-tool baseline cannot answer search and code rows: a code row's numbers are drawn per row, and a 4-digit
-product or a sum of 3-4 numbers is beyond a tiny model's head. Search values are made-up words drawn per
-``corpus_seed`` (the world: the corpus and every value in it), each value unique, so none can be known in advance;
-but one corpus serves every split, and a model could memorize from training answers which value goes with which
-entity and property. So each entity keeps two properties out of training (``split_of``): one that only
+Why the no-tool baseline cannot answer search and code rows: a code row's numbers are drawn per row, and an exact
+product of two two-digit numbers or a sum of three is beyond a tiny model's head. Search values are drawn per
+``corpus_seed`` (the world: the corpus and every value in it), spread evenly over ``VALUES`` within each split's
+pairs, so no fact can be known in advance and the best single guess scores 1/8; but one corpus serves every split,
+and a model could memorize from training answers which value goes with which entity and property. So each entity keeps two properties out of training (``split_of``): one that only
 ``split="test"`` rows ask, one that only ``split="val"`` rows ask (a run's model selection then never sees a test
-fact), and ``split="train"`` rows ask the other two. A test row's answer is then never a training answer, and as
-values are single words, no training answer earns F1 or EM on it; what a tool policy needs there was all trained: it
-has named that entity (direct rows, other properties), searched that property (other entities), and copied from the
-first hit. The held-out values do appear in training observations (as other hits), which are context, never
-targets.
+fact), and ``split="train"`` rows ask the other two. No training answer tells a test row's value, as each pair's
+value is drawn independently; what a tool policy needs there was all trained: it has named that entity (direct rows,
+other properties), searched that property (other entities), and read the value off the hit.
 
 Answers are lists of strings with ``answer_type="f1"``: MAT's token F1 / EM, max over the golds, as Visual-ARFT's
 evaluation code scores them (``vagent.eval.benchmarks.mat_search``, ``mat_coding``). Every tool turn is the real
@@ -60,7 +60,9 @@ __all__ = [
     "KINDS",
     "PROPERTIES",
     "SHAPES",
+    "SPLITS",
     "TOOLS",
+    "VALUES",
     "draw_entity",
     "split_of",
     "tool_rows",
@@ -78,10 +80,12 @@ ENTITIES = [f"{color} {shape}" for color in COLORS for shape in SHAPES]
 PROPERTIES = ("code name", "home city", "keeper", "motto")
 # Corpus entities never drawn: their entries share words with the real ones, so BM25 has near misses to rank below.
 DECOY_COLORS = ("orange", "purple")
+# What a fact's value may be: made-up words (2-3 of the tiny tokenizer's pieces each), none a color, shape or
+# property word; a closed set, so that answering a search row is reading which one the hit states.
+VALUES = ("talmo", "zorvik", "bepun", "kinod", "rasel", "fumiga", "dovet", "lupra")
+SPLITS = ("train", "val", "test")  # each asks its own facts (split_of)
 # The crop kind: the quickstart's learnable zoom task (docs/decisions/quickstart-task.md); ``crop=`` overrides.
 CROP = dict(size=(672, 504), tile=126, grid=2, glyph="stripes", margin=0, clutter=30, distractors=0, direct_share=0.0)
-_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
-_RESERVED = {*COLORS, *SHAPES, *DECOY_COLORS, *" ".join(PROPERTIES).split()}
 _DIRECT = {  # question, what the answer is read off
     "color": "What color is the object in the image?",
     "shape": "What shape is the object in the image?",
@@ -89,29 +93,20 @@ _DIRECT = {  # question, what the answer is read off
 }
 
 
-def _word(rng: random.Random) -> str:
-    """A made-up word of 2 syllables and maybe a final consonant ("talmo", "zorvik"): a few BPE pieces to copy."""
-    syllables = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(2))
-    return syllables + (rng.choice(_CONSONANTS) if rng.random() < 0.5 else "")
-
-
 def world(seed: int = 0) -> dict[tuple[str, str], str]:
-    """The facts of corpus ``seed``: ``(entity, property) -> value``, decoy entities included; every value a distinct
-    made-up word."""
+    """The facts of corpus ``seed``: ``(entity, property) -> value``, decoy entities included. Within each split's
+    pairs (``split_of``) the values are ``VALUES`` repeated evenly and shuffled, so that no value is likelier than
+    another for a held-out pair; the decoys' are drawn at random."""
     rng = random.Random(f"tools-world/{seed}")
-    decoys = [f"{color} {shape}" for color in DECOY_COLORS for shape in SHAPES]
-    facts, used = {}, set(_RESERVED)
-    for entity in ENTITIES + decoys:
-        for prop in PROPERTIES:
-            value = _word(rng)
-            while value in used:
-                value = _word(rng)
-            used.add(value)
-            facts[entity, prop] = value
+    facts = {}
+    for split in SPLITS:
+        pairs = [(e, p) for e in ENTITIES for p in PROPERTIES if split_of(e, p) == split]
+        values = [VALUES[i % len(VALUES)] for i in range(len(pairs))]
+        rng.shuffle(values)
+        facts.update(zip(pairs, values, strict=True))
+    for entity in (f"{color} {shape}" for color in DECOY_COLORS for shape in SHAPES):
+        facts.update({(entity, prop): rng.choice(VALUES) for prop in PROPERTIES})
     return facts
-
-
-SPLITS = ("train", "val", "test")
 
 
 def split_of(entity: str, prop: str) -> str:
@@ -167,7 +162,7 @@ def draw_entity(entity: str, rng: random.Random, size: tuple[int, int] = (224, 2
 
 def tool_rows(out_dir: str | Path, n: int, *, seed: int = 0, corpus_seed: int = 0, split: str = "train",
               shares: tuple[float, float, float, float] = (0.4, 0.2, 0.2, 0.2), size: tuple[int, int] = (224, 224),
-              search_k: int = 3, crop: dict | None = None, min_pixels: int = 3136, max_pixels: int = 200704,
+              search_k: int = 1, crop: dict | None = None, min_pixels: int = 3136, max_pixels: int = 200704,
               factor: int = 28, convention: Convention = "absolute") -> list[Row]:  # fmt: skip
     """Build ``n`` tool-choice rows with gold trajectories under ``out_dir`` (images in ``out_dir/images``) and
     write the corpus their search calls read (``write_corpus(out_dir, corpus_seed)``; serve it with
@@ -179,7 +174,7 @@ def tool_rows(out_dir: str | Path, n: int, *, seed: int = 0, corpus_seed: int = 
         split: ``"train"``, ``"val"`` or ``"test"``: the search rows ask only the pairs of that split (``split_of``).
         shares: Fractions of search, code, crop and direct rows (``KINDS``), normalized; counts round to ``n``.
         size: (width, height) of the entity images (search, code and direct rows).
-        search_k: The gold search's ``k``: few hits keep the observation short.
+        search_k: The gold search's ``k``: one hit, whose value the answer is (BM25 ranks the asked fact first).
         crop: Overrides of the crop rows' ``zoom_rows`` knobs (``CROP``).
         min_pixels, max_pixels, factor, convention: The policy's frame (``Policy.frame``), for the gold crop.
     """
@@ -236,7 +231,7 @@ def _kinds(n: int, shares: tuple[float, ...], rng: random.Random) -> list[str]:
 
 
 def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, stem: Path):
-    """Name the entity, search "<entity> <property>", copy the value that ends the first hit."""
+    """Name the entity, search "<entity> <property>", answer with the value that ends the first hit."""
     call, hits = tool_turn("search", {"query": f"{entity} {prop}", "k": k}, context, stem)
     messages = [
         {"role": "assistant", "content": f"<think>The image shows a {entity}. Its {prop} is not in the image, so I "
@@ -250,13 +245,13 @@ def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, st
 
 
 def _code(rng: random.Random, context: ToolContext, stem: Path):
-    """A product of a 4-digit and a 2-digit number, or a sum of 3-4 numbers of 3 digits; the program copies them."""
+    """A product of two two-digit numbers, or a sum of three; the program copies them."""
     if rng.random() < 0.5:
-        a, b = rng.randint(1000, 9999), rng.randint(12, 99)
+        a, b = rng.randint(12, 99), rng.randint(12, 99)
         question, program, answer = f"What is {a} times {b}?", f"print({a} * {b})", a * b
     else:
-        terms = [rng.randint(100, 999) for _ in range(rng.choice((3, 4)))]
-        question = f"What is the sum of {', '.join(map(str, terms[:-1]))} and {terms[-1]}?"
+        terms = [rng.randint(12, 99) for _ in range(3)]
+        question = f"What is the sum of {terms[0]}, {terms[1]} and {terms[2]}?"
         program, answer = f"print({' + '.join(map(str, terms))})", sum(terms)
     call, output = tool_turn("code", {"code": program}, context, stem)
     answer = str(answer)  # what the sandbox prints (the tests check they agree)
