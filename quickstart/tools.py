@@ -13,6 +13,8 @@ trajectories beside a no-tool baseline on the same rows answered directly, GRPO,
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import random
 from collections import Counter
@@ -56,7 +58,7 @@ TOOLS_TARGETS = {**TARGETS, "ratio": 2.0, "f1_floor": 0.5, "right_tool": 0.7}
 NAME_QUESTION = "What is the object in the image? Answer with its color and shape."
 # What each warm-up phase's check reads (the report's lines).
 WHAT = {"perception": "the stripes read from a gold crop", "grounding": "the tile's box (IoU >= 0.5)",
-        "entity": "the pictured object's color and shape", "copy": "a fact or numbers copied from the question"}  # fmt: skip
+        "entity": "the pictured object's color and shape", "copy": "a query, value, program or output copied as the gold copies it"}  # fmt: skip
 LEGEND = (
     "Runs: `no-tool baseline` = trained from the same warm-up on the same rows answered directly without a tool, for "
     "as many steps (a test search row asks a fact held out of training, a code row numbers drawn for it: it can only "
@@ -81,7 +83,7 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    recipe = {"design": "val pairs, 8 values, one hit, 2-digit numbers", "seed": cfg.seed,
+    recipe = {"design": "val pairs, 8 values, one hit, 2-digit numbers, copies as the gold makes them", "seed": cfg.seed,
               "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
               "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
@@ -157,22 +159,41 @@ def _named(row_id: str, image: str, entity: str) -> Row:
 
 
 def _copied(row_id: str, rng: random.Random) -> Row:
-    """A made-up fact stated as a search hit states it, and asked (its value one of ``VALUES``, drawn per row: what it
-    trains is reading which one a sentence states); or the numbers of a product or sum (as the code rows draw them)
-    written as the expression a program would print."""
+    """A tool-free row that trains one copy a gold trajectory makes, in the words and at the distance the gold makes
+    it (a model this small copies at the offsets it was trained on): the search call's query from the question and
+    the object's name (``query``), the value from the hit (``value``), the program from the question's numbers
+    (``program``), or the printed number from the output (``output``). A call is written inside ``<answer>`` as the
+    JSON the gold call holds, so the check scores it exactly; values and numbers are drawn as the rows draw them."""
+    skill = rng.choice(("query", "value", "program", "output"))
+    entity, prop, value = rng.choice(ENTITIES), rng.choice(PROPERTIES), rng.choice(VALUES)
     if rng.random() < 0.5:
-        entity, prop, value = rng.choice(ENTITIES), rng.choice(PROPERTIES), rng.choice(VALUES)
-        question = f"The {prop} of the {entity} is {value}. What is the {prop} of the {entity}?"
-        answer = value
-    elif rng.random() < 0.5:
-        a, b = rng.randint(12, 99), rng.randint(12, 99)
-        question, answer = f"Write {a} times {b} as an expression.", f"{a} * {b}"
+        terms = [rng.randint(12, 99), rng.randint(12, 99)]
+        asked, program, result = (
+            f"What is {terms[0]} times {terms[1]}?",
+            f"print({terms[0]} * {terms[1]})",
+            math.prod(terms),
+        )
     else:
-        terms = [str(rng.randint(12, 99)) for _ in range(3)]
-        question = f"Write the sum of {terms[0]}, {terms[1]} and {terms[2]} as an expression."
-        answer = " + ".join(terms)
+        terms = [rng.randint(12, 99) for _ in range(3)]
+        asked = f"What is the sum of {terms[0]}, {terms[1]} and {terms[2]}?"
+        program, result = f"print({' + '.join(map(str, terms))})", sum(terms)
+    if skill == "query":
+        question = f"The object in the image is a {entity}. What is the {prop} of the object in the image?"
+        think = f"The image shows a {entity}. Its {prop} is not in the image, so I will search for it."
+        answer = json.dumps({"name": "search", "arguments": {"query": f"{entity} {prop}", "k": 1}})
+    elif skill == "value":
+        question = (f'Search results for "{entity} {prop}":\n1. {entity.capitalize()}: {prop}\n   The {prop} of the '
+                    f"{entity} is {value}.\nWhat is the {prop} of the {entity}?")  # fmt: skip
+        think, answer = f"The first result says the {prop} of the {entity} is {value}.", value
+    elif skill == "program":
+        think = "This needs exact arithmetic, so I will run code."
+        question, answer = asked, json.dumps({"name": "code", "arguments": {"code": program}})
+    else:
+        question = f"{asked} A program printed:\nstdout:\n{result}"
+        think, answer = f"The program printed {result}.", str(result)
     return Row(id=row_id, question=question, answer=answer, answer_type="exact", tools=[], source="synthetic/tools-copy",
-               messages=[{"role": "assistant", "content": f"<answer>{answer}</answer>"}])  # fmt: skip
+               messages=[{"role": "assistant", "content": f"<think>{think}</think>\n<answer>{answer}</answer>"}],
+               extra={"groups": {"skill": skill}})  # fmt: skip
 
 
 def warmup(cfg: ToolsConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
@@ -190,14 +211,14 @@ def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg
     """A warm-up phase's checkpoint on its val rows, greedy: accuracy by group (the stripes' direction; the box; the
     object's shape; a word or numbers copied)."""
     rows = load_rows(rows_path)
-    limits = dataclasses.replace(_greedy(cfg), max_turns=1, max_new_tokens=32)
+    limits = dataclasses.replace(_greedy(cfg), max_turns=1)  # a copy row's think and call take up to about 70 tokens
     evaluate(load_policy(model_dir, device=cfg.model.device or "cpu"), BENCHMARKS["synthetic"], rows, out / "eval" / run,
              tools=[], limits=limits, batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
     scores: dict[str, list[float]] = {}
     for s in read_samples(out / "eval" / run / "samples.jsonl"):
         gold = str(s["gold"][0])
         group = {"perception": gold, "grounding": "box", "entity": gold.split()[-1],
-                 "copy": "numbers" if gold[:1].isdigit() else "word"}[phase]  # fmt: skip
+                 "copy": s["groups"].get("skill", "copy")}[phase]  # fmt: skip
         scores.setdefault(group, []).append(s["accuracy"])
     result = {"phase": phase, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)

@@ -59,6 +59,43 @@ def test_the_tool_star_section_counts_what_the_reward_counts():
     assert paired_interval([0.5] * 4) == (0.5, 0.5, 0.5)
 
 
+def _copied_out_of_the_question(row) -> bool:
+    """Whether a copy row's answer is made of what its question states: a value or a printed number as it is, a
+    search call's query words, a program's numbers."""
+    import re
+
+    if row.answer.startswith("{"):
+        arguments = json.loads(row.answer)["arguments"]
+        copied = re.findall(r"\d+", arguments["code"]) if "code" in arguments else arguments["query"].split()
+        return all(part in row.question for part in copied)
+    return row.answer in row.question
+
+
+def test_the_copy_warm_up_copies_as_the_gold_trajectories_do():
+    """Each copy skill's gold ends with the words a gold trajectory writes at that point, the copy made at the same
+    distance: the search call's JSON after its think, the value after the hit's sentence, the program after the code
+    think, the printed number after its output."""
+    import random
+
+    from quickstart.tools import _copied
+
+    rows = [_copied(f"c{i}", random.Random(i)) for i in range(200)]
+    skills = {r.extra["groups"]["skill"] for r in rows}
+    assert skills == {"query", "value", "program", "output"}
+    assert all(_copied_out_of_the_question(r) for r in rows)
+    for row in rows:
+        text, skill = row.messages[0].content[0].text, row.extra["groups"]["skill"]
+        assert text.endswith(f"</think>\n<answer>{row.answer}</answer>") and row.tools == []
+        if skill == "program":  # as the code rows' gold call: the same think, then the same JSON
+            assert text.startswith("<think>This needs exact arithmetic, so I will run code.</think>")
+            assert json.loads(row.answer) == {
+                "name": "code",
+                "arguments": {"code": json.loads(row.answer)["arguments"]["code"]},
+            }
+        if skill == "query":
+            assert json.loads(row.answer)["arguments"]["k"] == 1
+
+
 def test_the_tools_proof_runs_every_stage(tmp_path):
     """Data and corpus, the four warm-up phases with their checks, both SFTs, GRPO offering every tool with the
     corpus, five evaluations scored with MAT's F1 and EM and the report, on a toy budget; the viewer shows a search's
@@ -86,8 +123,7 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
         rows = load_rows(data / f"warmup_{phase}.jsonl")
         assert len(rows) == 4 and all(r.tools == [] for r in rows), phase
         assert (tmp_path / "eval" / f"sft-warmup-{phase}" / "samples.jsonl").is_file(), phase
-    copied = load_rows(data / "warmup_copy.jsonl")
-    assert all(word in r.question for r in copied for word in r.answer.split() if word not in "*+")  # copied out of it
+    assert all(_copied_out_of_the_question(r) for r in load_rows(data / "warmup_copy.jsonl"))
     tools, baseline = _metrics(tmp_path, "sft-with-tools"), _metrics(tmp_path, "no-tool-baseline")
     assert tools["benchmark"] == "synthetic-tools" and tools["tools"] == "search,code,crop"
     assert {"f1", "em", "crop_iou"} <= set(tools) and set(tools["by_kind"]) <= {"search", "code", "crop", "direct"}
@@ -99,7 +135,7 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
                    "code rows: F1 at least 2x the no-tool baseline's and at least 0.5",
                    "the right tool called first on at least 70%",
                    "GRPO keeps its SFT start's greedy accuracy", "## F1 and EM by row kind", "| search F1 | search EM |",
-                   "row kind x first tool called", "| sft + tools | search |", "sft-warmup-copy: a fact or numbers",
+                   "row kind x first tool called", "| sft + tools | search |", "sft-warmup-copy: a query, value, program or output",
                    "trajectories.html"):  # fmt: skip
         assert needed in report, needed
     assert (tmp_path / "results.png").is_file() and (tmp_path / "sft_loss.png").is_file()
