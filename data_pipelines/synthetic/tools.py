@@ -24,12 +24,14 @@ Four kinds of rows (``shares`` sets the mix; ``extra["kind"]`` says which):
 Why the no-tool baseline cannot answer search and code rows: a code row's numbers are drawn per row, and an exact
 product of two two-digit numbers or a sum of three is beyond a tiny model's head. Search values are drawn per
 ``corpus_seed`` (the world: the corpus and every value in it), spread evenly over ``VALUES`` within each split's
-pairs, so no fact can be known in advance and the best single guess scores 1/8; but one corpus serves every split,
-and a model could memorize from training answers which value goes with which entity and property. So each entity keeps two properties out of training (``split_of``): one that only
-``split="test"`` rows ask, one that only ``split="val"`` rows ask (a run's model selection then never sees a test
-fact), and ``split="train"`` rows ask the other two. No training answer tells a test row's value, as each pair's
-value is drawn independently; what a tool policy needs there was all trained: it has named that entity (direct rows,
-other properties), searched that property (other entities), and read the value off the hit.
+pairs, so no fact can be known in advance: one word guessed scores 1/8 of F1, and the best blind answer, all 8
+words listed, 2/9 (F1's precision is 1/8, its recall 1). But one corpus serves every split, and a model could
+memorize from training answers which value goes with which entity and property. So each entity keeps two properties
+out of training (``split_of``): one that only ``split="test"`` rows ask, one that only ``split="val"`` rows ask
+(a run's model selection then never sees a test fact), and ``split="train"`` rows ask the other two. No training
+answer tells a test row's value, as each pair's value is drawn independently; what a tool policy needs there was all
+trained: it has named that entity (direct rows, other properties), searched that property (other entities), and read
+the value off the hit.
 
 Answers are lists of strings with ``answer_type="f1"``: MAT's token F1 / EM, max over the golds, as Visual-ARFT's
 evaluation code scores them (``vagent.eval.benchmarks.mat_search``, ``mat_coding``). Every tool turn is the real
