@@ -275,7 +275,7 @@ class ToolsConfig(ProofConfig):
         "each run's last step is evaluated and reported apart, with no target.",
     )
     warmup_rows: int = option(
-        1500, "Rows of each warm-up phase (tiles for perception and grounding, pictures, copy rows), apart from train."
+        3000, "Rows of each warm-up phase (tiles for perception and grounding, pictures, copy rows), apart from train."
     )
     warmup_phases: list[str] = option(
         ["perception", "grounding", "entity", "copy"],
@@ -284,12 +284,12 @@ class ToolsConfig(ProofConfig):
         "shape; copy: answer with a fact or numbers copied from the question (made-up facts of other worlds).",
     )
     warmup_epochs: float | list[float] = option(
-        [2.0, 2.0, 2.0, 4.0],
+        [0.5, 1.0, 2.0, 3.0],
         "Passes of each warm-up phase over its rows: one number, or one per warmup_phases entry (copy comes last and "
         "longest: docs/decisions/tool-choice-task.md).",
     )
     sft_epochs: float = option(
-        8.0, "SFT passes over the training mix (the no-tool baseline gets the same steps): 808 steps at the default."
+        6.0, "SFT passes over the training mix (the no-tool baseline gets the same steps): 606 steps at the default."
     )
     rollout: RolloutConfig = option(
         RolloutConfig(max_turns=3, max_new_tokens=96, max_images=4, temperature=0.7),

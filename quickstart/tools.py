@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from data_pipelines.synthetic.tools import CROP, ENTITIES, KINDS, PROPERTIES, TOOLS, VALUES, draw_entity, tool_rows
+from data_pipelines.synthetic.tools import (
+    CODE_THINK,
+    CROP,
+    ENTITIES,
+    KINDS,
+    PROPERTIES,
+    TOOLS,
+    VALUES,
+    arithmetic,
+    draw_entity,
+    tool_rows,
+)
 from quickstart.config import ToolsConfig
 from quickstart.data import built, mark_built, support_rows, warmup_runs
 from quickstart.report import (
@@ -83,7 +93,7 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    recipe = {"design": "val pairs, 8 values, one hit, 2-digit numbers, copies as the gold makes them", "seed": cfg.seed,
+    recipe = {"design": "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, copies as the gold makes them", "seed": cfg.seed,
               "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
               "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
@@ -166,17 +176,7 @@ def _copied(row_id: str, rng: random.Random) -> Row:
     JSON the gold call holds, so the check scores it exactly; values and numbers are drawn as the rows draw them."""
     skill = rng.choice(("query", "value", "program", "output"))
     entity, prop, value = rng.choice(ENTITIES), rng.choice(PROPERTIES), rng.choice(VALUES)
-    if rng.random() < 0.5:
-        terms = [rng.randint(12, 99), rng.randint(12, 99)]
-        asked, program, result = (
-            f"What is {terms[0]} times {terms[1]}?",
-            f"print({terms[0]} * {terms[1]})",
-            math.prod(terms),
-        )
-    else:
-        terms = [rng.randint(12, 99) for _ in range(3)]
-        asked = f"What is the sum of {terms[0]}, {terms[1]} and {terms[2]}?"
-        program, result = f"print({' + '.join(map(str, terms))})", sum(terms)
+    asked, program, result = arithmetic(rng)
     if skill == "query":
         question = f"The object in the image is a {entity}. What is the {prop} of the object in the image?"
         think = f"The image shows a {entity}. Its {prop} is not in the image, so I will search for it."
@@ -186,8 +186,8 @@ def _copied(row_id: str, rng: random.Random) -> Row:
                     f"{entity} is {value}.\nWhat is the {prop} of the {entity}?")  # fmt: skip
         think, answer = f"The first result says the {prop} of the {entity} is {value}.", value
     elif skill == "program":
-        think = "This needs exact arithmetic, so I will run code."
-        question, answer = asked, json.dumps({"name": "code", "arguments": {"code": program}})
+        think, question = CODE_THINK, asked
+        answer = json.dumps({"name": "code", "arguments": {"code": program}})
     else:
         question = f"{asked} A program printed:\nstdout:\n{result}"
         think, answer = f"The program printed {result}.", str(result)

@@ -125,13 +125,16 @@ def test_the_first_search_hit_holds_the_answer_and_the_others_are_distractors(bu
 def test_a_code_rows_answer_is_the_sandboxs_output_and_the_exact_result(built):
     train, test, _, _ = built
     coded = [row for row in train + test if row.extra["kind"] == "code"]
-    assert {"times" in row.question for row in coded} == {True, False}  # products and sums
+    assert {" * " in row.question for row in coded} == {True, False}  # products and sums
     for row in coded:
         [(call, turn)] = _tool_turns(row)
         assert turn.content[0].text == f"stdout:\n{row.answer[0]}"
         numbers = [int(n) for n in re.findall(r"\d+", row.question)]
-        assert int(row.answer[0]) == (math.prod(numbers) if "times" in row.question else sum(numbers))
-        assert all(str(n) in call.arguments["code"] for n in numbers)  # the program copies the question's numbers
+        assert len(numbers) == (2 if " * " in row.question else 3) and all(10 <= n <= 99 for n in numbers)
+        assert int(row.answer[0]) == (math.prod(numbers) if " * " in row.question else sum(numbers))
+        # the program prints the question's expression, copied token for token
+        expression = row.question.removeprefix("What is ").removesuffix("?")
+        assert call.arguments["code"] == f"print({expression})"
 
 
 def test_without_the_search_a_test_search_row_is_a_guess_among_eight(built):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipelines.synthetic.tools import TOOLS, split_of
+from data_pipelines.synthetic.tools import CODE_THINK, TOOLS, split_of
 from vagent.data import load_rows
 from vagent.toolbox.sandbox import Sandbox
 from vagent.training.metrics import read_metrics
@@ -87,7 +87,7 @@ def test_the_copy_warm_up_copies_as_the_gold_trajectories_do():
         text, skill = row.messages[0].content[0].text, row.extra["groups"]["skill"]
         assert text.endswith(f"</think>\n<answer>{row.answer}</answer>") and row.tools == []
         if skill == "program":  # as the code rows' gold call: the same think, then the same JSON
-            assert text.startswith("<think>This needs exact arithmetic, so I will run code.</think>")
+            assert text.startswith(f"<think>{CODE_THINK}</think>")
             assert json.loads(row.answer) == {
                 "name": "code",
                 "arguments": {"code": json.loads(row.answer)["arguments"]["code"]},

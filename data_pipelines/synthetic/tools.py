@@ -7,14 +7,14 @@ read from an observation (or the image) rather than computed in the model's head
 
 Four kinds of rows (``shares`` sets the mix; ``extra["kind"]`` says which):
 
-* **search**: the image shows one entity of a closed set, a large shape of one of ``COLORS`` x ``SHAPES`` (24),
+* **search**: the image shows one entity of a closed set, a large shape of one of ``COLORS`` x ``SHAPES`` (16),
   and the question asks one of its ``PROPERTIES`` ("What is the home city of the object in the image?"). Only the
   corpus states it. Gold: name the entity, ``search`` for "<entity> <property>" (the real BM25 hits over
   ``write_corpus``'s corpus, one hit), then the value that ends it. Values are one of ``VALUES``' 8 made-up words:
   the model reads which one the hit states, as it reads a color off an image; it does not learn to copy an arbitrary
   string at this scale (``docs/decisions/tool-choice-task.md``).
-* **code**: exact arithmetic on two-digit numbers in the question ("What is 47 times 38?", a sum of three numbers).
-  Gold: a ``code`` call whose program copies the question's numbers (``print(47 * 38)``), the real sandboxed output,
+* **code**: exact arithmetic on two-digit numbers, asked as an expression ("What is 47 * 38?", or a sum of three).
+  Gold: a ``code`` call whose program copies the question's expression (``print(47 * 38)``), the real sandboxed output,
   then the printed number copied into the answer. The row shows an entity picture all the same, as every non-crop row
   does: whether there is an image never tells which tool to use; the question does.
 * **crop**: ``zoom.zoom_rows``' stripes tile (the quickstart's crop proof; its defaults in ``CROP``): the gold crop,
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 
@@ -56,6 +57,7 @@ from vagent.toolbox import ToolContext
 from vagent.toolbox.search import BM25Backend
 
 __all__ = [
+    "CODE_THINK",
     "COLORS",
     "CROP",
     "ENTITIES",
@@ -65,6 +67,7 @@ __all__ = [
     "SPLITS",
     "TOOLS",
     "VALUES",
+    "arithmetic",
     "draw_entity",
     "split_of",
     "tool_rows",
@@ -75,8 +78,9 @@ __all__ = [
 TOOLS = ["search", "code", "crop"]  # offered on every row: the policy chooses
 KINDS = ("search", "code", "crop", "direct")  # the order of ``shares``
 COLORS = {"red": (210, 40, 40), "green": (30, 150, 50), "blue": (40, 70, 210), "yellow": (225, 185, 20)}
-# Outlines that differ at the tiny model's coarse view (16x16 patches of a 224-px image), all filled but the ring.
-SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
+# Outlines that differ at the tiny model's coarse view (16x16 patches of a 224-px image), all filled but the ring. No
+# square or diamond: trained from scratch, the model kept taking both for a circle (docs/decisions/tool-choice-task.md).
+SHAPES = ("circle", "triangle", "cross", "ring")
 ENTITIES = [f"{color} {shape}" for color in COLORS for shape in SHAPES]
 # What the corpus states about each entity; the question names one, and the gold query copies it.
 PROPERTIES = ("code name", "home city", "keeper", "motto")
@@ -86,6 +90,7 @@ DECOY_COLORS = ("orange", "purple")
 # property word; a closed set, so that answering a search row is reading which one the hit states.
 VALUES = ("talmo", "zorvik", "bepun", "kinod", "rasel", "fumiga", "dovet", "lupra")
 SPLITS = ("train", "val", "test")  # each asks its own facts (split_of)
+CODE_THINK = "This needs exact arithmetic, so I will run code."  # the gold code call's think
 # The crop kind: the quickstart's learnable zoom task (docs/decisions/quickstart-task.md); ``crop=`` overrides.
 CROP = dict(size=(672, 504), tile=126, grid=2, glyph="stripes", margin=0, clutter=30, distractors=0, direct_share=0.0)
 _DIRECT = {  # question, what the answer is read off
@@ -147,12 +152,8 @@ def draw_entity(entity: str, rng: random.Random, size: tuple[int, int] = (224, 2
     x1, y1, mx, my, fill = x0 + side, y0 + side, x0 + side // 2, y0 + side // 2, COLORS[color]
     if shape == "circle":
         draw.ellipse((x0, y0, x1, y1), fill=fill)
-    elif shape == "square":
-        draw.rectangle((x0, y0, x1, y1), fill=fill)
     elif shape == "triangle":
         draw.polygon([(mx, y0), (x1, y1), (x0, y1)], fill=fill)
-    elif shape == "diamond":
-        draw.polygon([(mx, y0), (x1, my), (mx, y1), (x0, my)], fill=fill)
     elif shape == "cross":
         arm = side // 6
         draw.rectangle((mx - arm, y0, mx + arm, y1), fill=fill)
@@ -246,19 +247,25 @@ def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, st
     return question, value, messages, {"entity": entity, "property": prop, "query": f"{entity} {prop}"}
 
 
-def _code(rng: random.Random, context: ToolContext, stem: Path):
-    """A product of two two-digit numbers, or a sum of three; the program copies them."""
+def arithmetic(rng: random.Random) -> tuple[str, str, int]:
+    """A code row's computation: (question, program, result). A product of two two-digit numbers or a sum of three,
+    asked as the expression the program prints (``What is 47 * 38?`` -> ``print(47 * 38)``): the program copies a
+    stretch of the question token for token (``docs/decisions/tool-choice-task.md``)."""
     if rng.random() < 0.5:
-        a, b = rng.randint(12, 99), rng.randint(12, 99)
-        question, program, answer = f"What is {a} times {b}?", f"print({a} * {b})", a * b
+        terms, op = [rng.randint(12, 99), rng.randint(12, 99)], " * "
     else:
-        terms = [rng.randint(12, 99) for _ in range(3)]
-        question = f"What is the sum of {terms[0]}, {terms[1]} and {terms[2]}?"
-        program, answer = f"print({' + '.join(map(str, terms))})", sum(terms)
+        terms, op = [rng.randint(12, 99) for _ in range(3)], " + "
+    expression = op.join(map(str, terms))
+    return f"What is {expression}?", f"print({expression})", math.prod(terms) if op == " * " else sum(terms)
+
+
+def _code(rng: random.Random, context: ToolContext, stem: Path):
+    """Exact arithmetic (``arithmetic``): a code call that prints it, then the printed number."""
+    question, program, result = arithmetic(rng)
     call, output = tool_turn("code", {"code": program}, context, stem)
-    answer = str(answer)  # what the sandbox prints (the tests check they agree)
+    answer = str(result)  # what the sandbox prints (the tests check they agree)
     messages = [
-        {"role": "assistant", "content": f"<think>This needs exact arithmetic, so I will run code.</think>\n{call}"},
+        {"role": "assistant", "content": f"<think>{CODE_THINK}</think>\n{call}"},
         output,
         {"role": "assistant", "content": f"<think>The program printed {answer}.</think>\n<answer>{answer}</answer>"},
     ]
