@@ -254,10 +254,11 @@ class ToolsConfig(ProofConfig):
     task: Literal["tools"] = option("tools", "Which proof: tools (this one), crop (QuickstartConfig) or video.")
     out_dir: str = option("runs/quickstart-tools", "Everything the tools proof writes: data, checkpoints, report.md.")
     shares: list[float] = option(
-        [0.35, 0.25, 0.15, 0.25],
-        "Fractions of search, code, crop and direct rows in every split (data_pipelines.synthetic.tools.KINDS). Crop "
-        "rows are the fewest: they need the crop proof's two warm-up phases, which a smaller pool of tiles keeps short.",
+        [0.35, 0.35, 0.15, 0.15],
+        "Fractions of search, code, crop and direct rows in every split (data_pipelines.synthetic.tools.KINDS). Search "
+        "and code rows are the most, as their calls copy arguments and answers; crop and direct rows the fewest.",
     )
+    grpo_steps: int = option(8, "GRPO steps after SFT (0 skips GRPO).")
     corpus_seed: int = option(
         0, "The world: the search corpus and its facts, one for every split; GRPO and the evaluations search it."
     )
@@ -284,12 +285,12 @@ class ToolsConfig(ProofConfig):
         "shape; copy: answer with a fact or numbers copied from the question (made-up facts of other worlds).",
     )
     warmup_epochs: float | list[float] = option(
-        [0.5, 1.0, 2.0, 3.0],
+        [0.5, 0.5, 1.5, 3.0],
         "Passes of each warm-up phase over its rows: one number, or one per warmup_phases entry (copy comes last and "
         "longest: docs/decisions/tool-choice-task.md).",
     )
     sft_epochs: float = option(
-        6.0, "SFT passes over the training mix (the no-tool baseline gets the same steps): 606 steps at the default."
+        6.0, "SFT passes over the training mix (the no-tool baseline gets the same steps): 654 steps at the default."
     )
     rollout: RolloutConfig = option(
         RolloutConfig(max_turns=3, max_new_tokens=96, max_images=4, temperature=0.7),

@@ -30,6 +30,7 @@ from data_pipelines.synthetic.tools import (
     VALUES,
     arithmetic,
     draw_entity,
+    query_rows,
     tool_rows,
 )
 from quickstart.config import ToolsConfig
@@ -83,17 +84,18 @@ LEGEND = (
 
 
 def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
-    """The corpus, train (gold rows, GRPO's prompts), test and val (each its own held-out facts), each warm-up phase's rows and
-    their checks, and the two SFT mixes: ``sft_mix`` (train, the crop rows' reading rows, and the perception, grounding
-    and naming rows of train's pictures) and ``sft_mix_notool`` (the same rows, each tool trajectory answered directly:
-    as many rows, so as many steps). Points ``cfg.toolbox.search_corpus`` at the corpus: the run's GRPO and evaluations
+    """The corpus, train (gold rows, GRPO's prompts), test and val (each its own held-out facts), each warm-up phase's
+    rows and their checks, and the two SFT mixes: ``sft_mix`` (train, the crop rows' reading rows, the perception,
+    grounding and naming rows of train's pictures, and ``query_rows``: every pair's search call, no value) and
+    ``sft_mix_notool`` (the same rows, each tool trajectory answered directly and each query row's picture named: as
+    many rows, so as many steps). Points ``cfg.toolbox.search_corpus`` at the corpus: the run's GRPO and evaluations
     search the world the rows were built in."""
     names = ("train", "test", "val", "sft_mix", "sft_mix_notool", *(f"warmup_{p}" for p in ToolsConfig.PHASES),
              *(f"check_{p}" for p in ToolsConfig.PHASES))  # fmt: skip
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    recipe = {"design": "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, copies as the gold makes them", "seed": cfg.seed,
+    recipe = {"design": "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, gold copies, query rows", "seed": cfg.seed,
               "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
               "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
@@ -109,17 +111,20 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     reading = [r for r in support if r.source.endswith("reading")]
     shared = [r for r in support if not r.source.endswith("reading")]
     shared += [_named(f"{r.id}-name", r.images[0], r.extra["entity"]) for r in train if r.extra["kind"] == "search"]
+    queries = query_rows(out, seed=cfg.seed + 50_000, corpus_seed=cfg.corpus_seed)  # every pair's query, no value
+    named = [_named(f"{r.id}-name", r.images[0], r.extra["entity"]) for r in queries]  # the baseline's instead
     write_rows(train, paths["train"])
     write_rows(test, paths["test"])
     write_rows(val, paths["val"])
     for phase in ToolsConfig.PHASES:
         write_rows(warmup[phase], paths[f"warmup_{phase}"])
         write_rows(checks[phase], paths[f"check_{phase}"])
-    write_rows(train + reading + shared, paths["sft_mix"])
-    write_rows([answered_directly(r) for r in train + reading] + shared, paths["sft_mix_notool"])
+    write_rows(train + reading + shared + queries, paths["sft_mix"])
+    write_rows([answered_directly(r) for r in train + reading] + shared + named, paths["sft_mix_notool"])
     kinds = Counter(r.extra["kind"] for r in train)
-    print(f"{len(train)} train rows ({', '.join(f'{kinds[k]} {k}' for k in KINDS)}) + {len(reading)} reading and "
-          f"{len(shared)} perception, grounding and naming rows for the SFT mixes, {cfg.warmup_rows} rows of each "
+    print(f"{len(train)} train rows ({', '.join(f'{kinds[k]} {k}' for k in KINDS)}) + {len(reading)} reading, "
+          f"{len(shared)} perception, grounding and naming rows and {len(queries)} query rows (the baseline: their "
+          f"pictures named) for the SFT mixes, {cfg.warmup_rows} rows of each "
           f"warm-up phase, {len(test)} test rows, {len(val)} val rows, corpus {cfg.toolbox.search_corpus}")  # fmt: skip
     mark_built(out, recipe)
     return paths

@@ -69,6 +69,7 @@ __all__ = [
     "VALUES",
     "arithmetic",
     "draw_entity",
+    "query_rows",
     "split_of",
     "tool_rows",
     "world",
@@ -217,6 +218,30 @@ def tool_rows(out_dir: str | Path, n: int, *, seed: int = 0, corpus_seed: int = 
         rows.append(Row(id=row_id, source=f"synthetic/tools-{kind}", images=[str(image_path)], question=question,
                         answer=[answer], answer_type="f1", tools=list(TOOLS), messages=messages,
                         extra={"kind": kind, **common, **extra}))  # fmt: skip
+    return rows
+
+
+def query_rows(out_dir: str | Path, *, seed: int = 0, corpus_seed: int = 0,
+               size: tuple[int, int] = (224, 224)) -> list[Row]:  # fmt: skip
+    """One row per (entity, property) pair of corpus ``corpus_seed``, held-out pairs included: a search row's first
+    turn alone, the think naming the pictured object and the call, without the hit or the answer (no value is ever
+    shown; the answer field holds the query). Train search rows ask each object only its training properties; a
+    policy trained on them alone learns which properties each object is asked about and writes those into a held-out
+    pair's query. These rows train the query as the question's property, for every object
+    (``docs/decisions/tool-choice-task.md``)."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    corpus = write_corpus(out, corpus_seed)
+    search, facts, rows = BM25Backend(corpus), world(corpus_seed), []
+    for i, (entity, prop) in enumerate((e, p) for e in ENTITIES for p in PROPERTIES):
+        row_id, rng = f"tools-query-{seed}-{i}", random.Random(f"tools-query/{seed}/{i}")
+        image, image_path = draw_entity(entity, rng, size), out / "images" / f"tools-query-{seed}-{i}.png"
+        image.save(image_path)
+        context = ToolContext(images=[image], search=search)  # a search call reads no frame
+        question, _, messages, extra = _search(entity, prop, facts[entity, prop], context, 1, out / "images" / row_id)
+        rows.append(Row(id=row_id, source="synthetic/tools-query", images=[str(image_path)], question=question,
+                        answer=extra["query"], answer_type="exact", tools=list(TOOLS), messages=messages[:1],
+                        extra={"kind": "query", "corpus": corpus.name, **extra}))  # fmt: skip
     return rows
 
 
