@@ -25,6 +25,7 @@ from data_pipelines.synthetic.tools import (
     TOOLS,
     VALUES,
     main,
+    query_rows,
     split_of,
     tool_rows,
     world,
@@ -125,13 +126,13 @@ def test_the_first_search_hit_holds_the_answer_and_the_others_are_distractors(bu
 def test_a_code_rows_answer_is_the_sandboxs_output_and_the_exact_result(built):
     train, test, _, _ = built
     coded = [row for row in train + test if row.extra["kind"] == "code"]
-    assert {" * " in row.question for row in coded} == {True, False}  # products and sums
+    assert {"*" in row.question for row in coded} == {True, False}  # products and sums
     for row in coded:
         [(call, turn)] = _tool_turns(row)
         assert turn.content[0].text == f"stdout:\n{row.answer[0]}"
         numbers = [int(n) for n in re.findall(r"\d+", row.question)]
-        assert len(numbers) == (2 if " * " in row.question else 3) and all(10 <= n <= 99 for n in numbers)
-        assert int(row.answer[0]) == (math.prod(numbers) if " * " in row.question else sum(numbers))
+        assert len(numbers) == (2 if "*" in row.question else 3) and all(10 <= n <= 99 for n in numbers)
+        assert int(row.answer[0]) == (math.prod(numbers) if "*" in row.question else sum(numbers))
         # the program prints the question's expression, copied token for token
         expression = row.question.removeprefix("What is ").removesuffix("?")
         assert call.arguments["code"] == f"print({expression})"
@@ -166,6 +167,22 @@ def test_without_the_search_a_test_search_row_is_a_guess_among_eight(built):
     assert {p for e in ENTITIES for p in PROPERTIES if split_of(e, p) == "train"} == set(PROPERTIES)
     with pytest.raises(ValueError, match="split must be one of"):
         tool_rows("unused", 1, split="dev")
+
+
+def test_query_rows_teach_every_pairs_call_and_show_no_value(tmp_path):
+    """``query_rows``: one row per (entity, property) pair, held-out pairs included, each a search row's first turn
+    alone (the gold call a search row makes) and nothing of the corpus: no hit and no value anywhere in the row."""
+    rows = query_rows(tmp_path, seed=0)
+    pairs = [(r.extra["entity"], r.extra["property"]) for r in rows]
+    assert sorted(pairs) == sorted((e, p) for e in ENTITIES for p in PROPERTIES)
+    assert {split_of(*pair) for pair in pairs} == set(SPLITS)
+    for row, (entity, prop) in zip(rows, pairs, strict=True):
+        [turn] = row.messages
+        [call] = parse_turn(turn.plain_text).tool_calls
+        assert turn.role == "assistant" and row.tools == TOOLS and Image.open(row.images[0]).size == (224, 224)
+        assert call.name == "search" and call.arguments == {"query": f"{entity} {prop}", "k": 1}
+        assert row.question == f"What is the {prop} of the object in the image?"  # as a search row asks
+        assert not set(re.findall(r"[a-z]+", json.dumps(row.to_dict()))) & set(VALUES)
 
 
 def test_rows_round_trip_through_the_file_and_the_same_seeds_build_the_same_rows(built, tmp_path):

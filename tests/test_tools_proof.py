@@ -119,6 +119,8 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
     # the baseline's mix: as many rows as the tool mix (as many steps), none offering or calling a tool
     mix, notool = load_rows(data / "sft_mix.jsonl"), load_rows(data / "sft_mix_notool.jsonl")
     assert len(mix) == len(notool) and all(r.tools == [] and len(r.messages) == 1 for r in notool)
+    queries = [r for r in mix if r.source == "synthetic/tools-query"]  # every pair's call, held-out ones too
+    assert len(queries) == len({(r.extra["entity"], r.extra["property"]) for r in queries}) == 64
     for phase in ("perception", "grounding", "entity", "copy"):  # tool-free warm-up rows, checked after each phase
         rows = load_rows(data / f"warmup_{phase}.jsonl")
         assert len(rows) == 4 and all(r.tools == [] for r in rows), phase

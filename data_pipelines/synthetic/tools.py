@@ -13,8 +13,8 @@ Four kinds of rows (``shares`` sets the mix; ``extra["kind"]`` says which):
   ``write_corpus``'s corpus, one hit), then the value that ends it. Values are one of ``VALUES``' 8 made-up words:
   the model reads which one the hit states, as it reads a color off an image; it does not learn to copy an arbitrary
   string at this scale (``docs/decisions/tool-choice-task.md``).
-* **code**: exact arithmetic on two-digit numbers, asked as an expression ("What is 47 * 38?", or a sum of three).
-  Gold: a ``code`` call whose program copies the question's expression (``print(47 * 38)``), the real sandboxed output,
+* **code**: exact arithmetic on two-digit numbers, asked as an expression ("What is 47*38?", or a sum of three).
+  Gold: a ``code`` call whose program copies the question's expression (``print(47*38)``), the real sandboxed output,
   then the printed number copied into the answer. The row shows an entity picture all the same, as every non-crop row
   does: whether there is an image never tells which tool to use; the question does.
 * **crop**: ``zoom.zoom_rows``' stripes tile (the quickstart's crop proof; its defaults in ``CROP``): the gold crop,
@@ -274,14 +274,15 @@ def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, st
 
 def arithmetic(rng: random.Random) -> tuple[str, str, int]:
     """A code row's computation: (question, program, result). A product of two two-digit numbers or a sum of three,
-    asked as the expression the program prints (``What is 47 * 38?`` -> ``print(47 * 38)``): the program copies a
-    stretch of the question token for token (``docs/decisions/tool-choice-task.md``)."""
+    asked as the expression the program prints (``What is 47*38?`` -> ``print(47*38)``): the program copies a stretch
+    of the question token for token, and without spaces each digit follows a digit or an operator that tells where
+    the copy is (``docs/decisions/tool-choice-task.md``)."""
     if rng.random() < 0.5:
-        terms, op = [rng.randint(12, 99), rng.randint(12, 99)], " * "
+        terms, op = [rng.randint(12, 99), rng.randint(12, 99)], "*"
     else:
-        terms, op = [rng.randint(12, 99) for _ in range(3)], " + "
+        terms, op = [rng.randint(12, 99) for _ in range(3)], "+"
     expression = op.join(map(str, terms))
-    return f"What is {expression}?", f"print({expression})", math.prod(terms) if op == " * " else sum(terms)
+    return f"What is {expression}?", f"print({expression})", math.prod(terms) if op == "*" else sum(terms)
 
 
 def _code(rng: random.Random, context: ToolContext, stem: Path):
