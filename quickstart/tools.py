@@ -30,6 +30,7 @@ from data_pipelines.synthetic.tools import (
     VALUES,
     arithmetic,
     draw_entity,
+    output_think,
     query_rows,
     tool_rows,
 )
@@ -95,7 +96,7 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    recipe = {"design": "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, gold copies, query rows", "seed": cfg.seed,
+    recipe = {"design": "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, gold copies, query rows, quoted output", "seed": cfg.seed,
               "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
               "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
@@ -194,8 +195,8 @@ def _copied(row_id: str, rng: random.Random) -> Row:
         think, question = CODE_THINK, asked
         answer = json.dumps({"name": "code", "arguments": {"code": program}})
     else:
-        question = f"{asked} A program printed:\nstdout:\n{result}"
-        think, answer = f"The program printed {result}.", str(result)
+        question = f"{asked} The code tool returned:\nstdout:\n{result}"  # as the tool's turn shows it
+        think, answer = output_think(str(result)), str(result)
     return Row(id=row_id, question=question, answer=answer, answer_type="exact", tools=[], source="synthetic/tools-copy",
                messages=[{"role": "assistant", "content": f"<think>{think}</think>\n<answer>{answer}</answer>"}],
                extra={"groups": {"skill": skill}})  # fmt: skip

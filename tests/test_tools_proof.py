@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipelines.synthetic.tools import CODE_THINK, TOOLS, split_of
+from data_pipelines.synthetic.tools import CODE_THINK, TOOLS, output_think, split_of
 from vagent.data import load_rows
 from vagent.toolbox.sandbox import Sandbox
 from vagent.training.metrics import read_metrics
@@ -94,6 +94,8 @@ def test_the_copy_warm_up_copies_as_the_gold_trajectories_do():
             }
         if skill == "query":
             assert json.loads(row.answer)["arguments"]["k"] == 1
+        if skill == "output":  # the code rows' last think: the tool's turn quoted, then the number
+            assert text.startswith(f"<think>{output_think(row.answer)}</think>") and "stdout:\n" in row.question
 
 
 def test_the_tools_proof_runs_every_stage(tmp_path):

@@ -69,6 +69,7 @@ __all__ = [
     "VALUES",
     "arithmetic",
     "draw_entity",
+    "output_think",
     "query_rows",
     "split_of",
     "tool_rows",
@@ -272,6 +273,13 @@ def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, st
     return question, value, messages, {"entity": entity, "property": prop, "query": f"{entity} {prop}"}
 
 
+def output_think(output: str) -> str:
+    """The gold think after a code call: it quotes the tool's turn (``stdout:`` and the number), so that the number
+    follows the same tokens as in the tool's turn and is copied from there, as a hit's value is copied after "is"
+    (``docs/decisions/tool-choice-task.md``)."""
+    return f"The program printed:\nstdout:\n{output}"
+
+
 def arithmetic(rng: random.Random) -> tuple[str, str, int]:
     """A code row's computation: (question, program, result). A product of two two-digit numbers or a sum of three,
     asked as the expression the program prints (``What is 47*38?`` -> ``print(47*38)``): the program copies a stretch
@@ -293,7 +301,7 @@ def _code(rng: random.Random, context: ToolContext, stem: Path):
     messages = [
         {"role": "assistant", "content": f"<think>{CODE_THINK}</think>\n{call}"},
         output,
-        {"role": "assistant", "content": f"<think>The program printed {answer}.</think>\n<answer>{answer}</answer>"},
+        {"role": "assistant", "content": f"<think>{output_think(answer)}</think>\n<answer>{answer}</answer>"},
     ]
     return question, answer, messages, {"program": program}
 
