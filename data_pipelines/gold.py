@@ -65,5 +65,9 @@ def tool_turn(name: str, arguments: dict, context: ToolContext, image_stem: Path
             next(images).save(path)
             part = {"type": "image", "path": str(path)}
         content.append(part)
-    call = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-    return call, {"role": "tool", "content": content}
+    return call_text(name, arguments), {"role": "tool", "content": content}
+
+
+def call_text(name: str, arguments: dict) -> str:
+    """A gold call as the policy writes it: its JSON inside ``<tool_call>`` tags."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"

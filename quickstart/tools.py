@@ -4,10 +4,11 @@ MAT-style rows (``data_pipelines.synthetic.tools``) offer ``search``, ``code`` a
 question says which one helps: a made-up fact of the pictured object that only the offline corpus states (search), an
 exact product or sum (code, run in the sandbox), the stripes of a small tile (crop), or what the picture shows (none).
 Test search rows ask facts held out of training (val rows others), so only a search answers them. The stages are the
-crop proof's (``quickstart.run.run``): a warm-up of four tool-free phases on other rows (the crop proof's perception and grounding
-on a smaller pool of tiles, naming the pictured object, copying a fact or numbers out of the question), SFT on the gold
-trajectories beside a no-tool baseline on the same rows answered directly, GRPO, evaluation scored with MAT's F1 and EM
-(``vagent eval --benchmark synthetic-tools``), and ``report.md`` with the row kind x tool called table.
+crop proof's (``quickstart.run.run``): a warm-up of four tool-free phases on other rows (the crop proof's perception
+and grounding on 3,000 tiles, naming the pictured object, copying what a gold trajectory copies), SFT on the gold
+trajectories (and every pair's search call, ``query_rows``) beside a no-tool baseline on the same rows answered
+directly, GRPO, evaluation scored with MAT's F1 and EM (``vagent eval --benchmark synthetic-tools``), and
+``report.md`` with the row kind x tool called table.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    recipe = {"design": "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, gold copies, query rows, quoted output", "seed": cfg.seed,
-              "corpus_seed": cfg.corpus_seed, "shares": cfg.shares, "frame": policy.frame,
-              "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
+    design = "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, gold copies, query rows, quoted output"
+    recipe = {"design": design, "seed": cfg.seed, "corpus_seed": cfg.corpus_seed, "shares": cfg.shares,
+              "frame": policy.frame, "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
         return paths
     knobs = dict(corpus_seed=cfg.corpus_seed, shares=tuple(cfg.shares), **policy.frame)
@@ -112,8 +113,8 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     reading = [r for r in support if r.source.endswith("reading")]
     shared = [r for r in support if not r.source.endswith("reading")]
     shared += [_named(f"{r.id}-name", r.images[0], r.extra["entity"]) for r in train if r.extra["kind"] == "search"]
-    queries = query_rows(out, seed=cfg.seed + 50_000, corpus_seed=cfg.corpus_seed)  # every pair's query, no value
-    named = [_named(f"{r.id}-name", r.images[0], r.extra["entity"]) for r in queries]  # the baseline's instead
+    queries = query_rows(out, seed=cfg.seed + 50_000)  # every pair's call, no hit or value
+    baseline_named = [_named(f"{r.id}-name", r.images[0], r.extra["entity"]) for r in queries]  # the baseline's
     write_rows(train, paths["train"])
     write_rows(test, paths["test"])
     write_rows(val, paths["val"])
@@ -121,7 +122,7 @@ def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
         write_rows(warmup[phase], paths[f"warmup_{phase}"])
         write_rows(checks[phase], paths[f"check_{phase}"])
     write_rows(train + reading + shared + queries, paths["sft_mix"])
-    write_rows([answered_directly(r) for r in train + reading] + shared + named, paths["sft_mix_notool"])
+    write_rows([answered_directly(r) for r in train + reading] + shared + baseline_named, paths["sft_mix_notool"])
     kinds = Counter(r.extra["kind"] for r in train)
     print(f"{len(train)} train rows ({', '.join(f'{kinds[k]} {k}' for k in KINDS)}) + {len(reading)} reading, "
           f"{len(shared)} perception, grounding and naming rows and {len(queries)} query rows (the baseline: their "
@@ -177,7 +178,7 @@ def _named(row_id: str, image: str, entity: str) -> Row:
 def _copied(row_id: str, rng: random.Random) -> Row:
     """A tool-free row that trains one copy a gold trajectory makes, in the words and at the distance the gold makes
     it (a model this small copies at the offsets it was trained on): the search call's query from the question and
-    the object's name (``query``), the value from the hit (``value``), the program from the question's numbers
+    the object's name (``query``), the value from the hit (``value``), the program from the question's expression
     (``program``), or the printed number from the output (``output``). A call is written inside ``<answer>`` as the
     JSON the gold call holds, so the check scores it exactly; values and numbers are drawn as the rows draw them."""
     skill = rng.choice(("query", "value", "program", "output"))

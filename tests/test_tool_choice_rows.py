@@ -131,11 +131,13 @@ def test_a_code_rows_answer_is_the_sandboxs_output_and_the_exact_result(built):
         [(call, turn)] = _tool_turns(row)
         assert turn.content[0].text == f"stdout:\n{row.answer[0]}"
         numbers = [int(n) for n in re.findall(r"\d+", row.question)]
-        assert len(numbers) == (2 if "*" in row.question else 3) and all(10 <= n <= 99 for n in numbers)
+        assert len(numbers) == (2 if "*" in row.question else 3) and all(12 <= n <= 99 for n in numbers)
         assert int(row.answer[0]) == (math.prod(numbers) if "*" in row.question else sum(numbers))
         # the program prints the question's expression, copied token for token
         expression = row.question.removeprefix("What is ").removesuffix("?")
         assert call.arguments["code"] == f"print({expression})"
+        # the last think quotes the tool's turn, so the number follows the same tokens there as in the tool's turn
+        assert f"<think>The program printed:\n{turn.content[0].text}</think>" in row.messages[-1].plain_text
 
 
 def test_without_the_search_a_test_search_row_is_a_guess_among_eight(built):
@@ -160,7 +162,7 @@ def test_without_the_search_a_test_search_row_is_a_guess_among_eight(built):
     assert max(f1(word) for word in VALUES) == 1 / len(VALUES)
     listed = [" ".join(c) for k in range(1, len(VALUES) + 1) for c in itertools.combinations(VALUES, k)]
     assert max(map(f1, listed)) == pytest.approx(2 / 9) == f1(" ".join(VALUES))
-    # each entity keeps one pair for test and one for val; every property is searched in training: only pairs are new
+    # each entity keeps one pair for test and one for val, every property searched in training: no held-out value
     for split in ("test", "val"):
         assert sum(split_of(e, p) == split for e in ENTITIES for p in PROPERTIES) == len(ENTITIES)
         assert {p for e in ENTITIES for p in PROPERTIES if split_of(e, p) == split} == set(PROPERTIES)
@@ -197,27 +199,32 @@ def test_rows_round_trip_through_the_file_and_the_same_seeds_build_the_same_rows
     assert np.array_equal(np.asarray(Image.open(again[0].images[0])), np.asarray(Image.open(train[0].images[0])))
 
 
-def test_the_sft_encoder_takes_a_batch_of_every_kind(built, tiny_qwen25):
-    """A micro-batch of one row of each kind encodes, and its loss mask trains the calls and answers, never the
-    hits or the program's output."""
+def test_the_sft_encoder_takes_a_batch_of_every_kind(built, tiny_qwen25, tmp_path):
+    """A micro-batch of one row of each kind and a query row (a conversation that ends on its call) encodes, and
+    its loss mask trains the calls and answers, never the hits or the program's output (but where the gold think
+    quotes it)."""
     from vagent.model import load_policy
     from vagent.training.data import SFTDataset
 
     train, _, _, _ = built
     rows = [next(r for r in train if r.extra["kind"] == kind) for kind in KINDS]
+    rows.append(next(q for q in query_rows(tmp_path) if all(q.question != r.question for r in rows)))
     policy = load_policy(tiny_qwen25, device="cpu", dtype="float32")
     min_pixels, max_pixels = policy.pixel_budget
     data = SFTDataset(rows, policy.processor, default_tools=[], max_length=10**5, micro_batch_size=4, seed=0,
                       group_by_length=False, group_batches=1, min_pixels=min_pixels, max_pixels=max_pixels,
                       factor=policy.image_factor)  # fmt: skip
-    assert data.skipped == [] and len(data) == 1
-    batch = data[0]
+    assert data.skipped == [] and len(data) == 2
+    batch = {key: [x for i in range(len(data)) for x in data[i][key]] for key in ("input_ids", "loss_mask")}
     texts = [policy.tokenizer.decode(ids) for ids in batch["input_ids"]]
     trained = [policy.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(batch["input_ids"], batch["loss_mask"],
                                                                                 strict=True)]  # fmt: skip
     for row in rows:
         [k] = [k for k, text in enumerate(texts) if row.question in text]
         assert all(f'"name": "{tool}"' in texts[k] for tool in TOOLS)  # the system prompt offers all three
+        if row.source == "synthetic/tools-query":  # its call is trained, and nothing follows it
+            assert f'"query": "{row.answer}"' in trained[k] and trained[k].rstrip().endswith("<|im_end|>")
+            continue
         assert f"{row.answer[0]}</answer>" in trained[k]
         for _, turn in _tool_turns(row):
             observed = next(p.text for p in turn.content if p.type == "text")

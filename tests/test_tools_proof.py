@@ -123,6 +123,9 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
     assert len(mix) == len(notool) and all(r.tools == [] and len(r.messages) == 1 for r in notool)
     queries = [r for r in mix if r.source == "synthetic/tools-query"]  # every pair's call, held-out ones too
     assert len(queries) == len({(r.extra["entity"], r.extra["property"]) for r in queries}) == 64
+    assert all(len(r.messages) == 1 for r in queries)  # the call alone: no hit, no value
+    named = {r.images[0] for r in notool if r.id.startswith("tools-query-")}  # the baseline: the same pictures named
+    assert named == {r.images[0] for r in queries}
     for phase in ("perception", "grounding", "entity", "copy"):  # tool-free warm-up rows, checked after each phase
         rows = load_rows(data / f"warmup_{phase}.jsonl")
         assert len(rows) == 4 and all(r.tools == [] for r in rows), phase

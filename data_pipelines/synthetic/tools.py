@@ -31,7 +31,7 @@ out of training (``split_of``): one that only ``split="test"`` rows ask, one tha
 (a run's model selection then never sees a test fact), and ``split="train"`` rows ask the other two. No training
 answer tells a test row's value, as each pair's value is drawn independently; what a tool policy needs there was all
 trained: it has named that entity (direct rows, other properties), searched that property (other entities), and read
-the value off the hit.
+the value off the hit. ``query_rows`` add each pair's search call alone (no hit, no value), held-out pairs included.
 
 Answers are lists of strings with ``answer_type="f1"``: MAT's token F1 / EM, max over the golds, as Visual-ARFT's
 evaluation code scores them (``vagent.eval.benchmarks.mat_search``, ``mat_coding``). Every tool turn is the real
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from data_pipelines.gold import tool_turn
+from data_pipelines.gold import call_text, tool_turn
 from data_pipelines.synthetic.zoom import zoom_rows
 from vagent.data import Row, write_rows
 from vagent.geometry import Convention
@@ -222,27 +222,27 @@ def tool_rows(out_dir: str | Path, n: int, *, seed: int = 0, corpus_seed: int = 
     return rows
 
 
-def query_rows(out_dir: str | Path, *, seed: int = 0, corpus_seed: int = 0,
+def query_rows(out_dir: str | Path, *, seed: int = 0, search_k: int = 1,
                size: tuple[int, int] = (224, 224)) -> list[Row]:  # fmt: skip
-    """One row per (entity, property) pair of corpus ``corpus_seed``, held-out pairs included: a search row's first
-    turn alone, the think naming the pictured object and the call, without the hit or the answer (no value is ever
-    shown; the answer field holds the query). Train search rows ask each object only its training properties; a
-    policy trained on them alone learns which properties each object is asked about and writes those into a held-out
-    pair's query. These rows train the query as the question's property, for every object
+    """One row per (entity, property) pair, held-out pairs included: a search row's first turn alone, the think
+    naming the pictured object and the call (``search_k`` hits asked), built without the corpus, so no hit and no
+    value is in it (the answer field holds the query). Train search rows ask each object only its training
+    properties; a policy trained on them alone learns which properties each object is asked about and writes those
+    into a held-out pair's query. These rows train the query as the question's property, for every object; a
+    held-out row's question and first turn are then trained too (on another picture), never its value
     (``docs/decisions/tool-choice-task.md``)."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    corpus = write_corpus(out, corpus_seed)
-    search, facts, rows = BM25Backend(corpus), world(corpus_seed), []
+    rows = []
     for i, (entity, prop) in enumerate((e, p) for e in ENTITIES for p in PROPERTIES):
         row_id, rng = f"tools-query-{seed}-{i}", random.Random(f"tools-query/{seed}/{i}")
-        image, image_path = draw_entity(entity, rng, size), out / "images" / f"tools-query-{seed}-{i}.png"
-        image.save(image_path)
-        context = ToolContext(images=[image], search=search)  # a search call reads no frame
-        question, _, messages, extra = _search(entity, prop, facts[entity, prop], context, 1, out / "images" / row_id)
-        rows.append(Row(id=row_id, source="synthetic/tools-query", images=[str(image_path)], question=question,
-                        answer=extra["query"], answer_type="exact", tools=list(TOOLS), messages=messages[:1],
-                        extra={"kind": "query", "corpus": corpus.name, **extra}))  # fmt: skip
+        image_path = out / "images" / f"{row_id}.png"
+        draw_entity(entity, rng, size).save(image_path)
+        turn = {"role": "assistant", "content": _search_call(entity, prop, search_k)}
+        extra = {"kind": "query", "entity": entity, "property": prop, "query": f"{entity} {prop}"}
+        rows.append(Row(id=row_id, source="synthetic/tools-query", images=[str(image_path)],
+                        question=_search_question(prop), answer=extra["query"], answer_type="exact",
+                        tools=list(TOOLS), messages=[turn], extra=extra))  # fmt: skip
     return rows
 
 
@@ -259,17 +259,26 @@ def _kinds(n: int, shares: tuple[float, ...], rng: random.Random) -> list[str]:
     return kinds
 
 
+def _search_question(prop: str) -> str:
+    return f"What is the {prop} of the object in the image?"
+
+
+def _search_call(entity: str, prop: str, k: int) -> str:
+    """A search row's first turn: the think naming the pictured object, then the call."""
+    think = f"The image shows a {entity}. Its {prop} is not in the image, so I will search for it."
+    return f"<think>{think}</think>\n{call_text('search', {'query': f'{entity} {prop}', 'k': k})}"
+
+
 def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, stem: Path):
     """Name the entity, search "<entity> <property>", answer with the value that ends the first hit."""
-    call, hits = tool_turn("search", {"query": f"{entity} {prop}", "k": k}, context, stem)
+    _, hits = tool_turn("search", {"query": f"{entity} {prop}", "k": k}, context, stem)
     messages = [
-        {"role": "assistant", "content": f"<think>The image shows a {entity}. Its {prop} is not in the image, so I "
-                                         f"will search for it.</think>\n{call}"},
+        {"role": "assistant", "content": _search_call(entity, prop, k)},
         hits,
         {"role": "assistant", "content": f"<think>The first result says the {prop} of the {entity} is {value}."
                                          f"</think>\n<answer>{value}</answer>"},
     ]  # fmt: skip
-    question = f"What is the {prop} of the object in the image?"
+    question = _search_question(prop)
     return question, value, messages, {"entity": entity, "property": prop, "query": f"{entity} {prop}"}
 
 
