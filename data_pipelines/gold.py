@@ -69,5 +69,10 @@ def tool_turn(name: str, arguments: dict, context: ToolContext, image_stem: Path
 
 
 def call_text(name: str, arguments: dict) -> str:
-    """A gold call as the policy writes it: its JSON inside ``<tool_call>`` tags."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    """A gold call as the policy writes it: its JSON (``call_json``) inside ``<tool_call>`` tags."""
+    return f"<tool_call>\n{call_json(name, arguments)}\n</tool_call>"
+
+
+def call_json(name: str, arguments: dict) -> str:
+    """A gold call's JSON, as ``<tool_call>`` holds it."""
+    return json.dumps({"name": name, "arguments": arguments})

@@ -14,13 +14,13 @@ directly, GRPO, evaluation scored with MAT's F1 and EM (``vagent eval --benchmar
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from data_pipelines.gold import call_json
 from data_pipelines.synthetic.tools import (
     CODE_THINK,
     CROP,
@@ -33,7 +33,9 @@ from data_pipelines.synthetic.tools import (
     draw_entity,
     output_think,
     query_rows,
+    search_think,
     tool_rows,
+    value_think,
 )
 from quickstart.config import ToolsConfig
 from quickstart.data import built, mark_built, support_rows, warmup_runs
@@ -186,15 +188,14 @@ def _copied(row_id: str, rng: random.Random) -> Row:
     asked, program, result = arithmetic(rng)
     if skill == "query":
         question = f"The object in the image is a {entity}. What is the {prop} of the object in the image?"
-        think = f"The image shows a {entity}. Its {prop} is not in the image, so I will search for it."
-        answer = json.dumps({"name": "search", "arguments": {"query": f"{entity} {prop}", "k": 1}})
+        think, answer = search_think(entity, prop), call_json("search", {"query": f"{entity} {prop}", "k": 1})
     elif skill == "value":
         question = (f'Search results for "{entity} {prop}":\n1. {entity.capitalize()}: {prop}\n   The {prop} of the '
                     f"{entity} is {value}.\nWhat is the {prop} of the {entity}?")  # fmt: skip
-        think, answer = f"The first result says the {prop} of the {entity} is {value}.", value
+        think, answer = value_think(entity, prop, value), value
     elif skill == "program":
         think, question = CODE_THINK, asked
-        answer = json.dumps({"name": "code", "arguments": {"code": program}})
+        answer = call_json("code", {"code": program})
     else:
         question = f"{asked} The code tool returned:\nstdout:\n{result}"  # as the tool's turn shows it
         think, answer = output_think(str(result)), str(result)

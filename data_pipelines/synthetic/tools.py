@@ -71,8 +71,10 @@ __all__ = [
     "draw_entity",
     "output_think",
     "query_rows",
+    "search_think",
     "split_of",
     "tool_rows",
+    "value_think",
     "world",
     "write_corpus",
 ]
@@ -263,10 +265,19 @@ def _search_question(prop: str) -> str:
     return f"What is the {prop} of the object in the image?"
 
 
+def search_think(entity: str, prop: str) -> str:
+    """A search row's first think: it names the pictured object and the asked property."""
+    return f"The image shows a {entity}. Its {prop} is not in the image, so I will search for it."
+
+
+def value_think(entity: str, prop: str, value: str) -> str:
+    """A search row's last think: the hit's sentence repeated, so the value follows the same words as in the hit."""
+    return f"The first result says the {prop} of the {entity} is {value}."
+
+
 def _search_call(entity: str, prop: str, k: int) -> str:
     """A search row's first turn: the think naming the pictured object, then the call."""
-    think = f"The image shows a {entity}. Its {prop} is not in the image, so I will search for it."
-    return f"<think>{think}</think>\n{call_text('search', {'query': f'{entity} {prop}', 'k': k})}"
+    return f"<think>{search_think(entity, prop)}</think>\n{call_text('search', {'query': f'{entity} {prop}', 'k': k})}"
 
 
 def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, stem: Path):
@@ -275,8 +286,8 @@ def _search(entity: str, prop: str, value: str, context: ToolContext, k: int, st
     messages = [
         {"role": "assistant", "content": _search_call(entity, prop, k)},
         hits,
-        {"role": "assistant", "content": f"<think>The first result says the {prop} of the {entity} is {value}."
-                                         f"</think>\n<answer>{value}</answer>"},
+        {"role": "assistant",
+         "content": f"<think>{value_think(entity, prop, value)}</think>\n<answer>{value}</answer>"},
     ]  # fmt: skip
     question = _search_question(prop)
     return question, value, messages, {"entity": entity, "property": prop, "query": f"{entity} {prop}"}
