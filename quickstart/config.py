@@ -262,8 +262,13 @@ class ToolsConfig(ProofConfig):
     corpus_seed: int = option(
         0, "The world: the search corpus and its facts, one for every split; GRPO and the evaluations search it."
     )
-    train_rows: int = option(448, "Tool-choice rows with gold trajectories for SFT (and prompts for GRPO).")
+    train_rows: int = option(448, "Tool-choice rows with gold trajectories for SFT.")
     test_rows: int = option(192, "Held-out rows the policies are evaluated on (search rows ask test's held-out facts).")
+    grpo_rows: int = option(
+        128,
+        "GRPO's prompts (and Tool-Star's), drawn apart from train: search rows ask train's facts, code rows numbers of "
+        "their own, crop and direct rows their own pictures, so no answer is one SFT trained on (0: train's rows).",
+    )
     val_rows: int = option(
         64,
         "Held-out rows GRPO answers every grpo_val_every steps, keeping its best step (search rows ask facts held out "

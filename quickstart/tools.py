@@ -14,15 +14,15 @@ directly, GRPO, evaluation scored with MAT's F1 and EM (``vagent eval --benchmar
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from data_pipelines.gold import call_json
+from data_pipelines.gold import call_json, call_text
 from data_pipelines.synthetic.tools import (
-    CODE_THINK,
     CROP,
     ENTITIES,
     KINDS,
@@ -30,8 +30,8 @@ from data_pipelines.synthetic.tools import (
     TOOLS,
     VALUES,
     arithmetic,
+    code_turns,
     draw_entity,
-    output_think,
     query_rows,
     search_think,
     tool_rows,
@@ -60,6 +60,7 @@ from vagent.eval.runner import evaluate, read_samples, write_table
 from vagent.model import load_policy
 from vagent.recipes import sft
 from vagent.recipes.evaluate import bar_chart
+from vagent.training.data import gold_reproduced
 
 # GRPO's rewards: the answer (F1, the row's answer type), the format, the crop's IoU with the tile (crop rows; 0
 # elsewhere), a penalty for a failed call (the crop proof's). No tool_bonus: it would pay a call on a direct row that
@@ -73,7 +74,7 @@ TOOLS_TARGETS = {**TARGETS, "ratio": 2.0, "f1_floor": 0.5, "right_tool": 0.7}
 NAME_QUESTION = "What is the object in the image? Answer with its color and shape."
 # What each warm-up phase's check reads (the report's lines).
 WHAT = {"perception": "the stripes read from a gold crop", "grounding": "the tile's box (IoU >= 0.5)",
-        "entity": "the pictured object's color and shape", "copy": "a query, value, program or output copied as the gold copies it"}  # fmt: skip
+        "entity": "the pictured object's color and shape", "copy": "a query, a value, or a program and its printed number, copied as the gold copies them"}  # fmt: skip
 LEGEND = (
     "Runs: `no-tool baseline` = trained from the same warm-up on the same rows answered directly without a tool, for "
     "as many steps (a test search row asks a fact held out of training, a code row numbers drawn for it: it can only "
@@ -88,26 +89,31 @@ LEGEND = (
 
 
 def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
-    """The corpus, train (gold rows, GRPO's prompts), test and val (each its own held-out facts), each warm-up phase's
+    """The corpus, train (gold rows), test and val (each its own held-out facts), grpo (GRPO's prompts, drawn apart
+    from train, as train asks: no answer one SFT trained on; ``cfg.grpo_rows``), each warm-up phase's
     rows and their checks, and the two SFT mixes: ``sft_mix`` (train, the crop rows' reading rows, the perception,
     grounding and naming rows of train's pictures, and ``query_rows``: every pair's search call, no value) and
     ``sft_mix_notool`` (the same rows, each tool trajectory answered directly and each query row's picture named: as
     many rows, so as many steps). Points ``cfg.toolbox.search_corpus`` at the corpus: the run's GRPO and evaluations
     search the world the rows were built in."""
     names = ("train", "test", "val", "sft_mix", "sft_mix_notool", *(f"warmup_{p}" for p in ToolsConfig.PHASES),
-             *(f"check_{p}" for p in ToolsConfig.PHASES))  # fmt: skip
+             *(f"check_{p}" for p in ToolsConfig.PHASES), *(["grpo"] if cfg.grpo_rows else []))  # fmt: skip
     paths = {name: out / f"{name}.jsonl" for name in names}
     corpus = out / f"corpus-{cfg.corpus_seed}.jsonl"  # tool_rows writes it
     cfg.toolbox.search_corpus = str(corpus.resolve())
-    design = "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, gold copies, query rows, quoted output"
+    design = "val pairs, 8 values, one hit, 4 shapes, 2-digit expressions, query rows, quoted output, code trajectories"
     recipe = {"design": design, "seed": cfg.seed, "corpus_seed": cfg.corpus_seed, "shares": cfg.shares,
-              "frame": policy.frame, "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows]}  # fmt: skip
+              "frame": policy.frame, "rows": [cfg.train_rows, cfg.test_rows, cfg.val_rows, cfg.warmup_rows, cfg.grpo_rows]}  # fmt: skip
     if corpus.is_file() and built(out, paths, recipe):
         return paths
     knobs = dict(corpus_seed=cfg.corpus_seed, shares=tuple(cfg.shares), **policy.frame)
     train = _grouped(tool_rows(out, cfg.train_rows, seed=cfg.seed, split="train", **knobs))
     test = _grouped(tool_rows(out, cfg.test_rows, seed=cfg.seed + 10_000, split="test", **knobs))
     val = _grouped(tool_rows(out, cfg.val_rows, seed=cfg.seed + 30_000, split="val", **knobs)) if cfg.val_rows else []
+    if cfg.grpo_rows:
+        write_rows(
+            _grouped(tool_rows(out, cfg.grpo_rows, seed=cfg.seed + 60_000, split="train", **knobs)), paths["grpo"]
+        )
     warmup = skill_rows(out, cfg.warmup_rows, cfg.seed + 20_000, policy)
     checks = skill_rows(out, cfg.val_rows, cfg.seed + 40_000, policy)
     crops = [dataclasses.replace(r, answer=r.answer[0]) for r in train if r.extra["kind"] == "crop"]
@@ -178,27 +184,27 @@ def _named(row_id: str, image: str, entity: str) -> Row:
 
 
 def _copied(row_id: str, rng: random.Random) -> Row:
-    """A tool-free row that trains one copy a gold trajectory makes, in the words and at the distance the gold makes
-    it (a model this small copies at the offsets it was trained on): the search call's query from the question and
-    the object's name (``query``), the value from the hit (``value``), the program from the question's expression
-    (``program``), or the printed number from the output (``output``). A call is written inside ``<answer>`` as the
-    JSON the gold call holds, so the check scores it exactly; values and numbers are drawn as the rows draw them."""
-    skill = rng.choice(("query", "value", "program", "output"))
+    """A tool-free row that trains the copies a gold trajectory makes, in the words and at the distance the gold makes
+    them (a model this small copies at the offsets it was trained on): the search call's query from the question and
+    the object's name (``query``), the value from the hit (``value``), or a whole code trajectory without its picture
+    and the tools' schemas (``code``, half the rows): the program copied from the question's expression, the tool's
+    turn as the sandbox prints it, and the printed number copied into the think and the answer. A search call is
+    written inside ``<answer>`` as the JSON the gold call holds; values and numbers are drawn as the rows draw them."""
+    skill = rng.choice(("query", "value", "code", "code"))
     entity, prop, value = rng.choice(ENTITIES), rng.choice(PROPERTIES), rng.choice(VALUES)
     asked, program, result = arithmetic(rng)
+    if skill == "code":
+        printed = {"role": "tool", "content": f"stdout:\n{result}"}  # the code tool's turn (a test runs the sandbox)
+        turns = code_turns(call_text("code", {"code": program}), printed, str(result))
+        return Row(id=row_id, question=asked, answer=str(result), answer_type="exact", tools=[], messages=turns,
+                   source="synthetic/tools-copy", extra={"groups": {"skill": skill}})  # fmt: skip
     if skill == "query":
         question = f"The object in the image is a {entity}. What is the {prop} of the object in the image?"
         think, answer = search_think(entity, prop), call_json("search", {"query": f"{entity} {prop}", "k": 1})
-    elif skill == "value":
+    else:
         question = (f'Search results for "{entity} {prop}":\n1. {entity.capitalize()}: {prop}\n   The {prop} of the '
                     f"{entity} is {value}.\nWhat is the {prop} of the {entity}?")  # fmt: skip
         think, answer = value_think(entity, prop, value), value
-    elif skill == "program":
-        think, question = CODE_THINK, asked
-        answer = call_json("code", {"code": program})
-    else:
-        question = f"{asked} The code tool returned:\nstdout:\n{result}"  # as the tool's turn shows it
-        think, answer = output_think(str(result)), str(result)
     return Row(id=row_id, question=question, answer=answer, answer_type="exact", tools=[], source="synthetic/tools-copy",
                messages=[{"role": "assistant", "content": f"<think>{think}</think>\n<answer>{answer}</answer>"}],
                extra={"groups": {"skill": skill}})  # fmt: skip
@@ -217,17 +223,27 @@ def warmup(cfg: ToolsConfig, out: Path, base: Path, data: dict[str, Path]) -> tu
 
 def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg: ToolsConfig) -> dict[str, Any]:
     """A warm-up phase's checkpoint on its val rows, greedy: accuracy by group (the stripes' direction; the box; the
-    object's shape; a word or numbers copied)."""
+    object's shape; a copy row's skill, its gold reproduced token by token: ``gold_reproduced``, which needs no
+    sandbox for a code row's tool turn)."""
     rows = load_rows(rows_path)
-    limits = dataclasses.replace(_greedy(cfg), max_turns=1)  # a copy row's think and call take up to about 70 tokens
-    evaluate(load_policy(model_dir, device=cfg.model.device or "cpu"), BENCHMARKS["synthetic"], rows, out / "eval" / run,
-             tools=[], limits=limits, batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
+    policy = load_policy(model_dir, device=cfg.model.device or "cpu")
     scores: dict[str, list[float]] = {}
-    for s in read_samples(out / "eval" / run / "samples.jsonl"):
-        gold = str(s["gold"][0])
-        group = {"perception": gold, "grounding": "box", "entity": gold.split()[-1],
-                 "copy": s["groups"].get("skill", "copy")}[phase]  # fmt: skip
-        scores.setdefault(group, []).append(s["accuracy"])
+    if phase == "copy":
+        reproduced = gold_reproduced(policy, rows)
+        verdicts = [
+            {"id": row.id, "skill": row.extra["groups"]["skill"], "reproduced": reproduced[row.id]} for row in rows
+        ]
+        (out / "eval" / run).mkdir(parents=True, exist_ok=True)
+        (out / "eval" / run / "reproduced.jsonl").write_text("".join(json.dumps(v) + "\n" for v in verdicts))
+        for v in verdicts:
+            scores.setdefault(v["skill"], []).append(float(v["reproduced"]))
+    else:
+        evaluate(policy, BENCHMARKS["synthetic"], rows, out / "eval" / run, tools=[],
+                 limits=dataclasses.replace(_greedy(cfg), max_turns=1), batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
+        for s in read_samples(out / "eval" / run / "samples.jsonl"):
+            gold = str(s["gold"][0])
+            group = {"perception": gold, "grounding": "box", "entity": gold.split()[-1]}[phase]
+            scores.setdefault(group, []).append(s["accuracy"])
     result = {"phase": phase, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)
     return result

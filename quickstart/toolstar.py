@@ -1,6 +1,6 @@
 """Tool-Star's reward, plain and with self-critic, on the search-and-code task (the tools proof's last stage).
 
-Two GRPO runs from the tools proof's SFT policy, on its train prompts, with its seed, steps and every other setting:
+Two GRPO runs from the tools proof's SFT policy, on its GRPO prompts, with its seed, steps and every other setting:
 the reward is Tool-Star's hierarchical one alone (``vagent.rewards.tool_star``: -1 for a format violation, 0 for a
 wrong answer, else the F1 plus 0.1 when the episode used two kinds of tool), once plain and once with
 ``grpo.self_critic`` (a DPO term inside each GRPO update on the step's own groups: Tool-Star's pair rule, not its

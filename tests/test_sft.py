@@ -367,3 +367,37 @@ def test_the_vision_tower_can_train_at_its_own_learning_rate(policy):
     assert max(lrs) / min(lrs) == pytest.approx(10.0)
     with pytest.raises(ConfigError, match="vision_lr_scale"):
         load_config(SFTConfig, None, ["optim.vision_lr_scale=0"])
+
+
+def test_gold_reproduced_is_whether_every_trained_token_is_the_argmax(policy, rows_file, monkeypatch):
+    """``gold_reproduced`` gives a row True when every token SFT trains on is the model's argmax after the gold before
+    it. The random model reproduces no row, and a row SFT cannot build is False. A model whose argmax is the gold's
+    next token everywhere but at one row's last trained token reproduces every other row, the rows spread over
+    micro-batches as SFT batches them."""
+    import dataclasses
+
+    from vagent.training import data as sft_data
+
+    rows = load_rows(rows_file)
+    broken = dataclasses.replace(rows[0], id="broken", images=["/nonexistent.png"])
+    assert sft_data.gold_reproduced(policy, [*rows, broken], ["crop"], micro_batch_size=3) == {
+        r.id: False for r in [*rows, broken]
+    }
+    min_pixels, max_pixels = policy.pixel_budget
+    one = SFTDataset([rows[5]], policy.processor, max_length=10**6, default_tools=["crop"], micro_batch_size=1, seed=0,
+                     group_by_length=False, group_batches=1, min_pixels=min_pixels, max_pixels=max_pixels, factor=28)  # fmt: skip
+    spoiled = one[0]["input_ids"][0]
+
+    def argmax_is_the_gold(model, batch, positions):
+        targets = batch["input_ids"][:, 1:][positions[:, :-1]]
+        logits = torch.nn.functional.one_hot(targets, num_classes=int(targets.max()) + 2).float()
+        for i, ids in enumerate(batch["input_ids"]):
+            if len(ids) >= len(spoiled) and torch.equal(ids[: len(spoiled)], spoiled):
+                last = int(positions[: i + 1].sum()) - 1  # row i's last trained token, in the flattened logits
+                logits[last] = logits[last].roll(1)
+        return logits
+
+    monkeypatch.setattr(sft_data, "policy_logits", argmax_is_the_gold)
+    assert sft_data.gold_reproduced(policy, rows, ["crop"], micro_batch_size=3) == {
+        r.id: r.id != rows[5].id for r in rows
+    }

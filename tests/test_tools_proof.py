@@ -5,11 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from data_pipelines.synthetic.tools import CODE_THINK, TOOLS, output_think, split_of
+from vagent.chat import observation_content, parse_turn
 from vagent.data import load_rows
 from vagent.toolbox.sandbox import Sandbox
 from vagent.training.metrics import read_metrics
@@ -59,43 +61,41 @@ def test_the_tool_star_section_counts_what_the_reward_counts():
     assert paired_interval([0.5] * 4) == (0.5, 0.5, 0.5)
 
 
-def _copied_out_of_the_question(row) -> bool:
-    """Whether a copy row's answer is made of what its question states: a value or a printed number as it is, a
-    search call's query words, a program's numbers."""
-    import re
-
-    if row.answer.startswith("{"):
-        arguments = json.loads(row.answer)["arguments"]
-        copied = re.findall(r"\d+", arguments["code"]) if "code" in arguments else arguments["query"].split()
-        return all(part in row.question for part in copied)
-    return row.answer in row.question
-
-
 def test_the_copy_warm_up_copies_as_the_gold_trajectories_do():
-    """Each copy skill's gold ends with the words a gold trajectory writes at that point, the copy made at the same
-    distance: the search call's JSON after its think, the value after the hit's sentence, the program after the code
-    think, the printed number after its output."""
+    """Each copy skill's gold holds the words a gold trajectory writes at that point, the copy made at the same
+    distance: the search call's JSON after its think (from the question's object and property), the value after the
+    hit's sentence, and for code (half the rows) a whole code trajectory without its picture or the tools' schemas:
+    the program copied from the question's expression, the tool's turn the sandbox prints for it (run here), and the
+    printed number quoted, then answered."""
     import random
 
     from quickstart.tools import _copied
+    from vagent.toolbox import ToolContext, call_tool
 
     rows = [_copied(f"c{i}", random.Random(i)) for i in range(200)]
-    skills = {r.extra["groups"]["skill"] for r in rows}
-    assert skills == {"query", "value", "program", "output"}
-    assert all(_copied_out_of_the_question(r) for r in rows)
+    skills = Counter(r.extra["groups"]["skill"] for r in rows)
+    assert set(skills) == {"query", "value", "code"} and 0.4 < skills["code"] / len(rows) < 0.6
+    assert all(row.tools == [] and not row.images for row in rows)
     for row in rows:
-        text, skill = row.messages[0].content[0].text, row.extra["groups"]["skill"]
-        assert text.endswith(f"</think>\n<answer>{row.answer}</answer>") and row.tools == []
-        if skill == "program":  # as the code rows' gold call: the same think, then the same JSON
-            assert text.startswith(f"<think>{CODE_THINK}</think>")
-            assert json.loads(row.answer) == {
-                "name": "code",
-                "arguments": {"code": json.loads(row.answer)["arguments"]["code"]},
-            }
+        text, skill = row.messages[-1].plain_text, row.extra["groups"]["skill"]
+        assert text.endswith(f"</think>\n<answer>{row.answer}</answer>")
         if skill == "query":
-            assert json.loads(row.answer)["arguments"]["k"] == 1
-        if skill == "output":  # the code rows' last think: the tool's turn quoted, then the number
-            assert text.startswith(f"<think>{output_think(row.answer)}</think>") and "stdout:\n" in row.question
+            call = json.loads(row.answer)
+            assert call["name"] == "search" and call["arguments"]["k"] == 1
+            assert all(word in row.question for word in call["arguments"]["query"].split())
+        if skill == "value":
+            assert len(row.messages) == 1 and f"is {row.answer}." in row.question
+        if skill != "code":
+            continue
+        [call], tool, answer = parse_turn(row.messages[0].plain_text).tool_calls, row.messages[1], row.messages[2]
+        expression = row.question.removeprefix("What is ").removesuffix("?")
+        assert row.messages[0].plain_text.startswith(f"<think>{CODE_THINK}</think>")
+        assert (call.name, call.arguments) == ("code", {"code": f"print({expression})"})
+        assert tool.role == "tool" and answer.plain_text.startswith(f"<think>{output_think(row.answer)}</think>")
+    sandboxed = next(row for row in rows if row.extra["groups"]["skill"] == "code")
+    [call] = parse_turn(sandboxed.messages[0].plain_text).tool_calls
+    observation = call_tool(call, ToolContext(), offered=["code"])
+    assert [part["text"] for part in observation_content(observation)] == [sandboxed.messages[1].plain_text]
 
 
 def test_the_tools_proof_runs_every_stage(tmp_path):
@@ -129,8 +129,11 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
     for phase in ("perception", "grounding", "entity", "copy"):  # tool-free warm-up rows, checked after each phase
         rows = load_rows(data / f"warmup_{phase}.jsonl")
         assert len(rows) == 4 and all(r.tools == [] for r in rows), phase
-        assert (tmp_path / "eval" / f"sft-warmup-{phase}" / "samples.jsonl").is_file(), phase
-    assert all(_copied_out_of_the_question(r) for r in load_rows(data / "warmup_copy.jsonl"))
+        verdicts = "reproduced.jsonl" if phase == "copy" else "samples.jsonl"  # copy: teacher-forced, no rollout
+        assert (tmp_path / "eval" / f"sft-warmup-{phase}" / verdicts).is_file(), phase
+    # GRPO's prompts are drawn apart from train: no answer SFT trained on
+    prompts = load_rows(data / "grpo.jsonl")
+    assert grpo["data"]["train"] == str(data / "grpo.jsonl") and not {r.id for r in prompts} & {r.id for r in train}
     tools, baseline = _metrics(tmp_path, "sft-with-tools"), _metrics(tmp_path, "no-tool-baseline")
     assert tools["benchmark"] == "synthetic-tools" and tools["tools"] == "search,code,crop"
     assert {"f1", "em", "crop_iou"} <= set(tools) and set(tools["by_kind"]) <= {"search", "code", "crop", "direct"}
@@ -142,7 +145,7 @@ def test_the_tools_proof_runs_every_stage(tmp_path):
                    "code rows: F1 at least 2x the no-tool baseline's and at least 0.5",
                    "the right tool called first on at least 70%",
                    "GRPO keeps its SFT start's greedy accuracy", "## F1 and EM by row kind", "| search F1 | search EM |",
-                   "row kind x first tool called", "| sft + tools | search |", "sft-warmup-copy: a query, value, program or output",
+                   "row kind x first tool called", "| sft + tools | search |", "sft-warmup-copy: a query, a value, or a program and its printed number",
                    "trajectories.html"):  # fmt: skip
         assert needed in report, needed
     assert (tmp_path / "results.png").is_file() and (tmp_path / "sft_loss.png").is_file()

@@ -68,6 +68,7 @@ __all__ = [
     "TOOLS",
     "VALUES",
     "arithmetic",
+    "code_turns",
     "draw_entity",
     "output_think",
     "query_rows",
@@ -318,12 +319,17 @@ def _code(rng: random.Random, context: ToolContext, stem: Path):
     question, program, result = arithmetic(rng)
     call, output = tool_turn("code", {"code": program}, context, stem)
     answer = str(result)  # what the sandbox prints (the tests check they agree)
-    messages = [
+    return question, answer, code_turns(call, output, answer), {"program": program}
+
+
+def code_turns(call: str, output: dict, answer: str) -> list[dict]:
+    """A code row's gold turns after its question: the ``call`` after ``CODE_THINK``, the tool's turn ``output``,
+    then the answer after a think that quotes the output (``output_think``)."""
+    return [
         {"role": "assistant", "content": f"<think>{CODE_THINK}</think>\n{call}"},
         output,
         {"role": "assistant", "content": f"<think>{output_think(answer)}</think>\n<answer>{answer}</answer>"},
     ]
-    return question, answer, messages, {"program": program}
 
 
 def _direct(entity: str, rng: random.Random):

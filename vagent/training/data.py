@@ -23,14 +23,16 @@ import torch
 from PIL import UnidentifiedImageError
 
 from vagent.agents import get_profile
+from vagent.algorithms import trained_positions
 from vagent.data.batching import collate, epoch_batches
 from vagent.data.encode import encode_messages, encoded_length
 from vagent.data.rows import Row, RowError
+from vagent.model import Policy, policy_logits
 from vagent.rollout.engine import Task, prompt_messages
 from vagent.rollout.episode import first_view_frames
 from vagent.types import Message
 
-__all__ = ["SFTDataset", "gold_conversation", "rank_micro_batches"]
+__all__ = ["SFTDataset", "gold_conversation", "gold_reproduced", "rank_micro_batches"]
 
 
 def gold_conversation(row: Row, default_tools: Sequence[str], agent: str = "vagent", key: str = "messages",
@@ -125,6 +127,35 @@ class SFTDataset(torch.utils.data.Dataset):
         encoded = [encode_messages(self.conversations[i], self.processor, **self.budget, forced_spans=self.forced_spans)
                    for i in self.batch(g)]  # fmt: skip
         return collate(encoded, self.pad_id)
+
+
+@torch.no_grad()
+def gold_reproduced(policy: Policy, rows: Sequence[Row], default_tools: Sequence[str] = (), *, agent: str = "vagent",
+                    micro_batch_size: int = 8) -> dict[str, bool]:  # fmt: skip
+    """Whether greedy decoding writes each row's gold turns, teacher-forced: every token SFT trains on (the
+    assistant's) is the model's most likely one after the gold before it. One forward a micro-batch instead of a
+    rollout, and where each gold tool turn is what its tool returns (a program's printed output), the same verdict
+    as a greedy episode's. TRL logs the token-level mean of this (``mean_token_accuracy``); here a row counts only
+    if every token is right. Returns row id -> reproduced; a row SFT cannot build is False."""
+    min_pixels, max_pixels = policy.pixel_budget
+    data = SFTDataset(rows, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
+                      factor=policy.image_factor, default_tools=default_tools, max_length=1 << 30,
+                      micro_batch_size=micro_batch_size, seed=0, group_by_length=False, group_batches=1, agent=agent)  # fmt: skip
+    reproduced = {row.id: False for row in rows}
+    was_training = policy.model.training
+    policy.model.eval()
+    for g in range(len(data)):
+        batch = {k: v.to(policy.device) for k, v in data[g].items()}
+        positions = trained_positions(batch["loss_mask"])
+        right = (
+            policy_logits(policy.model, batch, positions=positions).argmax(-1)
+            == batch["input_ids"][:, 1:][positions[:, :-1]]
+        )
+        rows_of = positions.nonzero()[:, 0]  # each trained token's row in the micro-batch
+        for i, conversation in enumerate(data.batch(g)):
+            reproduced[data.ids[conversation]] = bool(right[rows_of == i].all())
+    policy.model.train(was_training)
+    return reproduced
 
 
 def rank_micro_batches(start_step: int, total_steps: int, rank: int, world_size: int, grad_accum: int) -> Iterator[int]:
