@@ -266,8 +266,9 @@ class ToolsConfig(ProofConfig):
     test_rows: int = option(192, "Held-out rows the policies are evaluated on (search rows ask test's held-out facts).")
     grpo_rows: int = option(
         128,
-        "GRPO's prompts (and Tool-Star's), drawn apart from train: search rows ask train's facts, code rows numbers of "
-        "their own, crop and direct rows their own pictures, so no answer is one SFT trained on (0: train's rows).",
+        "GRPO's prompts (and Tool-Star's), drawn apart from train, so none is a row SFT trained on: code rows have "
+        "numbers of their own, crop and direct rows pictures of their own, and search rows ask train's facts on new "
+        "pictures (0: train's rows).",
     )
     val_rows: int = option(
         64,
@@ -287,7 +288,8 @@ class ToolsConfig(ProofConfig):
         ["perception", "grounding", "entity", "copy"],
         "Warm-up SFT runs in order, each continuing from the last; both SFT runs start from the end. perception: read "
         "the stripes from a gold crop; grounding: give the tile's box; entity: name the pictured object's color and "
-        "shape; copy: answer with a fact or numbers copied from the question (made-up facts of other worlds).",
+        "shape; copy: the copies a gold trajectory makes (a search query, a hit's value, whole code trajectories "
+        "without picture or schemas), on made-up facts and numbers of other rows.",
     )
     warmup_epochs: float | list[float] = option(
         [0.5, 0.5, 1.5, 3.0],

@@ -239,9 +239,10 @@ def grpo_config(cfg: ProofConfig, out: Path, model: Path, data: dict[str, Path],
     algo = GRPOAlgoConfig(group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step, micro_batch_size=8,
                           rollout_batch_size=cfg.group_size * cfg.prompts_per_step,
                           negative_scale=cfg.grpo_negative_scale, kl_coef=cfg.grpo_kl_coef)  # fmt: skip
+    prompts = data.get("grpo", data["train"])  # a proof may draw GRPO's prompts apart from its SFT rows
     return check_config(GRPOConfig(
         out_dir=str(out / "grpo"), seed=cfg.seed, model=ModelConfig(path=str(model), device=_device(cfg)),
-        data=GRPODataConfig(train=str(data.get("grpo", data["train"])), tools=list(proof.tools)), rollout=dataclasses.replace(cfg.rollout),
+        data=GRPODataConfig(train=str(prompts), tools=list(proof.tools)), rollout=dataclasses.replace(cfg.rollout),
         grpo=algo, val=val, rewards=RewardConfig(weights=dict(proof.rewards)), optim=OptimConfig(lr=cfg.grpo_lr),
         train=TrainConfig(max_steps=cfg.grpo_steps, precision="fp32", save_every=0, resume="auto"),
         toolbox=dataclasses.replace(cfg.toolbox),  # the proof's search corpus, if it has one

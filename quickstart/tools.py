@@ -90,7 +90,7 @@ LEGEND = (
 
 def build_tools_data(cfg: ToolsConfig, out: Path, policy) -> dict[str, Path]:
     """The corpus, train (gold rows), test and val (each its own held-out facts), grpo (GRPO's prompts, drawn apart
-    from train, as train asks: no answer one SFT trained on; ``cfg.grpo_rows``), each warm-up phase's
+    from train as train asks: new numbers and pictures, train's facts; ``cfg.grpo_rows``), each warm-up phase's
     rows and their checks, and the two SFT mixes: ``sft_mix`` (train, the crop rows' reading rows, the perception,
     grounding and naming rows of train's pictures, and ``query_rows``: every pair's search call, no value) and
     ``sft_mix_notool`` (the same rows, each tool trajectory answered directly and each query row's picture named: as
@@ -158,8 +158,8 @@ def answered_directly(row: Row) -> Row:
 
 def skill_rows(out: Path, n: int, seed: int, policy) -> dict[str, list[Row]]:
     """``n`` tool-free rows of each warm-up phase (other tiles, pictures and facts than the splits'): perception and
-    grounding (the crop proof's rows of stripes tiles), entity (name a pictured object) and copy (a stated fact's
-    value, or the numbers of a computation as an expression, copied out of the question)."""
+    grounding (the crop proof's rows of stripes tiles), entity (name a pictured object) and copy (``_copied``: a
+    search call's query or a hit's value, or a whole code trajectory without its picture or the tools' schemas)."""
     from data_pipelines.synthetic.zoom import zoom_rows
 
     if not n:
@@ -253,7 +253,8 @@ def check_line(check: dict[str, Any]) -> str:
     """One line saying what a warm-up phase learned."""
     scores = check["scores"]
     n, right = sum(len(v) for v in scores.values()), sum(sum(v) for v in scores.values())
-    line = (f"{WHAT[check['phase']]} on {n} val rows (greedy): accuracy {right / n:.2f} ("
+    how = "teacher-forced: the whole gold greedy" if check["phase"] == "copy" else "greedy"
+    line = (f"{WHAT[check['phase']]} on {n} val rows ({how}): accuracy {right / n:.2f} ("
             + ", ".join(f"{group} {sum(v):.0f}/{len(v)}" for group, v in sorted(scores.items())) + ")")  # fmt: skip
     if right < 0.5 * n:
         line += (" - not learned (its loss is still on the plateau), so the tool SFT has to; a longer phase (its "

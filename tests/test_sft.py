@@ -389,15 +389,24 @@ def test_gold_reproduced_is_whether_every_trained_token_is_the_argmax(policy, ro
     spoiled = one[0]["input_ids"][0]
 
     def argmax_is_the_gold(model, batch, positions):
-        targets = batch["input_ids"][:, 1:][positions[:, :-1]]
-        logits = torch.nn.functional.one_hot(targets, num_classes=int(targets.max()) + 2).float()
-        for i, ids in enumerate(batch["input_ids"]):
-            if len(ids) >= len(spoiled) and torch.equal(ids[: len(spoiled)], spoiled):
-                last = int(positions[: i + 1].sum()) - 1  # row i's last trained token, in the flattened logits
-                logits[last] = logits[last].roll(1)
-        return logits
+        """(B, T, V) logits built from the loss mask alone, not from ``positions``: position t's argmax is token t + 1
+        where that token is trained, another token elsewhere; then the rows of ``positions``, as the real one."""
+        ids, trained = batch["input_ids"], batch["loss_mask"].bool()
+        vocab = int(ids.max()) + 2
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token t + 1 (the last position: itself)
+        wanted = torch.where(torch.cat([trained[:, 1:], trained[:, -1:] & False], dim=1), nxt, (nxt + 1) % vocab)
+        for i, row in enumerate(ids):
+            if len(row) >= len(spoiled) and torch.equal(row[: len(spoiled)], spoiled):
+                last = int(trained[i].nonzero().max()) - 1  # predicts the row's last trained token
+                wanted[i, last] = (wanted[i, last] + 1) % vocab
+        return torch.nn.functional.one_hot(wanted, num_classes=vocab).float()[positions]
 
     monkeypatch.setattr(sft_data, "policy_logits", argmax_is_the_gold)
     assert sft_data.gold_reproduced(policy, rows, ["crop"], micro_batch_size=3) == {
         r.id: r.id != rows[5].id for r in rows
     }
+    # a row with no trained token shows nothing reproduced
+    untrained = dataclasses.replace(rows[1], id="untrained", messages=[
+        dataclasses.replace(m, trained=False) if m.role == "assistant" else m for m in rows[1].messages
+    ])  # fmt: skip
+    assert sft_data.gold_reproduced(policy, [untrained, rows[2]], ["crop"]) == {"untrained": False, rows[2].id: True}

@@ -132,29 +132,32 @@ class SFTDataset(torch.utils.data.Dataset):
 @torch.no_grad()
 def gold_reproduced(policy: Policy, rows: Sequence[Row], default_tools: Sequence[str] = (), *, agent: str = "vagent",
                     micro_batch_size: int = 8) -> dict[str, bool]:  # fmt: skip
-    """Whether greedy decoding writes each row's gold turns, teacher-forced: every token SFT trains on (the
+    """Whether each row's gold turns are the model's greedy choice, teacher-forced: every token SFT trains on (the
     assistant's) is the model's most likely one after the gold before it. One forward a micro-batch instead of a
-    rollout, and where each gold tool turn is what its tool returns (a program's printed output), the same verdict
-    as a greedy episode's. TRL logs the token-level mean of this (``mean_token_accuracy``); here a row counts only
-    if every token is right. Returns row id -> reproduced; a row SFT cannot build is False."""
+    rollout. Where every gold assistant turn is trained and each tool turn is what its tool returns (a program's
+    printed output), a row that passes is what a greedy episode writes; the check is stricter in one place, as it
+    also asks for the end-of-turn token the engine appends itself after a stop string. TRL logs the token-level mean
+    of this (``mean_token_accuracy``); here a row counts only if every token is right. Returns row id -> reproduced;
+    a row SFT cannot build, or with no trained token, is False."""
     min_pixels, max_pixels = policy.pixel_budget
     data = SFTDataset(rows, policy.processor, min_pixels=min_pixels, max_pixels=max_pixels,
                       factor=policy.image_factor, default_tools=default_tools, max_length=1 << 30,
-                      micro_batch_size=micro_batch_size, seed=0, group_by_length=False, group_batches=1, agent=agent)  # fmt: skip
+                      micro_batch_size=micro_batch_size, seed=0, group_by_length=True, group_batches=1, agent=agent)  # fmt: skip
     reproduced = {row.id: False for row in rows}
     was_training = policy.model.training
     policy.model.eval()
-    for g in range(len(data)):
-        batch = {k: v.to(policy.device) for k, v in data[g].items()}
-        positions = trained_positions(batch["loss_mask"])
-        right = (
-            policy_logits(policy.model, batch, positions=positions).argmax(-1)
-            == batch["input_ids"][:, 1:][positions[:, :-1]]
-        )
-        rows_of = positions.nonzero()[:, 0]  # each trained token's row in the micro-batch
-        for i, conversation in enumerate(data.batch(g)):
-            reproduced[data.ids[conversation]] = bool(right[rows_of == i].all())
-    policy.model.train(was_training)
+    try:
+        for g in range(len(data)):
+            batch = {k: v.to(policy.device) for k, v in data[g].items()}
+            positions = trained_positions(batch["loss_mask"])
+            logits = policy_logits(policy.model, batch, positions=positions)  # position t predicts token t + 1
+            right = logits.argmax(-1) == batch["input_ids"][:, 1:][positions[:, :-1]]
+            rows_of = positions.nonzero()[:, 0]  # each trained token's row in the micro-batch
+            for i, conversation in enumerate(data.batch(g)):
+                mine = rows_of == i
+                reproduced[data.ids[conversation]] = bool(mine.any() and right[mine].all())
+    finally:
+        policy.model.train(was_training)
     return reproduced
 
 
