@@ -259,6 +259,16 @@ class ToolsConfig(ProofConfig):
         "and code rows are the most, as their calls copy arguments and answers; crop and direct rows the fewest.",
     )
     grpo_steps: int = option(8, "GRPO steps after SFT (0 skips GRPO).")
+    grpo_val_samples: int = option(
+        0,
+        "Samples of each val row at GRPO's temperature in its validation (0: greedy, as the evaluations decode). Greedy "
+        "here: the steps a sampled validation kept cost greedy accuracy (docs/decisions/tool-choice-task.md).",
+    )
+    sampled_test_samples: int = option(
+        4,
+        "Samples of each test row at GRPO's temperature for the SFT and GRPO policies (the GRPO target's measure): one "
+        "a row measured the same policy 10 points apart, more than the target's 5.",
+    )
     corpus_seed: int = option(
         0, "The world: the search corpus and its facts, one for every split; GRPO and the evaluations search it."
     )
