@@ -222,13 +222,14 @@ def warmup(cfg: ToolsConfig, out: Path, base: Path, data: dict[str, Path]) -> tu
 
 
 def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg: ToolsConfig) -> dict[str, Any]:
-    """A warm-up phase's checkpoint on its val rows, greedy: accuracy by group (the stripes' direction; the box; the
-    object's shape; a copy row's skill, its gold reproduced token by token: ``gold_reproduced``, which needs no
-    sandbox for a code row's tool turn)."""
+    """A warm-up phase's checkpoint on its val rows: accuracy by group (the stripes' direction; the box; the object's
+    shape; a copy row's skill), and ``how`` it was measured: greedy episodes, or for a copy row its gold reproduced
+    token by token (``gold_reproduced``, which needs no sandbox for a code row's tool turn)."""
     rows = load_rows(rows_path)
     policy = load_policy(model_dir, device=cfg.model.device or "cpu")
     scores: dict[str, list[float]] = {}
     if phase == "copy":
+        how = "teacher-forced: the whole gold greedy"
         reproduced = gold_reproduced(policy, rows)
         verdicts = [
             {"id": row.id, "skill": row.extra["groups"]["skill"], "reproduced": reproduced[row.id]} for row in rows
@@ -238,13 +239,14 @@ def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg
         for v in verdicts:
             scores.setdefault(v["skill"], []).append(float(v["reproduced"]))
     else:
+        how = "greedy"
         evaluate(policy, BENCHMARKS["synthetic"], rows, out / "eval" / run, tools=[],
                  limits=dataclasses.replace(_greedy(cfg), max_turns=1), batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
         for s in read_samples(out / "eval" / run / "samples.jsonl"):
             gold = str(s["gold"][0])
             group = {"perception": gold, "grounding": "box", "entity": gold.split()[-1]}[phase]
             scores.setdefault(group, []).append(s["accuracy"])
-    result = {"phase": phase, "scores": scores}
+    result = {"phase": phase, "how": how, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)
     return result
 
@@ -253,8 +255,7 @@ def check_line(check: dict[str, Any]) -> str:
     """One line saying what a warm-up phase learned."""
     scores = check["scores"]
     n, right = sum(len(v) for v in scores.values()), sum(sum(v) for v in scores.values())
-    how = "teacher-forced: the whole gold greedy" if check["phase"] == "copy" else "greedy"
-    line = (f"{WHAT[check['phase']]} on {n} val rows ({how}): accuracy {right / n:.2f} ("
+    line = (f"{WHAT[check['phase']]} on {n} val rows ({check['how']}): accuracy {right / n:.2f} ("
             + ", ".join(f"{group} {sum(v):.0f}/{len(v)}" for group, v in sorted(scores.items())) + ")")  # fmt: skip
     if right < 0.5 * n:
         line += (" - not learned (its loss is still on the plateau), so the tool SFT has to; a longer phase (its "
