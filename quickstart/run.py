@@ -87,6 +87,9 @@ class Proof:
     # more runs from the SFT policy after the proof's own, reported apart: (cfg, out, SFT model, data, proof,
     # evaluation) -> {name: (eval dir, metrics)}; timed as "comparison" (the tools proof's Tool-Star runs)
     comparison: Callable[..., dict[str, tuple[Path, dict[str, Any]]]] | None = None
+    # the fractions of the SFT's and of GRPO's steps at which they take the second process's thread back: where its
+    # job (the baseline's SFT and evaluation; the SFT policy's evaluations) ends on the 2-core machines measured
+    handovers: tuple[float, float] = (HANDOVER, GRPO_HANDOVER)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +132,7 @@ def run(cfg: Any, proof: Proof) -> int:
     evaluation = _Evaluation(load_rows(data["test"]), out, _greedy(cfg), cfg.toolbox, _device(cfg),
                              cfg.sampled_test_samples, _limits(cfg), cfg.seed, proof.benchmark)  # fmt: skip
     start, checks = proof.warmup(cfg, out, base, data)
-    sft_model, notool_model, notool_eval = _sft_stage(cfg, out, start, data, evaluation)
+    sft_model, notool_model, notool_eval = _sft_stage(cfg, out, start, data, evaluation, proof.handovers[0])
     done()
     done = stage(4, "GRPO from the SFT policy")
     sft_name, grpo_name, tools = f"sft + {proof.label}", f"grpo + {proof.label}", list(proof.tools)
@@ -144,7 +147,7 @@ def run(cfg: Any, proof: Proof) -> int:
         grpo_model = None
         if cfg.grpo_steps:
             grpo_model = grpo.train(grpo_config(cfg, out, sft_model, data, proof),
-                                    before_step=beside.hand_over(GRPO_HANDOVER) if beside else None)  # fmt: skip
+                                    before_step=beside.hand_over(proof.handovers[1]) if beside else None)  # fmt: skip
         done("grpo (SFT evaluated beside it)" if beside else "grpo")
         done = stage(5, "evaluation on the held-out test split", "eval")
         sft_evals = beside.result() if beside else _evaluate_runs(sft_runs, evaluation)
@@ -265,16 +268,17 @@ def _warmup(cfg: QuickstartConfig, out: Path, base: Path, data: dict[str, Path])
     return start, checks
 
 
-def _sft_stage(cfg: ProofConfig, out: Path, start: Path, data: dict[str, Path],
-               evaluation: _Evaluation) -> tuple[Path, Path, tuple[Path, dict] | None]:  # fmt: skip
-    """The crop-tool cold start, and beside it (on CPU) the no-tool baseline's SFT and evaluation: (the SFT model,
-    the baseline model, the baseline's evaluation if it ran beside)."""
+def _sft_stage(cfg: ProofConfig, out: Path, start: Path, data: dict[str, Path], evaluation: _Evaluation,
+               handover: float = HANDOVER) -> tuple[Path, Path, tuple[Path, dict] | None]:  # fmt: skip
+    """The crop-tool cold start, and beside it (on CPU) the no-tool baseline's SFT and evaluation, whose thread the
+    cold start takes back at ``handover`` of its steps: (the SFT model, the baseline model, the baseline's evaluation
+    if it ran beside)."""
     notool = sft_config(cfg, out / "sft-notool", start, data["sft_mix_notool"], cfg.sft_epochs, tools=[])
     baseline = Beside.start(cfg.parallel_baseline, _device(cfg), out / "sft-notool" / "log.txt",
                             "the no-tool baseline's SFT and evaluation", _baseline, notool, evaluation)  # fmt: skip
     try:
         sft_model = sft.train(sft_config(cfg, out / "sft", start, data["sft_mix"], cfg.sft_epochs),
-                              before_step=baseline.hand_over(HANDOVER) if baseline else None)  # fmt: skip
+                              before_step=baseline.hand_over(handover) if baseline else None)  # fmt: skip
         notool_model, notool_eval = baseline.result() if baseline else _baseline(notool, None)
     finally:
         if baseline:

@@ -225,6 +225,25 @@ def test_the_greedy_targets_count_slips_the_answered_share_does_not_show():
     assert not greedy_kept([*[sample()] * 97, *[sample(tool_errors=1)] * 3], sft)[1][2]
 
 
+def test_grpo_against_its_sft_start_names_the_best_of_k_its_sharpening_can_reach():
+    """Sampled k times a row, the SFT start's best sample of each row (pass@k) beside its mean; once a row, no line."""
+    from quickstart.report import SAMPLED, best_of, grpo_vs_sft
+
+    def rows(scores):  # [[row 0's samples], [row 1's samples], ...]
+        return [{"id": str(i), "accuracy": a} for i, row in enumerate(scores) for a in row]
+
+    sampled = rows([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
+    assert best_of(sampled) == ["At its best of 4 samples a row the SFT start answers 0.625 against 0.344 on average: "
+                                "the most that sharpening its sampled answers can reach."]  # fmt: skip
+    assert best_of(rows([[1.0], [0.0]])) == [] and best_of([]) == []
+    greedy = rows([[1.0], [0.0], [1.0], [0.0]])
+    samples = {"grpo + tools": greedy, "sft + tools": greedy, "sft + tools" + SAMPLED: sampled}
+    results = {n: (None, {"accuracy": 0.344}) for n in ("grpo + tools" + SAMPLED, "sft + tools" + SAMPLED)}
+    line = grpo_vs_sft(samples, results, "tools")[0]
+    assert "(+0.0 points)" in line and line.endswith("answers 0.625 against 0.344 on average: the most that "
+                                                     "sharpening its sampled answers can reach.")  # fmt: skip
+
+
 def test_wilson_interval_matches_the_textbook_values():
     from quickstart.report import wilson_interval
 
