@@ -269,7 +269,7 @@ def _warmup(cfg: QuickstartConfig, out: Path, base: Path, data: dict[str, Path])
 
 
 def _sft_stage(cfg: ProofConfig, out: Path, start: Path, data: dict[str, Path], evaluation: _Evaluation,
-               handover: float = HANDOVER) -> tuple[Path, Path, tuple[Path, dict] | None]:  # fmt: skip
+               handover: float) -> tuple[Path, Path, tuple[Path, dict] | None]:  # fmt: skip
     """The crop-tool cold start, and beside it (on CPU) the no-tool baseline's SFT and evaluation, whose thread the
     cold start takes back at ``handover`` of its steps: (the SFT model, the baseline model, the baseline's evaluation
     if it ran beside)."""

@@ -385,8 +385,8 @@ def _tool_choice(samples: dict[str, list[dict[str, Any]]], kinds: dict[str, str]
 
 
 # The search-and-code proof.
-# Where the second process's jobs end here (docs/decisions/fixed-step-handovers.md): the baseline's SFT and evaluation
-# at 0.49-0.50 of the tool SFT's steps (its rows carry no tool schemas), the SFT policy's evaluations (4 samples a
-# row) between GRPO's steps 5 and 6 of 8.
+# Where the second process's jobs end at the defaults (docs/decisions/fixed-step-handovers.md): the baseline's SFT and
+# evaluation at 0.49-0.50 of the tool SFT's steps (its rows carry no tool schemas); the SFT policy's evaluations (192
+# rows greedy and 4 times sampled) about 95 s into GRPO, where its 8 steps on one thread reach step 6.
 SEARCH_CODE = Proof("tool-choice rows (search, code, crop, direct)", tuple(TOOLS), "tools", "synthetic-tools", REWARDS,
                     build_tools_data, warmup, write_report, comparison=toolstar_runs, handovers=(0.5, 0.75))  # fmt: skip

@@ -233,15 +233,18 @@ def test_grpo_against_its_sft_start_names_the_best_of_k_its_sharpening_can_reach
         return [{"id": str(i), "accuracy": a} for i, row in enumerate(scores) for a in row]
 
     sampled = rows([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
-    assert best_of(sampled) == ["At its best of 4 samples a row the SFT start answers 0.625 against 0.344 on average: "
-                                "the most that sharpening its sampled answers can reach."]  # fmt: skip
+    assert best_of(sampled) == ["Picking its best of 4 samples on every row, the SFT start would score 0.625 "
+                                "(pass@4): the room GRPO's sharpening has, at least."]  # fmt: skip
     assert best_of(rows([[1.0], [0.0]])) == [] and best_of([]) == []
+    uneven = [{"id": row, "sample": n, "accuracy": a} for row, scores in (("a", [0.0, 0.0, 1.0]), ("b", [0.0, 1.0]))
+              for n, a in enumerate(scores)]  # fmt: skip
+    assert "best of 2 samples on every row, the SFT start would score 0.500" in best_of(uneven)[0]  # first 2 of each
     greedy = rows([[1.0], [0.0], [1.0], [0.0]])
     samples = {"grpo + tools": greedy, "sft + tools": greedy, "sft + tools" + SAMPLED: sampled}
     results = {n: (None, {"accuracy": 0.344}) for n in ("grpo + tools" + SAMPLED, "sft + tools" + SAMPLED)}
     line = grpo_vs_sft(samples, results, "tools")[0]
-    assert "(+0.0 points)" in line and line.endswith("answers 0.625 against 0.344 on average: the most that "
-                                                     "sharpening its sampled answers can reach.")  # fmt: skip
+    assert "(+0.0 points)" in line and line.endswith("would score 0.625 (pass@4): the room GRPO's sharpening has, "
+                                                     "at least.")  # fmt: skip
 
 
 def test_wilson_interval_matches_the_textbook_values():
