@@ -171,23 +171,21 @@ def grpo_vs_sft(samples: dict[str, list[dict[str, Any]]], results: dict[str, tup
         grpo, sft = (results[name + SAMPLED][1]["accuracy"] for name in (grpo_name, sft_name))
         lines.append(f"Sampled as GRPO samples, GRPO answers {grpo:.3f} and its SFT start {sft:.3f} "
                      f"({(grpo - sft) * 100:+.1f} points): what GRPO optimizes is the sampled policy.")  # fmt: skip
-        lines += best_of(samples.get(sft_name + SAMPLED, []))
+        lines += best_of(results[sft_name + SAMPLED][1])
     return [" ".join(lines), ""]
 
 
-def best_of(samples: list[dict[str, Any]]) -> list[str]:
-    """With k >= 2 samples of every row: the score of the policy's best sample of each row (pass@k over each row's
-    first k samples, as ``vagent.eval.metrics.uncertainty`` counts it), what picking the best of its own answers would
-    give; more samples show more."""
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for s in samples:
-        by_id.setdefault(s["id"], []).append(s)
-    k = min((len(v) for v in by_id.values()), default=1)
+def best_of(metrics: dict[str, Any]) -> list[str]:
+    """From a sampled run's metrics with k >= 2 samples a row: its pass@k (``at_k``, as ``vagent.eval.metrics``
+    counts it over each row's first k samples), what picking the best of its own answers would give; more samples
+    show more."""
+    at_k = metrics.get("at_k") or {}
+    k = max(at_k, default=1)
     if k < 2:
         return []
-    best = sum(max(s["accuracy"] for s in sorted(v, key=lambda s: s.get("sample", 0))[:k]) for v in by_id.values())
-    return [f"Picking its best of {k} samples on every row, the SFT start would score {best / len(by_id):.3f} "
-            f"(pass@{k}): the room GRPO's sharpening has, at least."]  # fmt: skip
+    best = at_k[k][f"pass@{k}/accuracy"]
+    return [f"Picking its best of {k} samples on every row, the SFT start would score {best:.3f} (pass@{k}): the "
+            "room GRPO's sharpening has, at least."]  # fmt: skip
 
 
 def _targets(cfg: QuickstartConfig, results: dict[str, tuple[Path, dict[str, Any]]],

@@ -226,25 +226,32 @@ def test_the_greedy_targets_count_slips_the_answered_share_does_not_show():
 
 
 def test_grpo_against_its_sft_start_names_the_best_of_k_its_sharpening_can_reach():
-    """Sampled k times a row, the SFT start's best sample of each row (pass@k) beside its mean; once a row, no line."""
+    """Sampled k times a row, the SFT start's best sample of each row (pass@k, the evaluation's own ``at_k``) beside
+    its mean; once a row, no line."""
     from quickstart.report import SAMPLED, best_of, grpo_vs_sft
+    from vagent.eval.metrics import summarize
 
-    def rows(scores):  # [[row 0's samples], [row 1's samples], ...]
-        return [{"id": str(i), "accuracy": a} for i, row in enumerate(scores) for a in row]
+    def metrics(scores):  # [[row 0's samples], [row 1's samples], ...] -> the evaluation's metrics
+        return summarize([{"id": str(i), "sample": n, "accuracy": a} for i, row in enumerate(scores)
+                          for n, a in enumerate(row)], ["accuracy"])  # fmt: skip
 
-    sampled = rows([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
+    sampled = metrics([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
     assert best_of(sampled) == ["Picking its best of 4 samples on every row, the SFT start would score 0.625 "
                                 "(pass@4): the room GRPO's sharpening has, at least."]  # fmt: skip
-    assert best_of(rows([[1.0], [0.0]])) == [] and best_of([]) == []
-    uneven = [{"id": row, "sample": n, "accuracy": a} for row, scores in (("a", [0.0, 0.0, 1.0]), ("b", [0.0, 1.0]))
-              for n, a in enumerate(scores)]  # fmt: skip
+    assert best_of(metrics([[1.0], [0.0]])) == [] and best_of({}) == []
+    uneven = metrics([[0.0, 0.0, 1.0], [0.0, 1.0]])
     assert "best of 2 samples on every row, the SFT start would score 0.500" in best_of(uneven)[0]  # first 2 of each
-    greedy = rows([[1.0], [0.0], [1.0], [0.0]])
-    samples = {"grpo + tools": greedy, "sft + tools": greedy, "sft + tools" + SAMPLED: sampled}
-    results = {n: (None, {"accuracy": 0.344}) for n in ("grpo + tools" + SAMPLED, "sft + tools" + SAMPLED)}
+    greedy = [{"id": str(i), "accuracy": a} for i, a in enumerate([1.0, 0.0, 1.0, 0.0])]
+    samples = {"grpo + tools": greedy, "sft + tools": greedy}
+    results = {n: (None, {**sampled, "accuracy": 0.344}) for n in ("grpo + tools" + SAMPLED, "sft + tools" + SAMPLED)}
     line = grpo_vs_sft(samples, results, "tools")[0]
     assert "(+0.0 points)" in line and line.endswith("would score 0.625 (pass@4): the room GRPO's sharpening has, "
                                                      "at least.")  # fmt: skip
+    from quickstart.tools import _f1_as_accuracy  # the tools proof's F1 read as accuracy, at every k too
+
+    at_k = {j: {name.replace("/accuracy", "/f1"): v for name, v in m.items()} for j, m in sampled["at_k"].items()}
+    f1 = {**{k: v for k, v in sampled.items() if k != "at_k"}, "f1": 0.344, "at_k": at_k}
+    assert best_of(_f1_as_accuracy(f1)) == best_of(sampled)
 
 
 def test_wilson_interval_matches_the_textbook_values():
