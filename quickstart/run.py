@@ -236,7 +236,9 @@ def grpo_config(cfg: ProofConfig, out: Path, model: Path, data: dict[str, Path],
     """GRPO from the SFT policy, checking itself on the val rows every few steps and keeping its best."""
     val = GRPOValConfig()
     if cfg.val_rows:
-        val = GRPOValConfig(rows=str(data["val"]), every=cfg.grpo_val_every, keep_best=True)
+        val = GRPOValConfig(
+            rows=str(data["val"]), every=cfg.grpo_val_every, keep_best=True, keep_margin=cfg.grpo_keep_margin
+        )
         if cfg.grpo_val_samples:  # sampled as GRPO samples: the policy it optimizes
             val.temperature, val.samples = cfg.rollout.temperature, cfg.grpo_val_samples
     algo = GRPOAlgoConfig(group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step, micro_batch_size=8,

@@ -382,34 +382,55 @@ def test_sampled_validation_draws_the_same_numbers_each_time_and_leaves_training
     assert [r["step"] for r in records] == steps and len({r["val/reward"] for r in records}) == 1
 
 
-def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(
-    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
-):
+def _scripted_val_run(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_row, *overrides):
+    """A 4-step GRPO run validating every 2 steps on 3 val rows, whose per-row accuracies at steps 0, 2 and 4 are
+    ``per_row`` (the training rows keep the real reward): (the published model dir, the val records)."""
     import vagent.rewards as rewards
 
     val = _val_rows(tmp_path)
     val_ids = {r.id for r in load_rows(val)}
-    scripted = iter([0.0, 1.0, 0.5])  # steps 0, 2, 4: step 2 is the best
+    scripted = iter(per_row)
     real = rewards.REWARDS["accuracy"]
 
     def accuracy(trajectories, rows):
         if {t.task_id for t in trajectories} <= val_ids:
-            value = next(scripted)
-            return [value] * len(trajectories)
+            return list(next(scripted))
         return real(trajectories, rows)
 
     monkeypatch.setitem(rewards.REWARDS, "accuracy", accuracy)
     out = tmp_path / "run"
     model_dir = grpo.train(load_config(GRPOConfig, CONFIG, [
         *_overrides(out, tiny_qwen25, zoom_rows_file(16, 1000)), f"val.rows={val}", "val.every=2", "val.keep_best=true",
+        *overrides,
     ]))  # fmt: skip
-    best = [r["val/best_step"] for r in read_metrics(out / "metrics.jsonl") if "val/best_step" in r]
-    assert best == [0, 2, 2]
+    return model_dir, [r for r in read_metrics(out / "metrics.jsonl") if "val/accuracy" in r]
+
+
+def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
+    per_row = [[0.0] * 3, [1.0] * 3, [0.5] * 3]  # steps 0, 2, 4: step 2 is the best
+    model_dir, records = _scripted_val_run(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_row)
+    out = tmp_path / "run"
+    assert [r["val/best_step"] for r in records] == [0, 2, 2]
     step2, published = _weights(out / "checkpoints" / "step-00000002" / "model"), _weights(model_dir)
     assert all(torch.equal(step2[k], published[k]) for k in step2)
     assert [d.name for d in (out / "best").iterdir()] == ["step-00000002"]
     state = json.loads((out / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert state["best_val"] == {"step": 2, "accuracy": 1.0}
+
+
+def test_keep_margin_swaps_the_kept_step_only_for_a_gain_beyond_the_val_rows_noise(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+):
+    # step 2 gains one row of three: a mean gain of 1/3 whose per-row differences (1, 0, 0) have a standard error of
+    # 1/3, so z = 1 (kept without a margin); step 4 gains every row: no spread, kept
+    per_row = [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    _, records = _scripted_val_run(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_row, "val.keep_margin=1.645")
+    assert [r["val/best_step"] for r in records] == [0, 0, 4]
+    assert records[1]["val/gain_z"] == pytest.approx(1.0) and "val/gain_z" not in records[2]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert state["best_val"] == {"step": 4, "accuracy": 1.0, "rows": [1.0, 1.0, 1.0]}
 
 
 def test_val_settings_are_checked_at_load():
@@ -423,6 +444,8 @@ def test_val_settings_are_checked_at_load():
         load_config(GRPOConfig, CONFIG, ["val.samples=4"])
     with pytest.raises(ConfigError, match="val.temperature >= 0"):
         load_config(GRPOConfig, CONFIG, ["val.temperature=-1"])
+    with pytest.raises(ConfigError, match="val.keep_margin must be >= 0 and needs val.keep_best"):
+        load_config(GRPOConfig, CONFIG, ["val.keep_margin=1.645", "val.rows=v.jsonl"])
 
 
 KILL_AT_STEP = """

@@ -789,6 +789,12 @@ class GRPOValConfig:
     samples: int = option(
         1, "Rollouts of each val row (verl's val_kwargs.n); accuracy and reward are their means. Needs temperature > 0."
     )
+    keep_margin: float = option(
+        0.0,
+        "With keep_best: a later step replaces the kept weights only when its accuracy beats theirs by more than this "
+        "many standard errors of the paired per-row difference on the val rows (0 = any gain; 1.645 = a one-sided "
+        "95% test), so a lead within the val rows' noise does not swap the policy.",
+    )
 
     def validate(self) -> None:
         if self.every < 0:
@@ -800,6 +806,8 @@ class GRPOValConfig:
                              "the same; set val.temperature > 0 or val.samples=1")  # fmt: skip
         if self.keep_best and not self.rows:
             raise ValueError("val.keep_best needs val.rows (the held-out rows the best step is chosen on)")
+        if self.keep_margin < 0 or (self.keep_margin and not self.keep_best):
+            raise ValueError(f"val.keep_margin must be >= 0 and needs val.keep_best, got {self.keep_margin}")
 
 
 @dataclass

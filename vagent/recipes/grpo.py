@@ -866,8 +866,11 @@ class _Validation:
         record = {"val/accuracy": sums[0] / n, "val/reward": sums[1] / n, "val/answered": sums[2] / n,
                   "val/tool_calls_per_traj": sums[3] / n, "time/val": time.perf_counter() - t0}  # fmt: skip
         self.last_accuracy = record["val/accuracy"]
-        if self.cfg.val.keep_best and (self.best is None or self.last_accuracy > self.best["accuracy"]):
+        per_row = self._per_row(correct, samples) if self.cfg.val.keep_margin else None
+        if self.cfg.val.keep_best and self._beats_best(per_row, record):
             self.best = {"step": step, "accuracy": self.last_accuracy}
+            if per_row is not None:
+                self.best["rows"] = per_row
             state_dict = gathered_state_dict(backend)  # every rank: a gather under sharding
             if env.is_main:
                 tmp = self.out / "best" / f".tmp-step-{step:08d}"
@@ -885,6 +888,30 @@ class _Validation:
                        title=f"GRPO validation at step {step} (rank 0, {self.decoding})")  # fmt: skip
         say(env, f"val at step {step}: accuracy {record['val/accuracy']:.3f}, reward {record['val/reward']:.3f} "
                  f"({len(self.rows)} rows, {self.decoding}, {record['time/val']:.0f}s)")  # fmt: skip
+
+    def _per_row(self, correct: list[float], samples: int) -> list[float]:
+        """Each val row's accuracy (the mean of its samples), in the rows' order, gathered from every rank."""
+        mine = torch.tensor(correct, dtype=torch.float64).view(-1, samples).mean(dim=1)
+        rows = torch.zeros(len(self.rows), dtype=torch.float64, device=self.env.device)
+        rows[self.env.rank :: self.env.world_size] = mine.to(self.env.device)
+        return all_reduce_sum(rows).tolist()
+
+    def _beats_best(self, per_row: list[float] | None, record: dict[str, Any]) -> bool:
+        """Whether the validation just run replaces the kept weights: a higher accuracy, and with ``val.keep_margin``
+        a gain of more than that many standard errors of the per-row differences from the kept step (logged as
+        ``val/gain_z``). A kept step without per-row accuracies (a checkpoint from a run without the margin) is
+        compared by its accuracy alone."""
+        if self.best is None:
+            return True
+        gain = self.last_accuracy - self.best["accuracy"]
+        kept = self.best.get("rows")
+        if per_row is None or kept is None or len(kept) != len(per_row) or len(per_row) < 2:
+            return gain > 0
+        diffs = np.asarray(per_row) - np.asarray(kept)
+        se = float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
+        if se > 0:
+            record["val/gain_z"] = gain / se
+        return gain > 0 and gain > self.cfg.val.keep_margin * se
 
     @property
     def decoding(self) -> str:
