@@ -51,10 +51,10 @@ class ProofConfig:
         "Samples of each val row at GRPO's temperature (rollout.temperature) in its validation, so it keeps the step "
         "whose samples score best: the policy GRPO optimizes (0: greedy validation).",
     )
-    grpo_keep_margin: float = option(
-        0.0,
-        "A later GRPO step is kept over an earlier one only when its val accuracy beats it by more than this many "
-        "standard errors of their per-row differences (val.keep_margin; 0: any gain).",
+    grpo_keep_alpha: float = option(
+        1.0,
+        "A later GRPO step replaces the kept one only when a one-sided paired sign-flip test of their per-row val "
+        "accuracies gives p <= this (val.keep_alpha; 1: any gain).",
     )
     sampled_test_samples: int = option(
         1,
@@ -112,20 +112,13 @@ class ProofConfig:
     def validate(self) -> None:
         if min(self.train_rows, self.test_rows) < 2 or self.grpo_steps < 0:
             raise ValueError("need train_rows, test_rows >= 2 and grpo_steps >= 0")
-        if (
-            min(
-                self.val_rows,
-                self.grpo_val_every,
-                self.grpo_val_samples,
-                self.sampled_test_samples,
-                self.grpo_keep_margin,
+        counts = (self.val_rows, self.grpo_val_every, self.grpo_val_samples, self.sampled_test_samples)
+        if min(counts) < 0:
+            raise ValueError(
+                f"need val_rows, grpo_val_every, grpo_val_samples and sampled_test_samples >= 0, got {counts}"
             )
-            < 0
-        ):
-            raise ValueError("need val_rows, grpo_val_every, grpo_val_samples, sampled_test_samples and "
-                             "grpo_keep_margin >= 0, got "
-                             f"{self.val_rows}, {self.grpo_val_every}, {self.grpo_val_samples}, {self.sampled_test_samples}, "
-                             f"{self.grpo_keep_margin}")  # fmt: skip
+        if not 0 < self.grpo_keep_alpha <= 1:
+            raise ValueError(f"grpo_keep_alpha must be in (0, 1], got {self.grpo_keep_alpha}")
         if (self.grpo_val_samples or self.sampled_test_samples) and self.rollout.temperature <= 0:
             raise ValueError("grpo_val_samples and sampled_test_samples sample at rollout.temperature, which is 0; "
                              "set both to 0 for greedy GRPO")  # fmt: skip
@@ -279,11 +272,11 @@ class ToolsConfig(ProofConfig):
         "Samples of each val row at GRPO's temperature in its validation (0: greedy, as the evaluations decode). Greedy "
         "here: the steps a sampled validation kept cost greedy accuracy (docs/decisions/tool-choice-task.md).",
     )
-    grpo_keep_margin: float = option(
-        1.645,
-        "GRPO keeps a later step only when its greedy val accuracy beats the kept one's by more than this many standard "
-        "errors of their per-row differences (a one-sided 95% test): a lead of 3 of 64 rows kept a step that lost on "
-        "test (docs/decisions/tool-choice-task.md).",
+    grpo_keep_alpha: float = option(
+        0.05,
+        "A later GRPO step replaces the kept one only when a one-sided paired sign-flip test of their per-row greedy "
+        "val accuracies gives p <= this: a lead of 3 of 64 rows kept a step that lost on test "
+        "(docs/decisions/tool-choice-task.md).",
     )
     sampled_test_samples: int = option(
         4,

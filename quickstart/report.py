@@ -278,12 +278,16 @@ def grpo_kept(cfg: Any, out: Path) -> list[str]:
         return []
     best = records[-1].get("val/best_step", records[-1]["step"])
     checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}"
-                       + (f" (lead {r['val/gain_z']:+.2f} standard errors)" if "val/gain_z" in r else "")
+                       + (f" (p = {r['val/gain_p']:.2f} against the kept one)" if "val/gain_p" in r else "")
                        for r in records)  # fmt: skip
     kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
     how = sampling(cfg, cfg.grpo_val_samples) if cfg.grpo_val_samples else "greedy"
-    margin = cfg.grpo_keep_margin
-    rule = f"; a step replaces the kept one only by a lead of more than {margin:g} standard errors" if margin else ""
+    alpha = cfg.grpo_keep_alpha
+    rule = (
+        f"; a step replaces the kept one only by a lead a paired sign-flip test gives p <= {alpha:g}"
+        if alpha < 1
+        else ""
+    )
     return [f"GRPO policy = {kept} (accuracy on the {cfg.val_rows} val rows, {how}{rule}: {checks}).", ""]
 
 

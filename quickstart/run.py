@@ -237,7 +237,7 @@ def grpo_config(cfg: ProofConfig, out: Path, model: Path, data: dict[str, Path],
     val = GRPOValConfig()
     if cfg.val_rows:
         val = GRPOValConfig(
-            rows=str(data["val"]), every=cfg.grpo_val_every, keep_best=True, keep_margin=cfg.grpo_keep_margin
+            rows=str(data["val"]), every=cfg.grpo_val_every, keep_best=True, keep_alpha=cfg.grpo_keep_alpha
         )
         if cfg.grpo_val_samples:  # sampled as GRPO samples: the policy it optimizes
             val.temperature, val.samples = cfg.rollout.temperature, cfg.grpo_val_samples

@@ -92,10 +92,7 @@ def test_errors_are_one_clear_line_and_exit_2(tmp_path, capsys):
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "group_size=1"]) == 2
     assert "grpo.group_size must be >= 2" in capsys.readouterr().err
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "val_rows=-1"]) == 2
-    assert (
-        "need val_rows, grpo_val_every, grpo_val_samples, sampled_test_samples and grpo_keep_margin >= 0"
-        in capsys.readouterr().err
-    )
+    assert "need val_rows, grpo_val_every, grpo_val_samples and sampled_test_samples >= 0" in capsys.readouterr().err
     assert main(["quickstart", f"out_dir={tmp_path / 'q'}", "rollout.temperature=0"]) == 2
     assert "sample at rollout.temperature, which is 0" in capsys.readouterr().err
 

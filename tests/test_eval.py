@@ -163,3 +163,24 @@ def test_the_metrics_name_the_tools_each_row_was_offered():
     assert _tools_label(None, bench, [own, plain]) == "the rows' own: crop_clip; else crop (default)"
     assert _tools_label([], bench, [own]) == "none" and _tools_label(["search", "code"], bench, [own]) == "search,code"
     assert _tools_label(None, bench, [SimpleNamespace(tools=[])]) == "none"  # rows that offer nothing
+
+
+def test_sign_flip_p_is_the_exact_paired_permutation_test():
+    import itertools
+    from math import comb
+
+    from vagent.eval.metrics import sign_flip_p
+
+    # right/wrong rows: McNemar's exact test, the binomial tail of the rows that differ (4 better, 1 worse of 64)
+    assert sign_flip_p([1, 1, 1, 1, -1] + [0] * 59) == pytest.approx((comb(5, 4) + comb(5, 5)) / 2**5)
+    assert sign_flip_p([0, 0, 0]) == 1.0 and sign_flip_p([-1, -1]) == 1.0 and sign_flip_p([1, -1]) == 0.75
+    # F1 differences: every one of the 2^k sign assignments counted
+    diffs = [0.5, -0.25, 1 / 3, 0.2, -0.1, 0.75, 1.0]
+    observed = sum(diffs)
+    flips = [
+        sum(s * abs(d) for s, d in zip(signs, diffs, strict=True))
+        for signs in itertools.product((1, -1), repeat=len(diffs))
+    ]
+    assert sign_flip_p(diffs) == pytest.approx(sum(f >= observed - 1e-9 for f in flips) / len(flips))
+    # past max_work: the normal approximation of the same null distribution
+    assert sign_flip_p([1] * 30 + [-1] * 20, max_work=1) == pytest.approx(sign_flip_p([1] * 30 + [-1] * 20), abs=0.03)

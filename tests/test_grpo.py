@@ -420,17 +420,34 @@ def test_keep_best_publishes_the_step_with_the_best_validation_accuracy(
     assert state["best_val"] == {"step": 2, "accuracy": 1.0}
 
 
-def test_keep_margin_swaps_the_kept_step_only_for_a_gain_beyond_the_val_rows_noise(
-    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch
+@pytest.mark.parametrize(
+    ("per_row", "best_steps", "p_values"),
+    [  # p of the exact sign test against the kept step: one row of three better 0.5, three 0.125
+        ([[0, 0, 0], [1, 0, 0], [1, 1, 1]], [0, 0, 4], [0.5, 0.125]),
+        # step 4 leads the kept step 0 by one row (p 0.5) and the last validation, step 2, by two (p 0.25): the
+        # test is against the kept step
+        ([[1, 0, 0], [0, 0, 0], [1, 1, 0]], [0, 0, 0], [1.0, 0.5]),
+    ],
+)
+def test_keep_alpha_swaps_the_kept_step_only_for_a_lead_a_paired_test_resolves(
+    tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_row, best_steps, p_values
 ):
-    # step 2 gains one row of three: a mean gain of 1/3 whose per-row differences (1, 0, 0) have a standard error of
-    # 1/3, so z = 1 (kept without a margin); step 4 gains every row: no spread, kept
-    per_row = [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
-    _, records = _scripted_val_run(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_row, "val.keep_margin=1.645")
-    assert [r["val/best_step"] for r in records] == [0, 0, 4]
-    assert records[1]["val/gain_z"] == pytest.approx(1.0) and "val/gain_z" not in records[2]
+    _, records = _scripted_val_run(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_row, "val.keep_alpha=0.3")
+    assert [r["val/best_step"] for r in records] == best_steps
+    assert [r["val/gain_p"] for r in records[1:]] == pytest.approx(p_values) and "val/gain_p" not in records[0]
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
-    assert state["best_val"] == {"step": 4, "accuracy": 1.0, "rows": [1.0, 1.0, 1.0]}
+    kept = best_steps[-1] // 2
+    assert state["best_val"] == {"step": best_steps[-1], "accuracy": pytest.approx(sum(per_row[kept]) / 3),
+                                 "rows": per_row[kept]}  # fmt: skip
+
+
+def test_keep_alpha_tests_each_rows_mean_over_its_samples(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch):
+    # 2 samples a row, in row order: rows score 0, 0, 0 at step 0; 1, 0.5, 0 at step 2 (p 0.25); 1, 1, 1 at step 4
+    per_sample = [[0] * 6, [1, 1, 1, 0, 0, 0], [1] * 6]
+    _, records = _scripted_val_run(tmp_path, tiny_qwen25, zoom_rows_file, monkeypatch, per_sample,
+                                   "val.keep_alpha=0.2", "val.temperature=0.7", "val.samples=2")  # fmt: skip
+    assert [r["val/best_step"] for r in records] == [0, 0, 4]
+    assert records[1]["val/gain_p"] == pytest.approx(0.25)
 
 
 def test_val_settings_are_checked_at_load():
@@ -444,8 +461,11 @@ def test_val_settings_are_checked_at_load():
         load_config(GRPOConfig, CONFIG, ["val.samples=4"])
     with pytest.raises(ConfigError, match="val.temperature >= 0"):
         load_config(GRPOConfig, CONFIG, ["val.temperature=-1"])
-    with pytest.raises(ConfigError, match="val.keep_margin must be >= 0 and needs val.keep_best"):
-        load_config(GRPOConfig, CONFIG, ["val.keep_margin=1.645", "val.rows=v.jsonl"])
+    with pytest.raises(ConfigError, match="val.keep_alpha must be in"):
+        load_config(GRPOConfig, CONFIG, ["val.keep_alpha=0.05", "val.rows=v.jsonl"])  # without keep_best
+    for alpha in ("0", "1.5", ".nan"):
+        with pytest.raises(ConfigError, match="val.keep_alpha must be in"):
+            load_config(GRPOConfig, CONFIG, [f"val.keep_alpha={alpha}", "val.rows=v.jsonl", "val.keep_best=true"])
 
 
 KILL_AT_STEP = """

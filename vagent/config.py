@@ -789,11 +789,11 @@ class GRPOValConfig:
     samples: int = option(
         1, "Rollouts of each val row (verl's val_kwargs.n); accuracy and reward are their means. Needs temperature > 0."
     )
-    keep_margin: float = option(
-        0.0,
-        "With keep_best: a later step replaces the kept weights only when its accuracy beats theirs by more than this "
-        "many standard errors of the paired per-row difference on the val rows (0 = any gain; 1.645 = a one-sided "
-        "95% test), so a lead within the val rows' noise does not swap the policy.",
+    keep_alpha: float = option(
+        1.0,
+        "With keep_best: a later step replaces the kept weights only when a one-sided paired sign-flip test of its "
+        "per-row val accuracies against theirs gives p <= this (0.05: a 5% test, McNemar's exact test on right/wrong "
+        "rows), so a lead within the val rows' noise does not swap the policy; 1 = any gain (logged as val/gain_p).",
     )
 
     def validate(self) -> None:
@@ -806,8 +806,8 @@ class GRPOValConfig:
                              "the same; set val.temperature > 0 or val.samples=1")  # fmt: skip
         if self.keep_best and not self.rows:
             raise ValueError("val.keep_best needs val.rows (the held-out rows the best step is chosen on)")
-        if self.keep_margin < 0 or (self.keep_margin and not self.keep_best):
-            raise ValueError(f"val.keep_margin must be >= 0 and needs val.keep_best, got {self.keep_margin}")
+        if not 0 < self.keep_alpha <= 1 or (self.keep_alpha < 1 and not self.keep_best):
+            raise ValueError(f"val.keep_alpha must be in (0, 1] and below 1 needs val.keep_best, got {self.keep_alpha}")
 
 
 @dataclass

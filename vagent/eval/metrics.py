@@ -18,6 +18,7 @@ __all__ = [
     "choice_metrics",
     "choice_score",
     "f1_em_metrics",
+    "sign_flip_p",
     "span_metrics",
     "summarize",
     "temporal_metrics",
@@ -178,6 +179,33 @@ def uncertainty(samples: Sequence[dict[str, Any]], metric_names: Sequence[str], 
             out["spread"][name] = {"std": math.sqrt(sum((x - mean) ** 2 for x in by_index) / (k - 1)),
                                    "min": min(by_index), "max": max(by_index)}  # fmt: skip
     return out
+
+
+def sign_flip_p(differences: Sequence[float], grid: int = 1000, max_work: int = 50_000_000) -> float:
+    """One-sided p-value of a paired sign-flip (permutation) test that the mean of per-row ``differences`` (one
+    policy's score minus another's, row by row) is above 0: the share of the 2^k sign assignments of the k nonzero
+    differences whose sum reaches the observed one, counted exactly over a grid of ``1 / grid``. On right/wrong rows
+    this is the exact sign test (McNemar's); rows that do not differ weigh nothing. 1.0 when no row differs. Past
+    ``max_work`` (rows x grid steps of their sum) it takes the normal approximation of the same null distribution."""
+    import math
+
+    import numpy as np
+
+    units = np.rint(np.asarray(differences, dtype=float) * grid).astype(np.int64)
+    units = units[units != 0]
+    if not len(units):
+        return 1.0
+    units //= np.gcd.reduce(np.abs(units))  # right/wrong rows: every size 1
+    sizes, total = np.abs(units), int(np.abs(units).sum())
+    if len(sizes) * total > max_work:
+        return 0.5 * math.erfc(float(units.sum()) / math.sqrt(2.0 * float((sizes.astype(float) ** 2).sum())))
+    dist = np.zeros(total + 1)  # dist[s]: probability that the positive-signed sizes sum to s, signs fair coins
+    dist[0] = 1.0
+    for size in sizes:
+        dist[size:] = 0.5 * dist[size:] + 0.5 * dist[: total + 1 - size]
+        dist[:size] *= 0.5
+    observed = int(sizes[units > 0].sum())  # the sum of the signed sizes is 2 * observed - total
+    return float(min(1.0, dist[observed:].sum()))
 
 
 def wilson(successes: float, n: int, z: float = 1.959963984540054) -> list[float]:

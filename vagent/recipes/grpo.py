@@ -77,6 +77,7 @@ from vagent.config import ConfigError, GRPOConfig, config_to_dict
 from vagent.data import Row, encode_messages, load_rows
 from vagent.data.batching import collate
 from vagent.data.encode import Encoded
+from vagent.eval.metrics import sign_flip_p
 from vagent.model import Policy, load_policy, masked_token_logprobs, policy_logits
 from vagent.recipes.alarms import CAPS, Alarms
 from vagent.recipes.common import (
@@ -821,7 +822,7 @@ class _Validation:
         self.cfg, self.env, self.out, self.rows, self.services, self.bf16 = cfg, env, out, rows, services, bf16
         self.limits = dataclasses.replace(limits, temperature=cfg.val.temperature)
         self.judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)
-        self.best: dict[str, Any] | None = None  # {"step", "accuracy"}
+        self.best: dict[str, Any] | None = None  # {"step", "accuracy"} (+ "rows", per-row, with keep_alpha)
         self.last_accuracy = float("nan")
 
     def directory(self, step: int) -> Path:
@@ -866,7 +867,7 @@ class _Validation:
         record = {"val/accuracy": sums[0] / n, "val/reward": sums[1] / n, "val/answered": sums[2] / n,
                   "val/tool_calls_per_traj": sums[3] / n, "time/val": time.perf_counter() - t0}  # fmt: skip
         self.last_accuracy = record["val/accuracy"]
-        per_row = self._per_row(correct, samples) if self.cfg.val.keep_margin else None
+        per_row = self._per_row(correct, samples) if self.cfg.val.keep_alpha < 1 else None
         if self.cfg.val.keep_best and self._beats_best(per_row, record):
             self.best = {"step": step, "accuracy": self.last_accuracy}
             if per_row is not None:
@@ -897,21 +898,22 @@ class _Validation:
         return all_reduce_sum(rows).tolist()
 
     def _beats_best(self, per_row: list[float] | None, record: dict[str, Any]) -> bool:
-        """Whether the validation just run replaces the kept weights: a higher accuracy, and with ``val.keep_margin``
-        a gain of more than that many standard errors of the per-row differences from the kept step (logged as
-        ``val/gain_z``). A kept step without per-row accuracies (a checkpoint from a run without the margin) is
-        compared by its accuracy alone."""
+        """Whether the validation just run replaces the kept weights: a higher accuracy, and with ``val.keep_alpha``
+        below 1 a one-sided paired sign-flip test against the kept step's per-row accuracies at p <= keep_alpha
+        (logged as ``val/gain_p``). A kept step without per-row accuracies (from a checkpoint written without the
+        test) is compared by its accuracy alone, with a warning."""
         if self.best is None:
             return True
-        gain = self.last_accuracy - self.best["accuracy"]
+        if per_row is None:
+            return self.last_accuracy > self.best["accuracy"]
         kept = self.best.get("rows")
-        if per_row is None or kept is None or len(kept) != len(per_row) or len(per_row) < 2:
-            return gain > 0
-        diffs = np.asarray(per_row) - np.asarray(kept)
-        se = float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
-        if se > 0:
-            record["val/gain_z"] = gain / se
-        return gain > 0 and gain > self.cfg.val.keep_margin * se
+        if kept is None or len(kept) != len(per_row):
+            say(self.env, f"val: the kept step {self.best['step']} has no per-row accuracies to test against; "
+                          "comparing accuracies alone")  # fmt: skip
+            return self.last_accuracy > self.best["accuracy"]
+        diffs = [a - b for a, b in zip(per_row, kept, strict=True)]
+        record["val/gain_p"] = sign_flip_p(diffs)
+        return sum(diffs) > 0 and record["val/gain_p"] <= self.cfg.val.keep_alpha
 
     @property
     def decoding(self) -> str:
