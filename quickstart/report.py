@@ -278,7 +278,7 @@ def grpo_kept(cfg: Any, out: Path) -> list[str]:
         return []
     best = records[-1].get("val/best_step", records[-1]["step"])
     checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}"
-                       + (f" (p = {r['val/gain_p']:.2f} against the kept one)" if "val/gain_p" in r else "")
+                       + (f" (p = {r['val/gain_p']:.3f} against the kept one)" if "val/gain_p" in r else "")
                        for r in records)  # fmt: skip
     kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
     how = sampling(cfg, cfg.grpo_val_samples) if cfg.grpo_val_samples else "greedy"

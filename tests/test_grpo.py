@@ -450,6 +450,32 @@ def test_keep_alpha_tests_each_rows_mean_over_its_samples(tmp_path, tiny_qwen25,
     assert records[1]["val/gain_p"] == pytest.approx(0.25)
 
 
+def test_beats_best_tests_against_the_kept_step_at_p_up_to_alpha_and_else_compares_accuracies(tmp_path, capsys):
+    from vagent.recipes.grpo import _Validation
+    from vagent.training.distributed import DistEnv
+
+    val = _Validation.__new__(_Validation)  # the decision alone: no model, no rows to roll out
+    val.cfg = load_config(GRPOConfig, CONFIG, ["val.rows=v.jsonl", "val.keep_best=true", "val.keep_alpha=0.125"])
+    val.env, val.warned, val.out = (
+        DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+        False,
+        tmp_path,
+    )
+    val.best, val.last_accuracy, record = {"step": 0, "accuracy": 0.0, "rows": [0.0] * 3}, 1.0, {}
+    assert val._beats_best([1.0] * 3, record) and record["val/gain_p"] == 0.125  # p == alpha: kept
+    val.last_accuracy, record = 2 / 3, {}
+    assert not val._beats_best([1.0, 1.0, 0.0], record) and record["val/gain_p"] == 0.25
+    val.best["rows"] = [1.0, 1.0, 0.0]
+    assert not val._beats_best([1.0, 1.0, 0.0], {})  # a tie keeps the earlier step
+    # a kept step without per-row accuracies (a checkpoint from a run without the test): accuracies alone, one warning
+    val.best = {"step": 2, "accuracy": 0.0}
+    val.last_accuracy = 1 / 3
+    assert val._beats_best([1.0, 0.0, 0.0], {}) and val._beats_best([0.0, 1.0, 0.0], {})
+    assert capsys.readouterr().out.count("has no per-row accuracies") == 1
+    val.resume({"step": 2, "accuracy": 0.5, "rows": [1.0, 0.0, 0.0]}, same_rows=False)  # other val rows since
+    assert val.best == {"step": 2, "accuracy": 0.5}
+
+
 def test_val_settings_are_checked_at_load():
     with pytest.raises(ConfigError, match="val.keep_best needs val.rows"):
         load_config(GRPOConfig, CONFIG, ["val.keep_best=true"])

@@ -281,7 +281,7 @@ def _train(cfg: GRPOConfig, env: DistEnv, out: Path, before_step: Callable[[int,
         start_step, consumed = state.get("step", 0), state.get("prompts_consumed", 0)
         logger = MetricsLogger(out, enabled=env.is_main, resume_step=start_step, tensorboard=cfg.train.tensorboard,
                                wandb_project=cfg.train.wandb_project, config=fingerprint["config"])  # fmt: skip
-        val.resume(state.get("best_val"))
+        val.resume(state.get("best_val"), same_rows=state.get("val_data") == fingerprint.get("val_data"))
         if val.rows and start_step == 0:
             generator = ctx.generation_policy()
             val(0, generator, ctx.backend, logger, ctx.generation_backend(generator))
@@ -824,13 +824,17 @@ class _Validation:
         self.judged = JudgedRewards(cfg.rewards.weights, cfg.rewards.options, cfg.judge, out)
         self.best: dict[str, Any] | None = None  # {"step", "accuracy"} (+ "rows", per-row, with keep_alpha)
         self.last_accuracy = float("nan")
+        self.warned = False  # the kept step had no per-row accuracies to test against
 
     def directory(self, step: int) -> Path:
         return self.out / "best" / f"step-{step:08d}"
 
-    def resume(self, best: dict[str, Any] | None) -> None:
-        """Adopt the checkpoint's best (None on a fresh run) and delete every other best directory."""
+    def resume(self, best: dict[str, Any] | None, same_rows: bool = True) -> None:
+        """Adopt the checkpoint's best (None on a fresh run; its per-row accuracies only if ``same_rows``: the val
+        rows did not change since) and delete every other best directory."""
         self.best = best if self.cfg.val.keep_best else None
+        if self.best is not None and not same_rows:
+            self.best = {k: v for k, v in self.best.items() if k != "rows"}
         self.prune()
 
     def prune(self) -> None:
@@ -908,8 +912,11 @@ class _Validation:
             return self.last_accuracy > self.best["accuracy"]
         kept = self.best.get("rows")
         if kept is None or len(kept) != len(per_row):
-            say(self.env, f"val: the kept step {self.best['step']} has no per-row accuracies to test against; "
-                          "comparing accuracies alone")  # fmt: skip
+            if not self.warned:
+                say(self.env, f"warning: the kept val step {self.best['step']} has no per-row accuracies of these "
+                              "rows to test against (a checkpoint written without val.keep_alpha, or other val "
+                              "rows); comparing accuracies alone until a step replaces it")  # fmt: skip
+                self.warned = True
             return self.last_accuracy > self.best["accuracy"]
         diffs = [a - b for a, b in zip(per_row, kept, strict=True)]
         record["val/gain_p"] = sign_flip_p(diffs)
