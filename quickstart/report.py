@@ -280,9 +280,12 @@ def grpo_kept(cfg: Any, out: Path) -> list[str]:
     checks = ", ".join(f"step {r['step']} {r['val/accuracy']:.2f}"
                        + (f" (p = {r['val/gain_p']:.3f} against the kept one)" if "val/gain_p" in r else "")
                        for r in records)  # fmt: skip
-    kept = "its SFT start: no GRPO step beat it" if best == 0 else f"step {best}"
-    how = sampling(cfg, cfg.grpo_val_samples) if cfg.grpo_val_samples else "greedy"
     alpha = cfg.grpo_keep_alpha
+    start = (
+        "its SFT start: no GRPO step passed the test against it" if alpha < 1 else "its SFT start: no GRPO step beat it"
+    )
+    kept = start if best == 0 else f"step {best}"
+    how = sampling(cfg, cfg.grpo_val_samples) if cfg.grpo_val_samples else "greedy"
     rule = (
         f"; a step replaces the kept one only by a lead a paired sign-flip test gives p <= {alpha:g}"
         if alpha < 1
