@@ -159,7 +159,7 @@ def run(cfg: Any, proof: Proof) -> int:
     if grpo_model is not None:  # when it kept its SFT start, that policy's evaluation is already there
         kept_start = _same_weights(grpo_model, sft_model)
         if kept_start:
-            print(f"GRPO kept its SFT start (no step beat it on the val rows): its evaluations are {sft_name}'s")
+            print(f"GRPO kept its SFT start (no later step won on the val rows): its evaluations are {sft_name}'s")
         for name in (grpo_name, *([grpo_name + SAMPLED] if cfg.sampled_test_samples else [])):
             start_name = name.replace("grpo", "sft")
             results[name] = results[start_name] if kept_start else _evaluate(name, grpo_model, tools, evaluation)
