@@ -196,14 +196,11 @@ def sign_flip_p(differences: Sequence[float], max_denominator: int = 1000, max_w
     import numpy as np
 
     exact = [Fraction(float(x)).limit_denominator(max_denominator) for x in differences]
-    exact = [x for x in exact if x != 0]
-    if not exact:
-        return 1.0
-    scale = math.lcm(*(x.denominator for x in exact))
+    scale = math.lcm(*(x.denominator for x in exact))  # 1 for no rows; a tie (0) has denominator 1
     if scale > max_denominator**2:  # many unrelated denominators (continuous scores): a grid of 1/max_denominator
         scale = max_denominator
     units = np.array([round(x * scale) for x in exact], dtype=np.int64)
-    units = units[units != 0]
+    units = units[units != 0]  # rows that do not differ (or round to 0 on the grid) weigh nothing
     if not len(units):
         return 1.0
     units //= np.gcd.reduce(np.abs(units))  # right/wrong rows: every size 1
