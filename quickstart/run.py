@@ -83,7 +83,9 @@ class Proof:
     build_data: Callable[[Any, Path, Any], dict[str, Path]]  # (cfg, data dir, policy) -> the splits' files
     warmup: Callable[[Any, Path, Path, dict[str, Path]], tuple[Path, dict[str, Any]]]  # -> (checkpoint, checks)
     report: Callable[..., str]  # write_report's signature
-    ablation: str | None = None  # an extra run of the SFT policy: only BLIND (the crop proof's blind crops, _evaluate)
+    ablation: str | None = (
+        None  # an extra run of the SFT policy: only BLIND (the crop proof's blind crops, evaluate_policy)
+    )
     # more runs from the SFT policy after the proof's own, reported apart: (cfg, out, SFT model, data, proof,
     # evaluation) -> {name: (eval dir, metrics)}; timed as "comparison" (the tools proof's Tool-Star runs)
     comparison: Callable[..., dict[str, tuple[Path, dict[str, Any]]]] | None = None
@@ -129,7 +131,7 @@ def run(cfg: Any, proof: Proof) -> int:
     done()
     done = stage(3, f"SFT: warm-up ({', '.join(cfg.warmup_phases)}); from it the {proof.label}-tool cold start and "
                     "the no-tool baseline", "sft")  # fmt: skip
-    evaluation = _Evaluation(load_rows(data["test"]), out, _greedy(cfg), cfg.toolbox, _device(cfg),
+    evaluation = _Evaluation(load_rows(data["test"]), out, greedy_limits(cfg), cfg.toolbox, _device(cfg),
                              cfg.sampled_test_samples, _limits(cfg), cfg.seed, proof.benchmark)  # fmt: skip
     start, checks = proof.warmup(cfg, out, base, data)
     sft_model, notool_model, notool_eval = _sft_stage(cfg, out, start, data, evaluation, proof.handovers[0])
@@ -154,7 +156,7 @@ def run(cfg: Any, proof: Proof) -> int:
     finally:
         if beside:
             beside.stop()
-    results = {**sft_evals, "no-tool baseline": notool_eval or _evaluate("no-tool baseline", notool_model, [],
+    results = {**sft_evals, "no-tool baseline": notool_eval or evaluate_policy("no-tool baseline", notool_model, [],
                                                                          evaluation)}  # fmt: skip
     if grpo_model is not None:  # when it kept its SFT start, that policy's evaluation is already there
         kept_start = _same_weights(grpo_model, sft_model)
@@ -162,7 +164,7 @@ def run(cfg: Any, proof: Proof) -> int:
             print(f"GRPO kept its SFT start (no later step won on the val rows): its evaluations are {sft_name}'s")
         for name in (grpo_name, *([grpo_name + SAMPLED] if cfg.sampled_test_samples else [])):
             start_name = name.replace("grpo", "sft")
-            results[name] = results[start_name] if kept_start else _evaluate(name, grpo_model, tools, evaluation)
+            results[name] = results[start_name] if kept_start else evaluate_policy(name, grpo_model, tools, evaluation)
     order = (grpo_name, sft_name, "no-tool baseline", proof.ablation, grpo_name + SAMPLED, sft_name + SAMPLED)
     results = {name: results[name] for name in order if name in results}
     done()
@@ -213,7 +215,7 @@ def _limits(cfg: ProofConfig) -> RolloutLimits:
     )
 
 
-def _greedy(cfg: ProofConfig) -> RolloutLimits:
+def greedy_limits(cfg: ProofConfig) -> RolloutLimits:
     """The evaluations' episode limits: the rollout's, sampled greedily."""
     return dataclasses.replace(_limits(cfg), temperature=0.0)
 
@@ -254,20 +256,44 @@ def grpo_config(cfg: ProofConfig, out: Path, model: Path, data: dict[str, Path],
     ))  # fmt: skip
 
 
-def _warmup(cfg: QuickstartConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
+def warmup_phases(cfg: ProofConfig, out: Path, base: Path, data: dict[str, Path],
+                  check: Callable[[str, str, Path], dict[str, Any]], tools: list[str] | None = None,
+                  ) -> tuple[Path, dict[str, Any]]:  # fmt: skip
     """The warm-up SFT runs in order, each from the last, each phase checked right after it (a later phase wears
-    its skill down): (the last checkpoint, the checks by run)."""
+    its skill down): (the last checkpoint, every ``check(run, phase, checkpoint)``'s results by name)."""
+    start, checks = base, {}
+    for run, phase, epochs in warmup_runs(cfg):  # shared: the baseline gets the same budget
+        start = sft.train(sft_config(cfg, out / run, start, data[f"warmup_{phase}"], epochs, tools=tools))
+        checks.update(check(run, phase, start))
+    return start, checks
+
+
+def greedy_scores(model_dir: Path, rows: list, run_dir: Path, limits: RolloutLimits, device: str, label: str,
+                  group: Callable[[dict], str]) -> tuple[dict[str, list[float]], list[dict]]:  # fmt: skip
+    """A warm-up checkpoint answering ``rows`` without tools, scored by ``synthetic``: (each sample's score by
+    ``group(sample)``, the samples)."""
+    evaluate(load_policy(model_dir, device=device), BENCHMARKS["synthetic"], rows, run_dir, tools=[], limits=limits,
+             batch_size=16, label=label)  # fmt: skip
+    samples = read_samples(run_dir / "samples.jsonl")
+    scores: dict[str, list[float]] = {}
+    for s in samples:
+        scores.setdefault(group(s), []).append(s["accuracy"])
+    return scores, samples
+
+
+def _warmup(cfg: QuickstartConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
+    """The crop proof's warm-up phases, perception checked on the glyph (its name in ``cfg.glyph``)."""
     from data_pipelines.synthetic.zoom import GLYPHS
 
     what = GLYPHS[cfg.glyph][0]  # "stripes", "digit": what the perception check reads
-    start, checks = base, {}
-    for run, phase, epochs in warmup_runs(cfg):  # shared: the baseline gets the same budget
-        start = sft.train(sft_config(cfg, out / run, start, data[f"warmup_{phase}"], epochs))
-        if f"check_{phase}" in data:
-            check = _warmup_check(run, phase, what, start, data[f"check_{phase}"], out, _device(cfg))
-            if check:
-                checks[run] = check
-    return start, checks
+
+    def check(run: str, phase: str, start: Path) -> dict[str, Any]:
+        if f"check_{phase}" not in data:
+            return {}
+        result = _warmup_check(run, phase, what, start, data[f"check_{phase}"], out, _device(cfg))
+        return {run: result} if result else {}
+
+    return warmup_phases(cfg, out, base, data, check)
 
 
 def _sft_stage(cfg: ProofConfig, out: Path, start: Path, data: dict[str, Path], evaluation: _Evaluation,
@@ -300,7 +326,9 @@ def _same_weights(a: Path, b: Path) -> bool:
     )
 
 
-def _evaluate(name: str, model_dir: Path, tools: list[str], evaluation: _Evaluation) -> tuple[Path, dict[str, Any]]:
+def evaluate_policy(
+    name: str, model_dir: Path, tools: list[str], evaluation: _Evaluation
+) -> tuple[Path, dict[str, Any]]:
     """One policy on the test split, greedy (a name ending in ``SAMPLED``: ``evaluation.samples`` a row at GRPO's
     temperature): (its eval dir, its metrics). ``BLIND`` runs with ``blind_crop``."""
     run_dir = evaluation.out / "eval" / name.replace(" ", "-").replace(",", "").replace("+", "with")
@@ -343,15 +371,10 @@ def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: P
     scores (IoU or accuracy) per gold answer and the distinct answers; None when no val image has a small tile."""
     if not rows_path.stat().st_size:
         return None
-    rows = load_rows(rows_path)
-    run_dir = out / "eval" / run
     limits = RolloutLimits(max_turns=1, max_new_tokens=32, temperature=0.0)
-    evaluate(load_policy(model_dir, device=device), BENCHMARKS["synthetic"], rows, run_dir, tools=[], limits=limits,
-             batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
-    samples = read_samples(run_dir / "samples.jsonl")
-    scores: dict[str, list[float]] = {}
-    for s in samples:
-        scores.setdefault(str(s["gold"][0]) if phase == "perception" else "box", []).append(s["accuracy"])
+    rows = load_rows(rows_path)
+    scores, samples = greedy_scores(model_dir, rows, out / "eval" / run, limits, device, f"{run}: {len(rows)} val rows",
+                                    lambda s: str(s["gold"][0]) if phase == "perception" else "box")  # fmt: skip
     check = {"phase": phase, "what": what, "scores": scores,
              "answers": len({str(s["prediction"]) for s in samples if s["prediction"] is not None})}  # fmt: skip
     print(f"{run}: {check_line(check)}", flush=True)
@@ -359,14 +382,14 @@ def _warmup_check(run: str, phase: str, what: str, model_dir: Path, rows_path: P
 
 
 def _evaluate_runs(runs: dict[str, tuple[Path, list[str]]], evaluation: _Evaluation) -> dict[str, tuple[Path, dict]]:
-    """``_evaluate`` each of ``runs`` (name: (model dir, tools)), one after the other."""
-    return {name: _evaluate(name, model_dir, tools, evaluation) for name, (model_dir, tools) in runs.items()}
+    """``evaluate_policy`` each of ``runs`` (name: (model dir, tools)), one after the other."""
+    return {name: evaluate_policy(name, model_dir, tools, evaluation) for name, (model_dir, tools) in runs.items()}
 
 
 def _baseline(cfg: SFTConfig, evaluation: _Evaluation | None) -> tuple[Path, tuple[Path, dict] | None]:
     """Train the no-tool baseline and, given ``evaluation``, evaluate it: (its model dir, its evaluation)."""
     model_dir = sft.train(cfg)
-    return model_dir, _evaluate("no-tool baseline", model_dir, [], evaluation) if evaluation else None
+    return model_dir, evaluate_policy("no-tool baseline", model_dir, [], evaluation) if evaluation else None
 
 
 # The crop proof (``make run``).

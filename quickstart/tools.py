@@ -38,7 +38,7 @@ from data_pipelines.synthetic.tools import (
     value_think,
 )
 from quickstart.config import ToolsConfig
-from quickstart.data import built, mark_built, support_rows, warmup_runs
+from quickstart.data import built, mark_built, support_rows
 from quickstart.report import (
     SAMPLED,
     TARGETS,
@@ -52,13 +52,11 @@ from quickstart.report import (
     sampling,
     targets_table,
 )
-from quickstart.run import Proof, _greedy, sft_config
+from quickstart.run import Proof, greedy_limits, greedy_scores, warmup_phases
 from quickstart.toolstar import toolstar_runs, toolstar_section
 from vagent.data import Row, load_rows, write_rows
-from vagent.eval import BENCHMARKS
-from vagent.eval.runner import evaluate, read_samples, write_table
+from vagent.eval.runner import read_samples, write_table
 from vagent.model import load_policy
-from vagent.recipes import sft
 from vagent.recipes.evaluate import bar_chart
 from vagent.training.data import gold_reproduced
 
@@ -211,14 +209,13 @@ def _copied(row_id: str, rng: random.Random) -> Row:
 
 
 def warmup(cfg: ToolsConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
-    """The warm-up SFT runs in order, each from the last, each checked right after it on its phase's val rows:
-    (the last checkpoint, the checks by run)."""
-    start, checks = base, {}
-    for run, phase, epochs in warmup_runs(cfg):
-        start = sft.train(sft_config(cfg, out / run, start, data[f"warmup_{phase}"], epochs, tools=[]))
-        if data[f"check_{phase}"].stat().st_size:
-            checks[run] = check(run, phase, start, data[f"check_{phase}"], out, cfg)
-    return start, checks
+    """The search-and-code proof's warm-up phases, each checked on its phase's val rows (where it has some)."""
+
+    def checks(run: str, phase: str, start: Path) -> dict[str, Any]:
+        rows = data[f"check_{phase}"]
+        return {run: check(run, phase, start, rows, out, cfg)} if rows.stat().st_size else {}
+
+    return warmup_phases(cfg, out, base, data, checks, tools=[])
 
 
 def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg: ToolsConfig) -> dict[str, Any]:
@@ -226,11 +223,10 @@ def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg
     shape; a copy row's skill), and ``how`` it was measured: greedy episodes, or for a copy row its gold reproduced
     token by token (``gold_reproduced``, which needs no sandbox for a code row's tool turn)."""
     rows = load_rows(rows_path)
-    policy = load_policy(model_dir, device=cfg.model.device or "cpu")
     scores: dict[str, list[float]] = {}
     if phase == "copy":
         how = "teacher-forced: the whole gold greedy"
-        reproduced = gold_reproduced(policy, rows)
+        reproduced = gold_reproduced(load_policy(model_dir, device=cfg.model.device or "cpu"), rows)
         verdicts = [
             {"id": row.id, "skill": row.extra["groups"]["skill"], "reproduced": reproduced[row.id]} for row in rows
         ]
@@ -240,12 +236,10 @@ def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg
             scores.setdefault(v["skill"], []).append(float(v["reproduced"]))
     else:
         how = "greedy"
-        evaluate(policy, BENCHMARKS["synthetic"], rows, out / "eval" / run, tools=[],
-                 limits=dataclasses.replace(_greedy(cfg), max_turns=1), batch_size=16, label=f"{run}: {len(rows)} val rows")  # fmt: skip
-        for s in read_samples(out / "eval" / run / "samples.jsonl"):
-            gold = str(s["gold"][0])
-            group = {"perception": gold, "grounding": "box", "entity": gold.split()[-1]}[phase]
-            scores.setdefault(group, []).append(s["accuracy"])
+        group = {"perception": lambda s: str(s["gold"][0]), "grounding": lambda s: "box",
+                 "entity": lambda s: str(s["gold"][0]).split()[-1]}[phase]  # fmt: skip
+        scores, _ = greedy_scores(model_dir, rows, out / "eval" / run, dataclasses.replace(greedy_limits(cfg), max_turns=1),
+                                  cfg.model.device or "cpu", f"{run}: {len(rows)} val rows", group)  # fmt: skip
     result = {"phase": phase, "how": how, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)
     return result

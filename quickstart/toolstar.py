@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from data_pipelines.synthetic.tools import TOOLS
-from quickstart.run import Proof, _evaluate, grpo_config
+from quickstart.run import Proof, evaluate_policy, grpo_config
 from vagent.config import GRPOSelfCriticConfig, GRPOValConfig, check_config
 from vagent.eval.runner import read_samples
 from vagent.recipes import grpo
 from vagent.training.metrics import read_metrics
 
-# The runs' names, and whether each adds the self-critic; their dirs are ``_slug(name)`` (as ``_evaluate`` names them).
+# The runs' names, and whether each adds the self-critic; their dirs are ``_slug(name)`` (as ``evaluate_policy`` names them).
 VARIANTS = {"grpo tool-star": False, "grpo tool-star, self-critic": True}
 REWARDS = {"tool_star": 1.0}
 BOOTSTRAP = 2000  # resamples of the test rows for a paired change's interval
@@ -44,7 +44,7 @@ def toolstar_runs(cfg: Any, out: Path, sft_model: Path, data: dict[str, Path], p
         config.grpo.self_critic.enabled = critic
         print(f"\n{name}: {cfg.toolstar_steps} GRPO steps from the SFT policy, reward tool_star", flush=True)
         model = grpo.train(check_config(config))
-        results[name] = _evaluate(name, model, list(proof.tools), evaluation)
+        results[name] = evaluate_policy(name, model, list(proof.tools), evaluation)
     return results
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from quickstart.config import VideoConfig
-from quickstart.data import warmup_runs
 from quickstart.report import (
     SAMPLED,
     TARGETS,
@@ -34,13 +33,10 @@ from quickstart.report import (
     targets_table,
     wilson_interval,
 )
-from quickstart.run import Proof, _greedy, sft_config
+from quickstart.run import Proof, greedy_limits, greedy_scores, warmup_phases
 from quickstart.video_data import CHECKS, build_video_data
 from vagent.data import load_rows
-from vagent.eval import BENCHMARKS
-from vagent.eval.runner import evaluate, read_samples, write_table
-from vagent.model import load_policy
-from vagent.recipes import sft
+from vagent.eval.runner import read_samples, write_table
 from vagent.recipes.evaluate import bar_chart
 
 # GRPO's rewards: the answer, the format, the clip's temporal IoU with the marker's span, a bonus for a tool call that
@@ -61,28 +57,23 @@ LEGEND = (
 
 
 def warmup(cfg: VideoConfig, out: Path, base: Path, data: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
-    """The warm-up SFT runs in order, each from the last, each checked right after it on the val clips' rows of the
-    skills it trains: (the last checkpoint, the checks by run and skill)."""
-    start, checks = base, {}
-    for run, phase, epochs in warmup_runs(cfg):
-        start = sft.train(sft_config(cfg, out / run, start, data[f"warmup_{phase}"], epochs, tools=[]))
-        for skill in CHECKS[phase]:
-            name = run if phase == skill else f"{run} ({skill})"
-            checks[name] = check(name, skill, start, data[f"check_{skill}"], out, cfg)
-    return start, checks
+    """The video proof's warm-up phases, each checked on the val clips' rows of every skill it trains."""
+
+    def checks(run: str, phase: str, start: Path) -> dict[str, Any]:
+        names = {skill: run if phase == skill else f"{run} ({skill})" for skill in CHECKS[phase]}
+        return {name: check(name, skill, start, data[f"check_{skill}"], out, cfg) for skill, name in names.items()}
+
+    return warmup_phases(cfg, out, base, data, checks, tools=[])
 
 
 def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg: VideoConfig) -> dict[str, Any]:
     """A warm-up phase's checkpoint on the val clips' rows of its phase, greedy: accuracy per gold answer (the color
     read from the gold clip's frames; the marked frame's time read from the first view)."""
     rows = load_rows(rows_path)
-    limits = dataclasses.replace(_greedy(cfg), max_turns=1, max_new_tokens=32)
+    limits = dataclasses.replace(greedy_limits(cfg), max_turns=1, max_new_tokens=32)
     run_dir = out / "eval" / run.replace(" ", "-").replace("(", "").replace(")", "")
-    evaluate(load_policy(model_dir, device=cfg.model.device or "cpu"), BENCHMARKS["synthetic"], rows, run_dir,
-             tools=[], limits=limits, batch_size=16, label=f"{run}: {len(rows)} val clips")  # fmt: skip
-    scores: dict[str, list[float]] = {}
-    for s in read_samples(run_dir / "samples.jsonl"):
-        scores.setdefault(str(s["gold"][0]), []).append(s["accuracy"])
+    scores, _ = greedy_scores(model_dir, rows, run_dir, limits, cfg.model.device or "cpu",
+                              f"{run}: {len(rows)} val clips", lambda s: str(s["gold"][0]))  # fmt: skip
     result = {"phase": phase, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)
     return result
