@@ -481,3 +481,31 @@ def test_with_vllm_on_a_gpu_the_policy_stays_on_the_cpu_in_the_engines_dtype(mon
     assert policy_placement("vllm", None, "auto", "flash_attention_2") == gpu
     assert policy_placement("vllm", "cuda:0", None, None) == gpu
     assert policy_placement("vllm", "cuda", "float16", None)[1]["dtype"] == torch.float16
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=1 and device cuda"):  # vLLM would run on GPU 0
+        policy_placement("vllm", "cuda:1", None, None)
+    from vagent.rollout.vllm_backend import engine_device
+
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=1"):  # GRPO's engine beside a policy on GPU 1
+        engine_device(torch.device("cuda", 1))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second process: its engine's own GPU
+    assert policy_placement("vllm", "cuda:1", None, None) == gpu
+    assert engine_device(torch.device("cuda", 1)) == "cuda" and engine_device("cpu") == "cpu"
+
+
+def test_a_single_process_runs_on_the_gpu_it_is_given_and_torchrun_ranks_on_their_own(monkeypatch):
+    """``init_distributed("cuda:1")`` outside torchrun sets and returns GPU 1 (it took LOCAL_RANK's 0, silently);
+    under torchrun each process takes cuda:LOCAL_RANK whatever index was given."""
+    import torch
+
+    from vagent.training.distributed import init_distributed
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert init_distributed("cuda:1").device == torch.device("cuda", 1)
+    assert init_distributed("cuda").device == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun --nproc-per-node 1
+    assert init_distributed("cuda:1").device == torch.device("cuda", 0)
+    assert chosen == [1, 0, 0]

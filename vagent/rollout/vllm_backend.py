@@ -35,6 +35,7 @@ and, on GPUs, what no CPU can test (sleep mode, CUDA graphs): ``docs/guide/rollo
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
@@ -46,7 +47,7 @@ from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
 from vagent.rollout.vllm_engine import Watchdog, start_engine
 from vagent.rollout.vllm_group import RefusedRequest, TPGroup
 
-__all__ = ["VLLMBackend", "collapse_image_pads", "policy_placement", "vllm_unsupported"]
+__all__ = ["VLLMBackend", "collapse_image_pads", "engine_device", "policy_placement", "vllm_unsupported"]
 
 # head sizes vLLM's CPU attention backend takes (cpu_attn: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -79,10 +80,26 @@ def policy_placement(backend: str, device: str | None, dtype: str | None,
     asked = {"device": device, "dtype": dtype, "attn_implementation": attn}
     if backend != "vllm":
         return None, asked
-    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    kind = engine_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if kind == "cpu":
         return kind, {**asked, "device": device or "cpu"}
     return kind, {"device": "cpu", "dtype": resolve_dtype(dtype, torch.device(kind)), "attn_implementation": "sdpa"}
+
+
+def engine_device(device: str | torch.device) -> str:
+    """The device type vLLM's engine runs on for ``device``. vLLM puts its engine on the process's own GPU,
+    cuda:LOCAL_RANK (0 outside torchrun), whatever index is asked for.
+
+    Raises:
+        ConfigError: ``device`` names another GPU (the engine would run on the wrong one), with the remedy.
+    """
+    where, local_rank = torch.device(device), int(os.environ.get("LOCAL_RANK", 0))
+    if where.type == "cuda" and where.index not in (None, local_rank):
+        from vagent.config import ConfigError
+
+        raise ConfigError(f"device {where}: vLLM runs its engine on the process's own GPU (cuda:{local_rank}); to "
+                          f"run it on GPU {where.index}, set CUDA_VISIBLE_DEVICES={where.index} and device cuda")  # fmt: skip
+    return where.type
 
 
 def vllm_unsupported(config: Any, device: str) -> str | None:
@@ -192,9 +209,10 @@ class VLLMBackend:
         ``device`` (default: the policy's); ``dtype`` defaults to the policy's; ``kwargs`` as for the constructor.
 
         Raises:
-            ValueError: vLLM cannot run this checkpoint here (``vllm_unsupported``: one line, with the remedy).
+            ValueError: vLLM cannot run this checkpoint here (``vllm_unsupported``: one line, with the remedy), or
+                not on this GPU (``engine_device``).
         """
-        device = device or policy.device.type
+        device = engine_device(device or policy.device)
         why = vllm_unsupported(policy.model.config, device)
         if why:
             raise ValueError(why)

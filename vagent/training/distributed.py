@@ -45,8 +45,9 @@ def init_distributed(device: str | None = None, timeout_s: float = 1800.0) -> Di
     """Read torchrun's environment, pick the device and start the process group when world_size > 1.
 
     Args:
-        device: ``"cpu"``/``"cuda"``; None = CUDA when available. Under torchrun on CUDA each process
-            takes ``cuda:LOCAL_RANK``.
+        device: ``"cpu"``/``"cuda"``/``"cuda:N"``; None = CUDA when available. Under torchrun on CUDA each
+            process takes ``cuda:LOCAL_RANK`` (an index given is not used: pick GPUs with CUDA_VISIBLE_DEVICES);
+            a single process takes the index given (``cuda`` alone: 0).
         timeout_s: Collective timeout (long: rank 0 may be writing a checkpoint while others wait).
     """
     rank = int(os.environ.get("RANK", 0))
@@ -56,8 +57,11 @@ def init_distributed(device: str | None = None, timeout_s: float = 1800.0) -> Di
     if kind.startswith("cuda"):
         if not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' was requested but CUDA is not available")
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        index = local_rank
+        if world_size == 1 and "LOCAL_RANK" not in os.environ:  # not launched by torchrun: the device asked for
+            index = torch.device(kind).index or 0
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
     else:
         dev = torch.device(kind)
     if world_size > 1 and not dist.is_initialized():
