@@ -343,7 +343,10 @@ def load(args: argparse.Namespace) -> Served:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from vagent.rollout.vllm_backend import policy_placement
 
-    _, placement = policy_placement(args.backend, device, None)  # with vLLM on a GPU: the engine holds the weights
+    try:  # with vLLM on a GPU: the engine holds the weights
+        _, placement = policy_placement(args.backend, device, None)
+    except ValueError as e:  # vLLM on another GPU than its process's
+        raise PolicyLoadError(f"--backend vllm: {e}") from None
     policy = load_policy(model_dir, **placement)
     tools, services = services_for(args.search_corpus)
     tools = [t for t in tools if t in PROFILES[args.agent].tools]  # what the agent's protocol can call

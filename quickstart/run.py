@@ -83,9 +83,7 @@ class Proof:
     build_data: Callable[[Any, Path, Any], dict[str, Path]]  # (cfg, data dir, policy) -> the splits' files
     warmup: Callable[[Any, Path, Path, dict[str, Path]], tuple[Path, dict[str, Any]]]  # -> (checkpoint, checks)
     report: Callable[..., str]  # write_report's signature
-    ablation: str | None = (
-        None  # an extra run of the SFT policy: only BLIND (the crop proof's blind crops, evaluate_policy)
-    )
+    ablation: str | None = None  # an extra run of the SFT policy: only BLIND (blind crops, evaluate_policy)
     # more runs from the SFT policy after the proof's own, reported apart: (cfg, out, SFT model, data, proof,
     # evaluation) -> {name: (eval dir, metrics)}; timed as "comparison" (the tools proof's Tool-Star runs)
     comparison: Callable[..., dict[str, tuple[Path, dict[str, Any]]]] | None = None

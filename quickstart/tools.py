@@ -238,8 +238,9 @@ def check(run: str, phase: str, model_dir: Path, rows_path: Path, out: Path, cfg
         how = "greedy"
         group = {"perception": lambda s: str(s["gold"][0]), "grounding": lambda s: "box",
                  "entity": lambda s: str(s["gold"][0]).split()[-1]}[phase]  # fmt: skip
-        scores, _ = greedy_scores(model_dir, rows, out / "eval" / run, dataclasses.replace(greedy_limits(cfg), max_turns=1),
-                                  cfg.model.device or "cpu", f"{run}: {len(rows)} val rows", group)  # fmt: skip
+        limits = dataclasses.replace(greedy_limits(cfg), max_turns=1)
+        scores, _ = greedy_scores(model_dir, rows, out / "eval" / run, limits, cfg.model.device or "cpu",
+                                  f"{run}: {len(rows)} val rows", group)  # fmt: skip
     result = {"phase": phase, "how": how, "scores": scores}
     print(f"{run}: {check_line(result)}", flush=True)
     return result

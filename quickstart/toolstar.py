@@ -23,7 +23,7 @@ from vagent.eval.runner import read_samples
 from vagent.recipes import grpo
 from vagent.training.metrics import read_metrics
 
-# The runs' names, and whether each adds the self-critic; their dirs are ``_slug(name)`` (as ``evaluate_policy`` names them).
+# The runs' names, and whether each adds the self-critic; their dirs are ``_slug(name)`` (``evaluate_policy``'s).
 VARIANTS = {"grpo tool-star": False, "grpo tool-star, self-critic": True}
 REWARDS = {"tool_star": 1.0}
 BOOTSTRAP = 2000  # resamples of the test rows for a paired change's interval

@@ -477,6 +477,7 @@ def test_with_vllm_on_a_gpu_the_policy_stays_on_the_cpu_in_the_engines_dtype(mon
                                                                          "attn_implementation": None})  # fmt: skip
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     gpu = ("cuda", {"device": "cpu", "dtype": torch.bfloat16, "attn_implementation": "sdpa"})
     assert policy_placement("vllm", None, "auto", "flash_attention_2") == gpu
     assert policy_placement("vllm", "cuda:0", None, None) == gpu
@@ -502,6 +503,7 @@ def test_a_single_process_runs_on_the_gpu_it_is_given_and_torchrun_ranks_on_thei
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
     assert init_distributed("cuda:1").device == torch.device("cuda", 1)
@@ -509,3 +511,6 @@ def test_a_single_process_runs_on_the_gpu_it_is_given_and_torchrun_ranks_on_thei
     monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun --nproc-per-node 1
     assert init_distributed("cuda:1").device == torch.device("cuda", 0)
     assert chosen == [1, 0, 0]
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match="sees 2 GPU"):  # not torch's "invalid device ordinal" at the first kernel
+        init_distributed("cuda:2")

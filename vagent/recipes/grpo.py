@@ -101,7 +101,7 @@ from vagent.recipes.judged import JudgedRewards
 from vagent.rewards import REWARDS, check_rewards
 from vagent.rollout import HFBackend, RolloutLimits, Task, run
 from vagent.rollout.export import write_html, write_jsonl
-from vagent.rollout.vllm_backend import VLLMBackend, vllm_unsupported
+from vagent.rollout.vllm_backend import VLLMBackend, engine_device, vllm_unsupported
 from vagent.toolbox import TOOLS, ToolServices
 from vagent.training import checkpoint as ckpt
 from vagent.training.backend import TrainBackend, autocast
@@ -335,7 +335,7 @@ def _setup(cfg: GRPOConfig, env: DistEnv, out: Path, resume_from: Path | None) -
         torch.manual_seed(cfg.seed + 1_000_003 * env.rank)
     fsdp = cfg.train.sharding == "fsdp"
     if cfg.rollout.backend == "vllm":  # refused now, not at the first rollout
-        why = vllm_unsupported(policy.model.config, env.device.type)
+        why = vllm_unsupported(policy.model.config, engine_device(env.device))  # and on this rank's GPU
         if why:
             raise ConfigError(f"rollout.backend=vllm: {why}")
     reference = None

@@ -35,7 +35,6 @@ and, on GPUs, what no CPU can test (sleep mode, CUDA graphs): ``docs/guide/rollo
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from vagent.rollout.backend import BackendStats, TurnRequest, TurnResult
-from vagent.rollout.vllm_engine import Watchdog, start_engine
+from vagent.rollout.vllm_engine import Watchdog, engine_device, start_engine
 from vagent.rollout.vllm_group import RefusedRequest, TPGroup
 
 __all__ = ["VLLMBackend", "collapse_image_pads", "engine_device", "policy_placement", "vllm_unsupported"]
@@ -84,22 +83,6 @@ def policy_placement(backend: str, device: str | None, dtype: str | None,
     if kind == "cpu":
         return kind, {**asked, "device": device or "cpu"}
     return kind, {"device": "cpu", "dtype": resolve_dtype(dtype, torch.device(kind)), "attn_implementation": "sdpa"}
-
-
-def engine_device(device: str | torch.device) -> str:
-    """The device type vLLM's engine runs on for ``device``. vLLM puts its engine on the process's own GPU,
-    cuda:LOCAL_RANK (0 outside torchrun), whatever index is asked for.
-
-    Raises:
-        ConfigError: ``device`` names another GPU (the engine would run on the wrong one), with the remedy.
-    """
-    where, local_rank = torch.device(device), int(os.environ.get("LOCAL_RANK", 0))
-    if where.type == "cuda" and where.index not in (None, local_rank):
-        from vagent.config import ConfigError
-
-        raise ConfigError(f"device {where}: vLLM runs its engine on the process's own GPU (cuda:{local_rank}); to "
-                          f"run it on GPU {where.index}, set CUDA_VISIBLE_DEVICES={where.index} and device cuda")  # fmt: skip
-    return where.type
 
 
 def vllm_unsupported(config: Any, device: str) -> str | None:

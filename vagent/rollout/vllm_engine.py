@@ -23,6 +23,22 @@ __all__ = ["Watchdog", "start_engine"]
 _RESTORED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
 
 
+def engine_device(device: str | torch.device) -> str:
+    """The device type vLLM's engine runs on for ``device``. vLLM puts its engine on the process's own GPU,
+    cuda:LOCAL_RANK (0 outside torchrun), whatever index is asked for.
+
+    Raises:
+        ConfigError: ``device`` names another GPU (the engine would run on the wrong one), with the remedy.
+    """
+    where, local_rank = torch.device(device), int(os.environ.get("LOCAL_RANK", 0))
+    if where.type == "cuda" and where.index not in (None, local_rank):
+        from vagent.config import ConfigError
+
+        raise ConfigError(f"device {where}: vLLM runs its engine on the process's own GPU (cuda:{local_rank}); to "
+                          f"run it on GPU {where.index}, set CUDA_VISIBLE_DEVICES={where.index} and device cuda")  # fmt: skip
+    return where.type
+
+
 def start_engine(model_path: str | Path, *, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
                   max_images: int, gpu_memory_utilization: float, kv_cache_gb: float | None, sleep: bool,
                   device: str, pixels: tuple[int, int] | None = None, tensor_parallel_size: int = 1,

@@ -60,6 +60,11 @@ def init_distributed(device: str | None = None, timeout_s: float = 1800.0) -> Di
         index = local_rank
         if world_size == 1 and "LOCAL_RANK" not in os.environ:  # not launched by torchrun: the device asked for
             index = torch.device(kind).index or 0
+        if index >= torch.cuda.device_count():
+            from vagent.config import ConfigError
+
+            raise ConfigError(f"device {kind}: this process sees {torch.cuda.device_count()} GPU(s) (cuda:{index} "
+                              "asked; CUDA_VISIBLE_DEVICES chooses which)")  # fmt: skip
         torch.cuda.set_device(index)
         dev = torch.device("cuda", index)
     else:
