@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Watchdog", "start_engine"]
+__all__ = ["Watchdog", "engine_device", "start_engine"]
 
 # what vLLM's start-up sets for the whole process that the trainer and its subprocesses must not inherit (vLLM's own
 # VLLM_*, inductor and NCCL settings stay: it reads them later)
