@@ -154,11 +154,6 @@ class QuickstartConfig(ProofConfig):
         "stripes", "What the tile shows: 1-px stripes in one of 4 directions (learnable from scratch) or a digit."
     )
     direct_share: float = option(0.15, "Share of rows whose tile is large enough to read without a tool.")
-    grpo_kl_coef: float = option(
-        0.1,
-        "Weight of GRPO's k3 KL to its SFT start (grpo.kl_coef; 0: no reference): 0.05 let GRPO's greedy policy break "
-        "calls on the large tiles at some draws (docs/decisions/grpo-kl-keeps-greedy.md).",
-    )
 
     def validate(self) -> None:
         super().validate()

@@ -108,7 +108,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     (state,) = (tmp_path / "grpo" / "checkpoints").glob("step-*/trainer_state.json")
     grpo_config = json.loads(state.read_text())["config"]
     assert grpo_config["grpo"]["negative_scale"] == 0.5  # the quickstart's knobs reach GRPO
-    assert grpo_config["grpo"]["kl_coef"] == 0.1  # the KL to the SFT start that keeps its greedy answers
+    assert grpo_config["grpo"]["kl_coef"] == 0.05  # the KL to the SFT start that keeps its greedy answers
     assert grpo_config["val"]["keep_best"] and grpo_config["val"]["rows"] == str(tmp_path / "data" / "val.jsonl")
     assert grpo_config["val"]["temperature"] == 0.7 and grpo_config["val"]["samples"] == 1  # GRPO's own sampling
     val = load_rows(tmp_path / "data" / "val.jsonl")
