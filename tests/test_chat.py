@@ -44,6 +44,13 @@ def test_more_imperfect_output():
     two = parse_turn("<answer>1</answer> or <answer>2</answer>")
     assert two.answer == "1" and kinds(two) == ["multiple_answers"]
     assert kinds(parse_turn("<answer> </answer>")) == ["empty_answer"]
+    # a GRPO policy's answer that swallowed the grammar (crop proof, seed 3): the block closes, so without a check
+    # it parsed clean and earned the format reward in full; R1-style and DeepEyes format checks count each tag
+    swallowed = parse_turn(
+        "<answer>falling. The blue tile shows</think><tool_call>{}</tool_call><think>so</think>horizontal</answer>"
+    )
+    assert swallowed.answer.endswith("horizontal") and kinds(swallowed) == ["tag_in_answer"]
+    assert kinds(parse_turn("<answer>up <answer>down</answer>")) == ["tag_in_answer"]
     # a call written inside <think> is reasoning about a call, not a call; its closing tag is not stray
     musing = parse_turn('<think>maybe <tool_call>{"name": "crop", "arguments": {}}</tool_call></think>')
     assert musing.actions == [] and not musing.errors and "maybe" in musing.think

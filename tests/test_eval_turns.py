@@ -193,7 +193,8 @@ def test_samples_record_parse_errors_and_the_run_its_well_formed_share(scripted,
     monkeypatch.setitem(SCRIPTS, "r2", [CROP.removesuffix("</tool_call>"), "<answer>A</answer>"])
     metrics = evaluate(policy, BENCHMARKS["vstar"], scripted, tmp_path / "run", tools=None, limits=WIDE, progress=False)
     samples = read_samples(tmp_path / "run" / "samples.jsonl")
-    assert samples[0]["parse_errors"] == {"unclosed_tag": 1} and samples[0]["prediction"].startswith("A</think>")
+    assert samples[0]["parse_errors"] == {"unclosed_tag": 1, "tag_in_answer": 1}
+    assert samples[0]["prediction"].startswith("A</think>")
     assert samples[0]["malformed_answer"] and not samples[1]["malformed_answer"]
     assert samples[1]["parse_errors"] == {"unclosed_tag": 1} and samples[1]["tool_calls"] == ["crop"]
     assert [s["parse_errors"] for s in samples[2:]] == [{}] * 3

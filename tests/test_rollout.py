@@ -9,7 +9,9 @@ from PIL import Image
 from videos import write_video
 
 from vagent.chat import observation_content, system_prompt
+from vagent.data import Row
 from vagent.media import resize_to_budget
+from vagent.rewards import REWARDS
 from vagent.rollout import HFBackend, RolloutLimits, Task, rollout, run
 from vagent.toolbox import tool_schemas
 
@@ -82,6 +84,17 @@ def test_bad_tool_calls_become_observations_and_the_episode_goes_on(policy):
     # one record per call, in order, for the rewards: the unparseable one has no name
     assert [(r.name, r.error) for r in traj.tool_results] == [
         ("crop", "bad_box"), ("teleport", "unknown_tool"), (None, "bad_json")]  # fmt: skip
+
+
+def test_an_answer_that_swallowed_tags_is_malformed_and_earns_half_the_format_reward(policy):
+    swallowed = "<answer>up</think><tool_call>{}</tool_call><think>so</think>down</answer>"
+    trajs = [rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[turn]), RolloutLimits())
+             for turn in (swallowed, "<answer>down</answer>")]  # fmt: skip
+    assert [t.stop_reason for t in trajs] == ["answered", "answered"] and trajs[0].tool_results == []
+    assert trajs[0].metrics["parse_error/tag_in_answer"] == 1 and trajs[0].metrics["malformed_answer"] == 1
+    assert trajs[1].metrics["malformed_answer"] == 0
+    rows = [Row(id="r", question="Q?", answer="down", answer_type="exact")] * 2
+    assert REWARDS["format"](trajs, rows) == [0.5, 1.0]
 
 
 def test_limits_are_recorded_as_stop_reasons(policy):

@@ -20,6 +20,7 @@ several ``<answer>`` blocks                ``multiple_answers`` the first one co
 ``<answer></answer>`` (empty)              ``empty_answer``    the episode ends with an empty answer
 unclosed ``<tool_call>``/``<answer>``      ``unclosed_tag``    repaired: the text up to the end is the body
 a closing tag with no opening tag          ``stray_tag``       ignored
+a grammar tag inside ``<answer>``          ``tag_in_answer``   the answer counts as written (tags included)
 trailing commas, single quotes,            ``repaired_json``   repaired; the call runs
 Python literals (True/None)
 ``arguments`` double-encoded as a string   ``repaired_json``   decoded; the call runs
@@ -57,6 +58,7 @@ __all__ = [
 
 _BLOCK = re.compile(r"<(tool_call|answer|think)>(.*?)(?:</\1>|$)", re.DOTALL)
 _CLOSING = re.compile(r"</(tool_call|answer|think)>")
+_TAG = re.compile(r"</?(tool_call|answer|think)>")
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 
 
@@ -211,6 +213,8 @@ def parse_turn(text: str) -> ParsedTurn:
             turn.errors.append(ParseError("multiple_answers", f"{len(answers)} <answer> blocks; the first counts"))
         if not turn.answer:
             turn.errors.append(ParseError("empty_answer", "the <answer> is empty"))
+        if tag := _TAG.search(turn.answer):  # e.g. '<answer>up</think><tool_call>...</tool_call>down</answer>'
+            turn.errors.append(ParseError("tag_in_answer", f"{tag.group(0)} inside the <answer>"))
         if turn.actions:
             turn.errors.append(
                 ParseError("call_with_answer", "a turn with an <answer> ends the episode; its calls were not run")
