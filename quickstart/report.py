@@ -251,7 +251,7 @@ def peak_rss_gb() -> float:
 def slips(samples: list[dict[str, Any]]) -> tuple[float, float]:
     """The shares of ``samples`` with a failed tool call (an unreadable one included: it is answered with an error),
     and without a well-formed answer: none, or one whose turn broke the grammar (an ``<answer>`` left open around a
-    call is answered, but not well formed: ``vagent.eval.runner.well_formed_share``)."""
+    call, or closed around a tag, is answered, but not well formed: ``vagent.eval.runner.well_formed_share``)."""
     return sum(1 for s in samples if s["tool_errors"]) / len(samples), 1.0 - well_formed_share(samples)
 
 

@@ -44,12 +44,14 @@ def test_more_imperfect_output():
     two = parse_turn("<answer>1</answer> or <answer>2</answer>")
     assert two.answer == "1" and kinds(two) == ["multiple_answers"]
     assert kinds(parse_turn("<answer> </answer>")) == ["empty_answer"]
-    # a GRPO policy's answer that swallowed the grammar (crop proof, seed 3): the block closes, so without a check
-    # it parsed clean and earned the format reward in full; R1-style and DeepEyes format checks count each tag
-    swallowed = parse_turn(
-        "<answer>falling. The blue tile shows</think><tool_call>{}</tool_call><think>so</think>horizontal</answer>"
-    )
+    # answers that swallowed the grammar, as the crop proof's GRPO policies wrote them (seed 3 greedy, seed 0 sampled):
+    # the block closes, so without a check they parsed clean and earned the format reward in full. Tag-counting checks
+    # reject them (open-r1's tag_count_reward, DeepEyes' compute_score, Tool-Star's validate_template_format)
+    swallowed = parse_turn("<answer>falling. The blue tile shows</think>\n<tool_call>\n<think>horizontal</answer>")
     assert swallowed.answer.endswith("horizontal") and kinds(swallowed) == ["tag_in_answer"]
+    assert kinds(parse_turn("<answer>ris. rising. rising.</think>\n<answer>rising</answer>")) == ["tag_in_answer"]
+    # left open, the body runs to the end of the turn: that is the one error, not two
+    assert kinds(parse_turn('<answer>falling.</think>\n<tool_call>\n{"name": {"bbox": [1105, 65')) == ["unclosed_tag"]
     assert kinds(parse_turn("<answer>up <answer>down</answer>")) == ["tag_in_answer"]
     # a call written inside <think> is reasoning about a call, not a call; its closing tag is not stray
     musing = parse_turn('<think>maybe <tool_call>{"name": "crop", "arguments": {}}</tool_call></think>')

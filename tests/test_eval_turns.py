@@ -188,15 +188,18 @@ def test_eval_checks_the_context_and_notes_too_few_images_for_its_turns(scripted
 def test_samples_record_parse_errors_and_the_run_its_well_formed_share(scripted, policy, tmp_path, monkeypatch):
     """An ``<answer>`` left open that swallows a call (what the quickstart's GRPO wrote at seed 0 without its KL term)
     is answered, yet not well formed; an unclosed call in an earlier turn that still ran, followed by a clean answer,
-    is well formed (only the answer's own turn counts). Each record names its parse errors."""
+    is well formed (only the answer's own turn counts); a closed ``<answer>`` around a tag is not. Each record names
+    its parse errors."""
     monkeypatch.setitem(SCRIPTS, "r1", ["<answer>A</think>\n" + CROP])
     monkeypatch.setitem(SCRIPTS, "r2", [CROP.removesuffix("</tool_call>"), "<answer>A</answer>"])
+    monkeypatch.setitem(SCRIPTS, "r3", ["<answer>ris.</think>\n<answer>B</answer>"])
     metrics = evaluate(policy, BENCHMARKS["vstar"], scripted, tmp_path / "run", tools=None, limits=WIDE, progress=False)
     samples = read_samples(tmp_path / "run" / "samples.jsonl")
-    assert samples[0]["parse_errors"] == {"unclosed_tag": 1, "tag_in_answer": 1}
+    assert samples[0]["parse_errors"] == {"unclosed_tag": 1}
     assert samples[0]["prediction"].startswith("A</think>")
     assert samples[0]["malformed_answer"] and not samples[1]["malformed_answer"]
     assert samples[1]["parse_errors"] == {"unclosed_tag": 1} and samples[1]["tool_calls"] == ["crop"]
-    assert [s["parse_errors"] for s in samples[2:]] == [{}] * 3
+    assert samples[2]["parse_errors"] == {"tag_in_answer": 1} and samples[2]["malformed_answer"]
+    assert [s["parse_errors"] for s in samples[3:]] == [{}] * 2
     assert metrics["answered"] == pytest.approx(4 / 5)  # r5 never answers
-    assert metrics["well_formed"] == pytest.approx(3 / 5)
+    assert metrics["well_formed"] == pytest.approx(2 / 5)

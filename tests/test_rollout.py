@@ -87,7 +87,7 @@ def test_bad_tool_calls_become_observations_and_the_episode_goes_on(policy):
 
 
 def test_an_answer_that_swallowed_tags_is_malformed_and_earns_half_the_format_reward(policy):
-    swallowed = "<answer>up</think><tool_call>{}</tool_call><think>so</think>down</answer>"
+    swallowed = "<answer>up. The blue tile shows</think>\n<tool_call>\n<think>down</answer>"  # as GRPO wrote it
     trajs = [rollout(policy, Task(id="t", question="Q?", images=[IMAGE], scripted_turns=[turn]), RolloutLimits())
              for turn in (swallowed, "<answer>down</answer>")]  # fmt: skip
     assert [t.stop_reason for t in trajs] == ["answered", "answered"] and trajs[0].tool_results == []

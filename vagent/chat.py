@@ -20,7 +20,7 @@ several ``<answer>`` blocks                ``multiple_answers`` the first one co
 ``<answer></answer>`` (empty)              ``empty_answer``    the episode ends with an empty answer
 unclosed ``<tool_call>``/``<answer>``      ``unclosed_tag``    repaired: the text up to the end is the body
 a closing tag with no opening tag          ``stray_tag``       ignored
-a grammar tag inside ``<answer>``          ``tag_in_answer``   the answer counts as written (tags included)
+a tag inside a closed ``<answer>``         ``tag_in_answer``   the answer counts as written, tags included
 trailing commas, single quotes,            ``repaired_json``   repaired; the call runs
 Python literals (True/None)
 ``arguments`` double-encoded as a string   ``repaired_json``   decoded; the call runs
@@ -56,9 +56,10 @@ __all__ = [
     "system_prompt",
 ]
 
-_BLOCK = re.compile(r"<(tool_call|answer|think)>(.*?)(?:</\1>|$)", re.DOTALL)
-_CLOSING = re.compile(r"</(tool_call|answer|think)>")
-_TAG = re.compile(r"</?(tool_call|answer|think)>")
+_TAGS = "tool_call|answer|think"
+_BLOCK = re.compile(rf"<({_TAGS})>(.*?)(?:</\1>|$)", re.DOTALL)
+_CLOSING = re.compile(rf"</({_TAGS})>")
+_TAG = re.compile(rf"</?({_TAGS})>")
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 
 
@@ -189,12 +190,17 @@ def parse_turn(text: str) -> ParsedTurn:
     for match in _BLOCK.finditer(text):
         tag, body = match.group(1), match.group(2)
         spans.append(match.span())
-        if not match.group(0).endswith(f"</{tag}>"):
+        closed = match.group(0).endswith(f"</{tag}>")
+        if not closed:
             turn.errors.append(ParseError("unclosed_tag", f"<{tag}> was not closed"))
         if tag == "think":
             thoughts.append(body.strip())
         elif tag == "answer":
             answers.append(body.strip())
+            # A grammar tag inside a closed answer, e.g. '<answer>up</think>\n<tool_call>\n<think>down</answer>' (an
+            # unclosed one is already an error, and its body runs to the end of the turn).
+            if closed and len(answers) == 1 and (inner := _TAG.search(body)):
+                turn.errors.append(ParseError("tag_in_answer", f"{inner.group(0)} inside the <answer>"))
         else:
             action, repaired = _parse_call(body)
             if repaired:
@@ -213,8 +219,6 @@ def parse_turn(text: str) -> ParsedTurn:
             turn.errors.append(ParseError("multiple_answers", f"{len(answers)} <answer> blocks; the first counts"))
         if not turn.answer:
             turn.errors.append(ParseError("empty_answer", "the <answer> is empty"))
-        if tag := _TAG.search(turn.answer):  # e.g. '<answer>up</think><tool_call>...</tool_call>down</answer>'
-            turn.errors.append(ParseError("tag_in_answer", f"{tag.group(0)} inside the <answer>"))
         if turn.actions:
             turn.errors.append(
                 ParseError("call_with_answer", "a turn with an <answer> ends the episode; its calls were not run")

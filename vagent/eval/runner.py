@@ -188,7 +188,8 @@ def sample_record(benchmark: Benchmark, row: Row, trajectory: Trajectory, sample
 
 def well_formed_share(samples: Sequence[dict[str, Any]]) -> float:
     """The share of ``samples`` that answered in a turn that kept the grammar (``vagent.chat``): an ``<answer>`` left
-    open around a call, or written beside one, is answered (``answered``) but not well formed."""
+    open around a call, closed around a tag, or written beside a call, is answered (``answered``) but not well
+    formed."""
     good = sum(1 for s in samples if s["prediction"] is not None and not s.get("malformed_answer"))
     return good / len(samples) if samples else 0.0
 

@@ -74,7 +74,9 @@ def accuracy(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow], iou_
 
 def format_reward(trajectories: Sequence[Trajectory], rows: Sequence[RewardRow]) -> list[float]:
     """1 when the episode answered and every tag and call parsed as written, 0.5 when it answered with any
-    ``parse_error/*`` (a repair, an unparseable call, several answers, a stray tag), 0 without an answer."""
+    ``parse_error/*`` (a repair, an unparseable call, several answers, a stray tag, a tag inside the answer), 0
+    without an answer. The answer's own score is the accuracy reward's: an ``f1``, ``choice`` or ``number`` row can
+    still find a right answer in text that swallowed tags, so this term is then the only penalty."""
     out = []
     for t in trajectories:
         errors = {k for k, v in t.metrics.items() if k.startswith("parse_error/") and v}
