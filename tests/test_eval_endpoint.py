@@ -44,7 +44,8 @@ CALLS = {  # each profile's call syntax (vagent: boxes in the model's view; Deep
 class _Model(BaseHTTPRequestHandler):
     """Scripted chat completions; ``server.mode``: ``answer`` (reads the right letter off the question), ``crop``
     (zooms first, answers right only if the next request shows the blue crop), ``flaky`` (two 500s, then
-    ``answer``), ``down`` (500 always), ``seeds`` (answers its seed, after a delay that reorders samples)."""
+    ``answer``), ``down`` (500 always), ``seeds`` (answers its seed, after a delay that reorders samples),
+    ``swallowed`` (an answer closed around grammar tags)."""
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -58,6 +59,8 @@ class _Model(BaseHTTPRequestHandler):
         if server.mode == "seeds":
             time.sleep((body["seed"] % 4) * 0.03)
             return self._reply(body, f"<answer>{body['seed']}</answer>")
+        if server.mode == "swallowed":  # an <answer> closed around tags, as the crop proof's GRPO wrote one
+            return self._reply(body, "<answer>ris. rising. rising.</think>\n<answer>A</answer>")
         user = next(m for m in body["messages"] if m["role"] == "user")
         question = "".join(p["text"] for p in user["content"] if p["type"] == "text")
         letter = next(QUESTIONS[q][2] for q in QUESTIONS if q in question)
@@ -192,6 +195,15 @@ def test_the_engines_limits_stop_episodes_as_the_engine_names_them(server, rows,
         assert trajectory.stop_reason == stop and trajectory.metrics["tool_calls"] == 1
         assert len(trajectory.tool_results) == 1 and trajectory.answer is None
     assert len(httpd.seen) == 2 and httpd.crops == []  # one request each: the crop never went back
+
+
+def test_an_answer_closed_around_tags_is_answered_but_not_well_formed(server, rows, tmp_path):
+    httpd, url = server
+    httpd.mode = "swallowed"
+    metrics, trajectories = _evaluate(url, rows, tmp_path / "out")
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert {t["stop_reason"] for t in trajectories} == {"answered"} and metrics["answered"] == 1.0
+    assert [s["parse_errors"] for s in samples] == [{"tag_in_answer": 1}] * 2 and metrics["well_formed"] == 0.0
 
 
 def test_server_errors_are_retried(server, rows, tmp_path):
