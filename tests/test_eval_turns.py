@@ -195,8 +195,7 @@ def test_samples_record_parse_errors_and_the_run_its_well_formed_share(scripted,
     monkeypatch.setitem(SCRIPTS, "r3", ["<answer>ris.</think>\n<answer>B</answer>"])
     metrics = evaluate(policy, BENCHMARKS["vstar"], scripted, tmp_path / "run", tools=None, limits=WIDE, progress=False)
     samples = read_samples(tmp_path / "run" / "samples.jsonl")
-    assert samples[0]["parse_errors"] == {"unclosed_tag": 1}
-    assert samples[0]["prediction"].startswith("A</think>")
+    assert samples[0]["parse_errors"] == {"unclosed_tag": 1} and samples[0]["prediction"].startswith("A</think>")
     assert samples[0]["malformed_answer"] and not samples[1]["malformed_answer"]
     assert samples[1]["parse_errors"] == {"unclosed_tag": 1} and samples[1]["tool_calls"] == ["crop"]
     assert samples[2]["parse_errors"] == {"tag_in_answer": 1} and samples[2]["malformed_answer"]
